@@ -1,0 +1,236 @@
+"""Frozen configuration dataclasses: the single source of CLI flags and ``LLM(...)`` keywords.
+
+Every field of :class:`ModelConfig`, :class:`CacheConfig`, :class:`SchedulerConfig` and
+:class:`ParallelConfig` is a keyword of ``LLM(...)`` and a flag of ``iterserve serve`` /
+``iterserve generate`` (underscores become dashes, booleans get a ``--no-`` form). Invariants
+are checked when a config is built; a bad value raises :class:`ConfigError` (a ``ValueError``).
+
+Values discovered at start-up (the resolved ``max_model_len``, the number of KV blocks) are
+not patched into these objects: :func:`resolve_max_model_len` returns a new config and the
+block count is passed to constructors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DType = Literal["auto", "bfloat16", "float16", "float32"]
+AttentionBackendName = Literal["auto", "torch", "triton"]
+PreemptionMode = Literal["auto", "recompute", "swap"]
+SchedulingPolicy = Literal["priority", "fcfs"]
+BatchingMode = Literal["continuous", "static"]
+
+GiB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """A configuration value or combination of values is invalid."""
+
+
+def _check_literals(cfg: Any) -> None:
+    """Raise ConfigError when a ``Literal``-typed field holds a value outside its choices."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        choices = _literal_choices(hints[f.name])
+        value = getattr(cfg, f.name)
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{f.name} must be one of {list(choices)}, got {value!r}")
+
+
+def _literal_choices(tp: Any) -> tuple[Any, ...] | None:
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    return None
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = field(
+        default="default",
+        metadata={"help": "'default' (SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf"},
+    )
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "model id in the API (default: SmolLM2-135M-Instruct)"}
+    )
+    dtype: DType = field(default="auto", metadata={"help": "auto = bfloat16"})
+    seed: int = field(default=0, metadata={"help": "seed of the sampler's default generator"})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "tokens per sequence (default: the model's maximum)"}
+    )
+    attention_backend: AttentionBackendName = field(
+        default="auto", metadata={"help": "auto picks torch on CPU"}
+    )
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        _require(
+            self.max_model_len is None or self.max_model_len > 0,
+            f"max_model_len must be positive, got {self.max_model_len}",
+        )
+        _require(
+            self.attention_backend != "triton",
+            "attention_backend 'triton' is not available yet; use 'torch' or 'auto'",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    num_kv_blocks: int | None = field(
+        default=None, metadata={"help": "exact number of KV blocks in the pool"}
+    )
+    kv_cache_memory: int | None = field(
+        default=None, metadata={"help": "bytes for the KV pool (default 1 GiB on CPU)"}
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "fraction of GPU memory to use (CUDA only)"}
+    )
+    swap_space: float = field(default=0.0, metadata={"help": "GiB of host memory for swap"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+            f"block_size must be a power of two in [1, 256], got {self.block_size}",
+        )
+        _require(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+            f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}",
+        )
+        _require(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0,
+            f"kv_cache_memory must be positive, got {self.kv_cache_memory}",
+        )
+        _require(
+            self.num_kv_blocks is None or self.kv_cache_memory is None,
+            "give at most one of num_kv_blocks and kv_cache_memory",
+        )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _require(self.swap_space >= 0, f"swap_space must be >= 0, got {self.swap_space}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
+    max_num_batched_tokens: int = field(
+        default=512, metadata={"help": "token budget of one iteration"}
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata={"help": "split long prefills across iterations"}
+    )
+    long_prefill_token_threshold: int = field(
+        default=0, metadata={"help": "most prefill tokens of one request per iteration (0 = budget)"}
+    )
+    kv_watermark: float = field(
+        default=0.01, metadata={"help": "fraction of KV blocks kept free at admission"}
+    )
+    preemption_mode: PreemptionMode = field(
+        default="auto", metadata={"help": "how a preempted request gives back its KV blocks"}
+    )
+    scheduling_policy: SchedulingPolicy = field(
+        default="priority", metadata={"help": "order of the waiting queue"}
+    )
+    batching: BatchingMode = field(default="continuous", metadata={"help": "batching policy"})
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+            f"max_num_seqs ({self.max_num_seqs}): every running request needs a decode token",
+        )
+        _require(
+            0 <= self.long_prefill_token_threshold <= self.max_num_batched_tokens,
+            f"long_prefill_token_threshold must be in [0, max_num_batched_tokens="
+            f"{self.max_num_batched_tokens}], got {self.long_prefill_token_threshold}",
+        )
+        _require(
+            0.0 <= self.kv_watermark < 1.0,
+            f"kv_watermark must be in [0, 1), got {self.kv_watermark}",
+        )
+        _require(
+            self.preemption_mode != "swap",
+            "preemption_mode 'swap' is not available yet; use 'recompute' or 'auto'",
+        )
+        _require(self.batching == "continuous", "batching 'static' is not available yet")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per replica"})
+
+    def __post_init__(self) -> None:
+        _require(
+            self.tensor_parallel_size == 1,
+            f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "
+            "iterserve runs one device per replica (tensor parallelism is a later release)",
+        )
+
+
+ENGINE_CONFIG_CLASSES: tuple[type, ...] = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All engine settings, checked together (cross-config invariants live here)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        max_model_len = self.model.max_model_len
+        if max_model_len is not None and not self.scheduler.enable_chunked_prefill:
+            _require(
+                self.scheduler.max_num_batched_tokens >= max_model_len,
+                f"without chunked prefill a prompt is prefilled whole, so max_num_batched_tokens "
+                f"({self.scheduler.max_num_batched_tokens}) must be >= max_model_len "
+                f"({max_model_len})",
+            )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keywords (``LLM(...)`` and CLI names).
+
+        Raises:
+            TypeError: for a keyword that is no field of any engine config.
+            ConfigError: for invalid values.
+        """
+        parts: dict[str, dict[str, Any]] = {}
+        names = {"model": ModelConfig, "cache": CacheConfig}
+        names |= {"scheduler": SchedulerConfig, "parallel": ParallelConfig}
+        owner = {f.name: part for part, c in names.items() for f in dataclasses.fields(c)}
+        for key, value in kwargs.items():
+            if key not in owner:
+                raise TypeError(f"unexpected keyword argument {key!r}")
+            parts.setdefault(owner[key], {})[key] = value
+        return cls(**{part: names[part](**parts.get(part, {})) for part in names})
+
+    def with_max_model_len(self, max_model_len: int) -> EngineConfig:
+        """A new config whose ``model.max_model_len`` is set (resolved from the model)."""
+        return dataclasses.replace(
+            self, model=dataclasses.replace(self.model, max_model_len=max_model_len)
+        )
+
+
+def field_type(cls: type, name: str) -> Any:
+    """The resolved annotation of a config field, with ``X | None`` unwrapped to ``X``."""
+    tp = typing.get_type_hints(cls)[name]
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = args[0]
+    return tp

@@ -1,0 +1,1 @@
+"""Engine core: requests, sampling params, block pool/manager, scheduler (no torch)."""

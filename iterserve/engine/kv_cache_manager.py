@@ -1,0 +1,130 @@
+"""Per-request block tables over the block pool, with prefix caching.
+
+A request's block table covers its tokens in order: token ``i`` lives in block
+``table[i // block_size]`` at offset ``i % block_size`` (its slot is
+``block_id * block_size + offset``)::
+
+    tokens:  [t0 .. t15 | t16 .. t31 | t32 t33 _ _ ...]   block_size = 16
+    table:   [   7      |    2       |     9          ]
+    slot(t33) = 9 * 16 + 1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from iterserve.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from iterserve.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns every request's block table; nobody else changes the pool.
+
+    Args:
+        num_blocks: blocks in the pool (exactly; no hidden reserved block).
+        block_size: tokens per block.
+        enable_caching: prefix caching by chain hashes of full blocks.
+        watermark: fraction of all blocks kept free when admitting a new request.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, watermark: float = 0.0
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.num_watermark_blocks = int(watermark * num_blocks)
+        self._tables: dict[str, list[KVBlock]] = {}
+        # Per request: how many of its leading blocks are registered in the prefix cache.
+        self._num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._tables.get(request_id, ())]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def _update_block_hashes(self, request: Request) -> None:
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The longest run of cached full blocks that prefixes the request's tokens.
+
+        At least one token is always left to compute (its logits are needed to sample), so a
+        hit never covers the last token.
+        """
+        if not self.enable_caching:
+            return []
+        self._update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+        use_watermark: bool = False,
+    ) -> bool:
+        """Grow the request's table to hold ``num_new_tokens`` more tokens.
+
+        ``new_computed_blocks`` (prefix-cache hits of a request being admitted) are prepended
+        to its table. Returns False, changing nothing, when the pool cannot supply the blocks
+        (keeping the watermark free if ``use_watermark``).
+        """
+        table = self._tables.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(0, num_needed - len(table) - len(new_computed_blocks))
+        # Hits that nobody owns sit in the free queue: taking them shrinks what is free.
+        num_unowned_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        reserve = self.num_watermark_blocks if use_watermark else 0
+        if num_new_blocks + num_unowned_hits + reserve > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(new_computed_blocks)
+        table = table + list(new_computed_blocks) + self.pool.allocate(num_new_blocks)
+        self._tables[request.request_id] = table
+        if new_computed_blocks:
+            self._num_cached_blocks[request.request_id] = len(new_computed_blocks)
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's computed full blocks in the prefix cache."""
+        if not self.enable_caching:
+            return
+        table = self._tables[request.request_id]
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        for i in range(start, num_full):
+            self.pool.cache_block(table[i], request.block_hashes[i])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Return all of the request's blocks (tail first, so its tail is evicted first)."""
+        table = self._tables.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(reversed(table))
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity(self._tables.values())

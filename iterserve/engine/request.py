@@ -1,0 +1,110 @@
+"""A request's state inside the engine: tokens, progress counter and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from iterserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that every status after ``PREEMPTED`` is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+# The one map from finished statuses to OpenAI's ``finish_reason``.
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence being served.
+
+    Progress is one counter: ``num_computed_tokens`` of ``all_token_ids`` (prompt + output)
+    have their KV in the cache. Each iteration computes some of the rest; when it reaches
+    the end, the runner samples the next token. Chunked prefill, prefix-cache hits and
+    recompute after preemption are all just different values of that counter::
+
+        all_token_ids: [p0 p1 ... p(P-1) | o0 o1 ... o(O-1)]
+                        <--- computed ---><-- to compute -->
+                                          ^ num_computed_tokens
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache when first admitted (usage reporting).
+        self.num_cached_tokens: int | None = None
+        self.num_preemptions = 0
+        # Admission order among running requests (set each time it is admitted).
+        self.admit_seq = -1
+        # Chain hashes of this request's full blocks, extended as tokens are appended.
+        self.block_hashes: list[bytes] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status the last appended token causes, or None to go on."""
+        params = self.sampling_params
+        last = self.all_token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,8 @@
+"""Environment variables read by iterserve (all prefixed ``ITERSERVE_``), typed, in one place."""
+
+from __future__ import annotations
+
+import os
+
+# Directory for converted models (default: the user cache dir, e.g. ~/.cache/iterserve).
+ITERSERVE_CACHE_DIR: str | None = os.environ.get("ITERSERVE_CACHE_DIR") or None

@@ -1,0 +1,1 @@
+"""Model execution: input preparation, attention metadata, KV cache tensors, sampling (torch)."""

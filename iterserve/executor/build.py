@@ -1,0 +1,158 @@
+"""Start-up: load the model and tokenizer, size the KV pool, and build the model runner."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from iterserve.config import GiB, ConfigError, EngineConfig
+from iterserve.executor.attention import KVCache
+from iterserve.executor.model_runner import TorchModelRunner
+from iterserve.models.llama import LlamaForCausalLM
+from iterserve.models.loader import resolve_model_dir
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "auto": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+_SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
+
+
+def select_device() -> torch.device:
+    """The one place that decides the device: CUDA when present, else CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+@dataclass
+class LoadedModel:
+    """Everything start-up discovers; passed to the engine's constructor."""
+
+    config: EngineConfig  # with max_model_len resolved
+    runner: TorchModelRunner
+    tokenizer: Any
+    hf_config: Any
+    model_dir: Path
+    num_kv_blocks: int
+    eos_token_ids: frozenset[int]
+
+
+def load_hf_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    archs = set(getattr(hf_config, "architectures", None) or [])
+    if not archs & _SUPPORTED_ARCHITECTURES:
+        raise ConfigError(
+            f"{model_dir}: architectures {sorted(archs)} are not supported "
+            f"(supported: {sorted(_SUPPORTED_ARCHITECTURES)})"
+        )
+    return hf_config
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    model_max = int(hf_config.max_position_embeddings)
+    asked = config.model.max_model_len
+    if asked is not None and asked > model_max:
+        raise ConfigError(f"max_model_len {asked} exceeds the model's maximum {model_max}")
+    return asked or model_max
+
+
+def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from the generation config, the model config and the tokenizer, combined."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    sources: list[Any] = [hf_config.eos_token_id, tokenizer.eos_token_id]
+    if (model_dir / "generation_config.json").is_file():
+        sources.append(GenerationConfig.from_pretrained(str(model_dir)).eos_token_id)
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(value)
+    return frozenset(ids)
+
+
+def load_model(hf_config: Any, model_dir: Path, dtype: torch.dtype, device: torch.device, max_position: int) -> LlamaForCausalLM:
+    """Instantiate our Llama forward and fill it from the directory's safetensors files."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{model_dir} has no .safetensors weights")
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_config, max_position)
+
+    def weights() -> Any:
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+
+    model.load_weights(weights())
+    # Rotary tables are computed in float32 and cast here, as Hugging Face casts cos/sin.
+    return model.to(dtype).eval()
+
+
+def num_kv_blocks_for(config: EngineConfig, hf_config: Any, dtype: torch.dtype, device: torch.device) -> int:
+    cache = config.cache
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    per_block = KVCache.bytes_per_block(
+        hf_config.num_hidden_layers, cache.block_size, hf_config.num_key_value_heads, head_dim, dtype
+    )
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = int(total * cache.gpu_memory_utilization) - used
+    else:
+        budget = GiB
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ConfigError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes")
+    return int(num_blocks)
+
+
+def build(config: EngineConfig) -> LoadedModel:
+    """Load the model named by ``config.model.model`` and build a ready model runner.
+
+    Raises:
+        ConfigError: unsupported model or settings that do not fit it.
+        ModelNotFoundError: the model cannot be found locally.
+    """
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model_dir(config.model.model)
+    hf_config = load_hf_config(model_dir)
+    config = config.with_max_model_len(resolve_max_model_len(config, hf_config))
+    dtype = _DTYPES[config.model.dtype]
+    device = select_device()
+    assert config.model.max_model_len is not None
+    model = load_model(hf_config, model_dir, dtype, device, config.model.max_model_len)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    num_blocks = num_kv_blocks_for(config, hf_config, dtype, device)
+    first = model.layers[0]
+    kv_cache = KVCache(
+        len(model.layers), num_blocks, config.cache.block_size, first.num_kv_heads, first.head_dim, dtype, device
+    )
+    logger.info("model %s on %s in %s; %d KV blocks of %d tokens", model_dir, device, dtype, num_blocks, config.cache.block_size)
+    return LoadedModel(
+        config=config,
+        runner=TorchModelRunner(model, kv_cache, config.model.seed),
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        model_dir=model_dir,
+        num_kv_blocks=num_blocks,
+        eos_token_ids=eos_token_ids(model_dir, hf_config, tokenizer),
+    )

@@ -1,0 +1,99 @@
+"""The model runner: SchedulerOutput -> input tensors -> one forward -> sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from iterserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from iterserve.executor.attention import AttentionMetadata, KVCache, TorchAttention
+from iterserve.executor.sampler import Sampler
+from iterserve.models.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """One iteration's flattened batch (requests reordered: decodes first)."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] int64, row of each sampled request's last token
+    sampled: list[ScheduledRequest]  # the requests with sample=True, in logits order
+
+
+def prepare_inputs(scheduled: list[ScheduledRequest], block_size: int) -> ModelInputs:
+    """Flatten the scheduled requests into the model's inputs and attention metadata."""
+    # Single-token queries first: the attention backend batches them as decodes.
+    order = [s for s in scheduled if s.num_scheduled_tokens == 1]
+    num_decodes = len(order)
+    order += [s for s in scheduled if s.num_scheduled_tokens != 1]
+
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_start_loc = [0]
+    logits_indices: list[int] = []
+    sampled: list[ScheduledRequest] = []
+    max_num_blocks = max(len(s.block_table) for s in order)
+    block_tables = torch.zeros(len(order), max_num_blocks, dtype=torch.int64)
+    for i, s in enumerate(order):
+        start, end = s.num_computed_tokens, s.seq_len
+        input_ids.extend(s.token_ids)
+        positions.extend(range(start, end))
+        table = s.block_table
+        slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+        query_start_loc.append(query_start_loc[-1] + s.num_scheduled_tokens)
+        if s.sample:
+            logits_indices.append(query_start_loc[-1] - 1)
+            sampled.append(s)
+    seq_lens = [s.seq_len for s in order]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        block_tables=block_tables,
+        num_decodes=num_decodes,
+        query_lens=[s.num_scheduled_tokens for s in order],
+        seq_lens_list=seq_lens,
+    )
+    return ModelInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        metadata=metadata,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        sampled=sampled,
+    )
+
+
+class TorchModelRunner:
+    """Runs a :class:`LlamaForCausalLM` over a paged :class:`KVCache` (implements the engine's
+    ``ModelRunner`` protocol).
+
+    Args:
+        model: the loaded model, in its serving dtype, on ``device``.
+        kv_cache: the KV cache tensors.
+        seed: seed of the sampler's generator.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, seed: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sampler = Sampler(seed)
+        head_dim = model.layers[0].head_dim
+        self.scale = float(head_dim) ** -0.5
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        inputs = prepare_inputs(scheduler_output.scheduled, self.kv_cache.block_size)
+        attention = TorchAttention(self.kv_cache, inputs.metadata, self.scale)
+        hidden = self.model(inputs.input_ids, inputs.positions, attention)  # [num_tokens, hidden]
+        if not inputs.sampled:
+            return ModelRunnerOutput(sampled_token_ids={})
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab]
+        tokens = self.sampler(logits, [s.sampling_params for s in inputs.sampled])
+        return ModelRunnerOutput(
+            sampled_token_ids={s.request_id: t for s, t in zip(inputs.sampled, tokens, strict=True)}
+        )

@@ -1,0 +1,2 @@
+"""Triton kernels with their torch reference implementations (first kernels arrive with the
+Triton attention backend)."""

@@ -1,0 +1,184 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, ...) over a flattened ragged batch.
+
+Prefill chunks and decode tokens of many requests run in one forward as ``[num_tokens,
+hidden]``: no padding to the longest sequence. Attention over the paged KV cache is done by
+an :class:`Attention` object the executor passes in (it knows the block tables and the slot
+mapping); this module knows nothing of pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from iterserve.models.layers import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    apply_rotary,
+)
+
+
+class Attention(Protocol):
+    """Paged attention of one iteration, bound to its metadata and the KV cache."""
+
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Write k, v to the cache and attend.
+
+        Args:
+            q: [num_tokens, num_heads, head_dim]
+            k, v: [num_tokens, num_kv_heads, head_dim]
+        Returns:
+            [num_tokens, num_heads, head_dim]
+        """
+        ...
+
+
+def build_rotary(config: Any, head_dim: int, max_position: int) -> RotaryEmbedding:
+    """Rotary embedding from the config's ``rope_parameters`` via transformers' rope functions.
+
+    Raises:
+        ValueError: for rope types whose frequencies change at run time (dynamic, longrope).
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"rope_type {rope_type!r} is not supported (frequencies vary at run time)")
+    if rope_type == "default":
+        init = LlamaRotaryEmbedding.compute_default_rope_parameters
+    else:
+        init = ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, scaling = init(config)
+    return RotaryEmbedding(inv_freq, float(scaling), max_position)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        attn_bias = bool(getattr(config, "attention_bias", False))
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=attn_bias
+        )
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hidden, bias=attn_bias)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=mlp_bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=mlp_bias)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        h = self.input_layernorm(x)  # [num_tokens, hidden]
+        qkv = self.qkv_proj(h)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        o = attention(self.layer_idx, q, k, v)  # [num_tokens, num_heads, head_dim]
+        x = x + self.o_proj(o.reshape(num_tokens, self.q_size))
+        h = self.post_attention_layernorm(x)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus the language-model head (tied to the embeddings when the config
+    says so)."""
+
+    def __init__(self, config: Any, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        head_dim = self.layers[0].head_dim
+        self.rotary = build_rotary(config, head_dim, max_position)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden]."""
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_sampled, hidden] -> float32 logits [num_sampled, vocab_size]."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face Llama checkpoint tensors, fusing q/k/v and gate/up.
+
+        Raises:
+            ValueError: a checkpoint tensor has no place in this model, or a parameter was
+                never loaded.
+        """
+        fused = {
+            "q_proj": ("qkv_proj", "q"),
+            "k_proj": ("qkv_proj", "k"),
+            "v_proj": ("qkv_proj", "v"),
+            "gate_proj": ("gate_up_proj", "0"),
+            "up_proj": ("gate_up_proj", "1"),
+        }
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            name = name.replace("self_attn.", "").replace("mlp.", "")
+            if name == "lm_head.weight":
+                if self.tie_word_embeddings:
+                    continue
+                name = "lm_head"
+            if "rotary_emb" in name:
+                continue
+            shard_id = None
+            for hf_part, (ours, shard) in fused.items():
+                if f".{hf_part}." in name:
+                    name, shard_id = name.replace(hf_part, ours), shard
+                    break
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no parameter in the model")
+            param = params[name]
+            module = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
+            loader = getattr(module, "weight_loader", None)
+            with torch.no_grad():
+                if loader is not None:
+                    loader(param, tensor.to(param.dtype), shard_id)
+                else:
+                    param.data.copy_(tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"parameters missing from the checkpoint: {sorted(missing)[:5]}")

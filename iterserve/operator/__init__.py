@@ -1,0 +1,1 @@
+"""kopf operator for ``LLMDeployment`` resources (no torch, no engine). Implemented in a later issue."""
