@@ -131,7 +131,8 @@ class SchedulerConfig:
         default=True, metadata={"help": "split long prefills across iterations"}
     )
     long_prefill_token_threshold: int = field(
-        default=0, metadata={"help": "most prefill tokens of one request per iteration (0 = budget)"}
+        default=0,
+        metadata={"help": "most prefill tokens of one request per iteration (0 = budget)"},
     )
     kv_watermark: float = field(
         default=0.01, metadata={"help": "fraction of KV blocks kept free at admission"}
@@ -180,7 +181,12 @@ class ParallelConfig:
         )
 
 
-ENGINE_CONFIG_CLASSES: tuple[type, ...] = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+ENGINE_CONFIG_CLASSES: tuple[type, ...] = (
+    ModelConfig,
+    CacheConfig,
+    SchedulerConfig,
+    ParallelConfig,
+)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,9 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+            hashes.append(
+                hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs])
+            )
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """The longest run of cached full blocks that prefixes the request's tokens.

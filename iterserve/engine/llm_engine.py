@@ -42,7 +42,9 @@ class LLMEngine:
     ) -> None:
         max_model_len = config.model.max_model_len
         if max_model_len is None:
-            raise ValueError("config.model.max_model_len must be resolved before building the engine")
+            raise ValueError(
+                "config.model.max_model_len must be resolved before building the engine"
+            )
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer

@@ -137,7 +137,9 @@ class Scheduler:
                 break
             num_new = self._num_new_tokens(request, num_computed, budget)
             nothing_running = not self.running
-            if not self.kv.allocate_slots(request, num_new, hits, use_watermark=not nothing_running):
+            if not self.kv.allocate_slots(
+                request, num_new, hits, use_watermark=not nothing_running
+            ):
                 if nothing_running:
                     # Every block is free and it still does not fit: it never will.
                     self.waiting.popleft()
@@ -171,9 +173,7 @@ class Scheduler:
             num_new = min(num_new, threshold)
         return min(num_new, budget)
 
-    def _build_output(
-        self, scheduled: dict[str, int], preempted: list[Request]
-    ) -> SchedulerOutput:
+    def _build_output(self, scheduled: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
         batch = []
         for request_id, num_new in scheduled.items():
             request = self.requests[request_id]

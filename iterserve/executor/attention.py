@@ -88,9 +88,9 @@ class TorchAttention:
             self._decode_blocks = metadata.block_tables[:num_decodes, :num_blocks]
             self._decode_len = num_blocks * kv_cache.block_size
             # [num_decodes, 1, 1, padded_len]: True where the key exists.
-            self._decode_mask = (
-                torch.arange(self._decode_len)[None, :] < decode_lens[:, None]
-            )[:, None, None, :]
+            self._decode_mask = (torch.arange(self._decode_len)[None, :] < decode_lens[:, None])[
+                :, None, None, :
+            ]
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from iterserve.config import GiB, ConfigError, EngineConfig
+from iterserve.config import ConfigError, EngineConfig, GiB
 from iterserve.executor.attention import KVCache
 from iterserve.executor.model_runner import TorchModelRunner
 from iterserve.models.llama import LlamaForCausalLM
@@ -81,7 +81,9 @@ def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> frozenset[
     return frozenset(ids)
 
 
-def load_model(hf_config: Any, model_dir: Path, dtype: torch.dtype, device: torch.device, max_position: int) -> LlamaForCausalLM:
+def load_model(
+    hf_config: Any, model_dir: Path, dtype: torch.dtype, device: torch.device, max_position: int
+) -> LlamaForCausalLM:
     """Instantiate our Llama forward and fill it from the directory's safetensors files."""
     from safetensors import safe_open
 
@@ -102,13 +104,22 @@ def load_model(hf_config: Any, model_dir: Path, dtype: torch.dtype, device: torc
     return model.to(dtype).eval()
 
 
-def num_kv_blocks_for(config: EngineConfig, hf_config: Any, dtype: torch.dtype, device: torch.device) -> int:
+def num_kv_blocks_for(
+    config: EngineConfig, hf_config: Any, dtype: torch.dtype, device: torch.device
+) -> int:
     cache = config.cache
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    head_dim = (
+        getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads
+    )
     per_block = KVCache.bytes_per_block(
-        hf_config.num_hidden_layers, cache.block_size, hf_config.num_key_value_heads, head_dim, dtype
+        hf_config.num_hidden_layers,
+        cache.block_size,
+        hf_config.num_key_value_heads,
+        head_dim,
+        dtype,
     )
     if cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
@@ -142,11 +153,23 @@ def build(config: EngineConfig) -> LoadedModel:
     model = load_model(hf_config, model_dir, dtype, device, config.model.max_model_len)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     num_blocks = num_kv_blocks_for(config, hf_config, dtype, device)
-    first = model.layers[0]
     kv_cache = KVCache(
-        len(model.layers), num_blocks, config.cache.block_size, first.num_kv_heads, first.head_dim, dtype, device
+        len(model.layers),
+        num_blocks,
+        config.cache.block_size,
+        model.num_kv_heads,
+        model.head_dim,
+        dtype,
+        device,
     )
-    logger.info("model %s on %s in %s; %d KV blocks of %d tokens", model_dir, device, dtype, num_blocks, config.cache.block_size)
+    logger.info(
+        "model %s on %s in %s; %d KV blocks of %d tokens",
+        model_dir,
+        device,
+        dtype,
+        num_blocks,
+        config.cache.block_size,
+    )
     return LoadedModel(
         config=config,
         runner=TorchModelRunner(model, kv_cache, config.model.seed),

@@ -43,7 +43,9 @@ def prepare_inputs(scheduled: list[ScheduledRequest], block_size: int) -> ModelI
         input_ids.extend(s.token_ids)
         positions.extend(range(start, end))
         table = s.block_table
-        slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        slot_mapping.extend(
+            table[p // block_size] * block_size + p % block_size for p in range(start, end)
+        )
         block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
         query_start_loc.append(query_start_loc[-1] + s.num_scheduled_tokens)
         if s.sample:
@@ -82,8 +84,7 @@ class TorchModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = Sampler(seed)
-        head_dim = model.layers[0].head_dim
-        self.scale = float(head_dim) ** -0.5
+        self.scale = float(model.head_dim) ** -0.5
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -33,7 +33,12 @@ class ColumnParallelLinear(nn.Module):
     """``y = x W^T (+ b)`` with W ``[out_features / tp_size, in_features]`` on each rank."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         super().__init__()
         if out_features % tp_size:
@@ -48,7 +53,9 @@ class ColumnParallelLinear(nn.Module):
     def _shard(self, loaded: torch.Tensor, size: int) -> torch.Tensor:
         return loaded.narrow(0, self.tp_rank * size, size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+    ) -> None:
         param.data.copy_(self._shard(loaded, param.shape[0]))
 
 
@@ -57,12 +64,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     (gate and up of SwiGLU). Shard ``i`` occupies rows ``sum(sizes[:i]) .. +sizes[i]``."""
 
     def __init__(
-        self, in_features: int, output_sizes: list[int], bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size)
         self.output_sizes = [s // tp_size for s in output_sizes]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+    ) -> None:
         idx = int(shard_id) if shard_id is not None else 0
         size = self.output_sizes[idx]
         offset = sum(self.output_sizes[:idx])
@@ -83,13 +97,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_size: int = 1,
     ) -> None:
         if num_heads % tp_size or num_kv_heads % tp_size:
-            raise ValueError(f"heads ({num_heads}, {num_kv_heads}) not divisible by tp_size {tp_size}")
+            raise ValueError(
+                f"heads ({num_heads}, {num_kv_heads}) not divisible by tp_size {tp_size}"
+            )
         out = (num_heads + 2 * num_kv_heads) * head_dim
         super().__init__(hidden_size, out, bias, tp_rank, tp_size)
         self.q_size = num_heads // tp_size * head_dim
         self.kv_size = num_kv_heads // tp_size * head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+    ) -> None:
         offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size)}
         offsets["v"] = (self.q_size + self.kv_size, self.kv_size)
         offset, size = offsets[str(shard_id)]
@@ -101,7 +119,12 @@ class RowParallelLinear(nn.Module):
     with tensor parallelism the partial outputs are summed across ranks."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         super().__init__()
         if in_features % tp_size:
@@ -113,7 +136,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+    ) -> None:
         if param.dim() == 1:  # the bias is added once, not sharded
             param.data.copy_(loaded)
             return
@@ -129,6 +154,9 @@ class RotaryEmbedding(nn.Module):
     cos/sin are cached in float32 for ``max_position`` positions and cast to the model dtype.
     """
 
+    cos: torch.Tensor  # [max_position, head_dim] float32
+    sin: torch.Tensor
+
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_position: int) -> None:
         super().__init__()
         positions = torch.arange(max_position, dtype=torch.float32)
@@ -137,7 +165,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at ``positions`` ([num_tokens] int64), each [num_tokens, 1, head_dim]."""
         return (
             self.cos[positions].to(dtype).unsqueeze(1),

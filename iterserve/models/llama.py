@@ -117,8 +117,11 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-        head_dim = self.layers[0].head_dim
-        self.rotary = build_rotary(config, head_dim, max_position)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.rotary = build_rotary(config, self.head_dim, max_position)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

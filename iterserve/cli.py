@@ -1,0 +1,121 @@
+"""The ``iterserve`` command. Engine flags derive from the config dataclasses' fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from iterserve.config import ENGINE_CONFIG_CLASSES, ConfigError, field_type
+
+_EXAMPLE_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about continuous batching.",
+    "def fibonacci(n):",
+    "List three facts about the Moon.",
+]
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field; unset flags stay absent so the dataclass default applies."""
+    for cls in ENGINE_CONFIG_CLASSES:
+        group = parser.add_argument_group(cls.__name__)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "") + f" (default: {f.default})"
+            tp = field_type(cls, f.name)
+            kwargs: dict[str, Any] = {
+                "dest": f.name,
+                "default": argparse.SUPPRESS,
+                "help": help_text,
+            }
+            if tp is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+            elif typing.get_origin(tp) is typing.Literal:
+                group.add_argument(flag, choices=typing.get_args(tp), **kwargs)
+            else:
+                group.add_argument(flag, type=tp, **kwargs)
+    parser.add_argument(
+        "--config", type=Path, default=None, help="YAML file of any of these flags (as vLLM's)"
+    )
+
+
+def engine_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Keywords for ``LLM(...)``: the ``--config`` file's values, overridden by flags given."""
+    known = {f.name for cls in ENGINE_CONFIG_CLASSES for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    if args.config is not None:
+        data = yaml.safe_load(args.config.read_text()) or {}
+        if not isinstance(data, dict):
+            parser.error(f"{args.config}: expected a mapping of flags to values")
+        for key, value in data.items():
+            name = str(key).replace("-", "_")
+            if name not in known:
+                parser.error(f"{args.config}: unknown setting {key!r}")
+            kwargs[name] = value
+    kwargs.update({k: v for k, v in vars(args).items() if k in known})
+    return kwargs
+
+
+def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from iterserve.engine.errors import InvalidRequestError
+    from iterserve.engine.sampling_params import SamplingParams
+    from iterserve.llm import LLM
+
+    try:
+        llm = LLM(**engine_kwargs(args, parser))
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos
+        )
+        prompts = args.prompt or _EXAMPLE_PROMPTS
+        start = time.perf_counter()
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+    except (ConfigError, InvalidRequestError, TypeError) as e:
+        print(f"iterserve generate: error: {e}", file=sys.stderr)
+        return 2
+    num_out = 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        completion = out.outputs[0]
+        num_out += len(completion.token_ids)
+        print(f"--- prompt: {prompt!r}")
+        print(f"{completion.text}")
+        print(f"--- [{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]")
+    print(
+        f"{len(outs)} requests, {num_out} output tokens in {elapsed:.2f} s "
+        f"({num_out / elapsed:.1f} tokens/s, {llm.engine.num_iterations} iterations)"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="offline generation from the command line")
+    add_engine_flags(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.set_defaults(func=_cmd_generate, subparser=gen)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args, args.subparser))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

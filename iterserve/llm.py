@@ -1,0 +1,142 @@
+"""The offline Python API, shaped like vLLM's ``LLM``."""
+
+from __future__ import annotations
+
+import itertools
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from iterserve.config import EngineConfig
+from iterserve.engine.errors import InvalidRequestError
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.sampling_params import SamplingParams
+from iterserve.executor.build import LoadedModel, build
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Load a model and generate with continuous batching.
+
+    Every keyword is a field of the engine configs (see ``iterserve.config``); an unknown one is
+    a ``TypeError`` and an invalid value a ``ConfigError``.
+
+    Example::
+
+        llm = LLM(model="default", dtype="float32", num_kv_blocks=64)
+        outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))
+    """
+
+    def __init__(self, model: str = "default", **kwargs: Any) -> None:
+        self.loaded: LoadedModel = build(EngineConfig.from_kwargs(model=model, **kwargs))
+        self.tokenizer = self.loaded.tokenizer
+        self.engine = LLMEngine(
+            self.loaded.config,
+            self.loaded.runner,
+            self.tokenizer,
+            num_kv_blocks=self.loaded.num_kv_blocks,
+            vocab_size=int(self.loaded.hf_config.vocab_size),
+            eos_token_ids=self.loaded.eos_token_ids,
+        )
+        self._ids = itertools.count()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.loaded.config
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt; outputs come back in input order.
+
+        A prompt is text, a list of token ids, or ``{"prompt_token_ids": [...]}`` /
+        ``{"prompt": "..."}``. ``sampling_params`` is one for all or a list, one per prompt.
+
+        Raises:
+            InvalidRequestError: some prompt can never be served; nothing was run.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"{len(params_list)} sampling params for {len(prompt_list)} prompts"
+                )
+        encoded = [self._encode(p) for p in prompt_list]
+        for (token_ids, _), params in zip(encoded, params_list, strict=True):
+            self.engine.validate(token_ids, params)
+        return self._run(encoded, params_list)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation and generate."""
+        conversations = typing.cast(
+            list[list[dict[str, str]]],
+            messages if messages and isinstance(messages[0], list) else [messages],
+        )
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": self.encode_chat(c, add_generation_prompt), "prompt": None}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def encode_chat(
+        self, conversation: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _encode(self, prompt: PromptType) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids), prompt
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+            if "prompt" in prompt:
+                return self._encode(str(prompt["prompt"]))
+            raise InvalidRequestError(
+                "a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt"
+            )
+        return list(prompt), None
+
+    def _run(
+        self, encoded: list[tuple[list[int], str | None]], params_list: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        order: dict[str, int] = {}
+        for i, ((token_ids, text), params) in enumerate(zip(encoded, params_list, strict=True)):
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, token_ids, params, prompt=text)
+            order[request_id] = i
+        results: list[RequestOutput | None] = [None] * len(order)
+        pending = len(order)
+        while pending:
+            for out in self.engine.step():
+                if out.finished and out.request_id in order:
+                    results[order[out.request_id]] = out
+                    pending -= 1
+        return [r for r in results if r is not None]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    prompt_list = list(prompts)
+    if prompt_list and all(isinstance(t, int) for t in prompt_list):
+        return [prompt_list]  # type: ignore[list-item]  # one prompt of token ids
+    if not prompt_list:
+        raise InvalidRequestError("no prompts given", "prompt")
+    return prompt_list  # type: ignore[return-value]

@@ -1,0 +1,401 @@
+"""Scheduler and LLMEngine with a fake runner: exact batches, admission, preemption, aborts."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import pytest
+
+from iterserve.config import EngineConfig
+from iterserve.engine.errors import InvalidRequestError
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from iterserve.engine.request import RequestStatus
+from iterserve.engine.sampling_params import SamplingParams
+
+VOCAB_SIZE = 32
+EOS = 1
+
+# (request_id, num_computed_tokens, num_scheduled_tokens, sample) of one ScheduledRequest.
+Row = tuple[str, int, int, bool]
+
+
+def token_for(request_id: str, position: int) -> int:
+    """The token the fake model samples at ``position`` of a request: never EOS, never 0."""
+    return 2 + zlib.crc32(f"{request_id}:{position}".encode()) % (VOCAB_SIZE - 2)
+
+
+def expected_output(request_id: str, num_prompt_tokens: int, num_output_tokens: int) -> list[int]:
+    start = num_prompt_tokens
+    return [token_for(request_id, p) for p in range(start, start + num_output_tokens)]
+
+
+class FakeRunner:
+    """Records every batch and samples ``token_for(request_id, position)``."""
+
+    def __init__(self, eos_at: dict[str, int] | None = None) -> None:
+        self.outputs: list[SchedulerOutput] = []
+        self.eos_at = eos_at or {}  # request_id -> position where EOS is sampled
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.outputs.append(scheduler_output)
+        sampled = {}
+        for sched in scheduler_output.scheduled:
+            if sched.sample:
+                position = sched.seq_len
+                eos = self.eos_at.get(sched.request_id) == position
+                sampled[sched.request_id] = EOS if eos else token_for(sched.request_id, position)
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+class Harness:
+    """An LLMEngine on a FakeRunner; checks integrity after every step."""
+
+    def __init__(self, runner: FakeRunner | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("max_model_len", 64)
+        kwargs.setdefault("num_kv_blocks", 64)
+        kwargs.setdefault("block_size", 4)
+        kwargs.setdefault("max_num_seqs", 8)
+        kwargs.setdefault("max_num_batched_tokens", 64)
+        kwargs.setdefault("kv_watermark", 0.0)
+        kwargs.setdefault("enable_prefix_caching", False)
+        self.runner = runner or FakeRunner()
+        config = EngineConfig.from_kwargs(**kwargs)
+        self.engine = LLMEngine(
+            config,
+            self.runner,
+            tokenizer=None,
+            num_kv_blocks=kwargs["num_kv_blocks"],
+            vocab_size=VOCAB_SIZE,
+            eos_token_ids=frozenset({EOS}),
+        )
+        self.finished: dict[str, RequestOutput] = {}
+
+    @property
+    def kv_free(self) -> int:
+        return self.engine.scheduler.kv.pool.num_free_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.engine.scheduler.kv.block_ids(request_id)
+
+    def add(self, request_id: str, prompt_token_ids: list[int], max_tokens: int = 4) -> None:
+        self.engine.add_request(request_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens))
+
+    def status(self, request_id: str) -> RequestStatus:
+        return self.engine.scheduler.requests[request_id].status
+
+    def step(self) -> list[Row]:
+        """One engine step; returns the batch the runner got ([] when none ran)."""
+        num_batches = len(self.runner.outputs)
+        for out in self.engine.step():
+            if out.finished:
+                assert out.request_id not in self.finished
+                self.finished[out.request_id] = out
+        self.engine.scheduler.check_integrity()
+        if len(self.runner.outputs) == num_batches:
+            return []
+        return [
+            (s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.sample)
+            for s in self.runner.outputs[-1].scheduled
+        ]
+
+    def last_output(self) -> SchedulerOutput:
+        return self.runner.outputs[-1]
+
+    def run(self, max_steps: int = 200) -> dict[str, RequestOutput]:
+        for _ in range(max_steps):
+            if not self.engine.has_unfinished_requests():
+                return self.finished
+            self.step()
+        raise AssertionError(f"not finished after {max_steps} steps")
+
+    def abort(self, request_id: str) -> RequestOutput:
+        (out,) = self.engine.abort_request(request_id)
+        self.engine.scheduler.check_integrity()
+        assert out.finished
+        self.finished[out.request_id] = out
+        return out
+
+
+def prompt(n: int, first: int = 2) -> list[int]:
+    return [(first + i) % VOCAB_SIZE for i in range(n)]
+
+
+def completion(out: RequestOutput) -> tuple[list[int], str | None]:
+    (c,) = out.outputs
+    return c.token_ids, c.finish_reason
+
+
+# ----------------------------------------------------------------- token budget
+
+
+def test_budget_goes_to_decodes_first_then_prefill_chunks() -> None:
+    h = Harness(max_num_batched_tokens=8)
+    h.add("a", prompt(3))
+    h.add("b", prompt(3))
+    h.add("c", prompt(12))
+    assert h.step() == [("a", 0, 3, True), ("b", 0, 3, True), ("c", 0, 2, False)]
+    assert h.step() == [("a", 3, 1, True), ("b", 3, 1, True), ("c", 2, 6, False)]
+    assert h.step() == [("a", 4, 1, True), ("b", 4, 1, True), ("c", 8, 4, True)]
+    assert h.step() == [("a", 5, 1, True), ("b", 5, 1, True), ("c", 12, 1, True)]
+    out = h.run()
+    assert completion(out["c"]) == (expected_output("c", 12, 4), "length")
+    assert completion(out["a"]) == (expected_output("a", 3, 4), "length")
+
+
+def test_prefill_chunks_are_capped_by_the_threshold_and_the_budget() -> None:
+    h = Harness(max_num_batched_tokens=16, long_prefill_token_threshold=5)
+    h.add("a", prompt(12))
+    h.add("b", prompt(12))
+    h.add("c", prompt(3))
+    h.add("d", prompt(7))
+    assert h.step() == [("a", 0, 5, False), ("b", 0, 5, False), ("c", 0, 3, True), ("d", 0, 3, False)]
+    # c decodes first; then prefills in admission order, d gets what is left (4 of 5).
+    assert h.step() == [("c", 3, 1, True), ("a", 5, 5, False), ("b", 5, 5, False), ("d", 3, 4, True)]
+    assert h.step() == [("c", 4, 1, True), ("d", 7, 1, True), ("a", 10, 2, True), ("b", 10, 2, True)]
+    assert h.last_output().num_scheduled_tokens == 6
+    h.run()
+
+
+def test_budget_stops_admission_when_spent() -> None:
+    h = Harness(max_num_batched_tokens=4)
+    h.add("a", prompt(4))
+    h.add("b", prompt(2))
+    assert h.step() == [("a", 0, 4, True)]
+    assert h.status("b") == RequestStatus.WAITING
+    assert h.step() == [("a", 4, 1, True), ("b", 0, 2, True)]
+
+
+def test_max_num_seqs_limits_admission() -> None:
+    h = Harness(max_num_seqs=2, max_num_batched_tokens=16)
+    h.add("a", prompt(2), max_tokens=2)
+    h.add("b", prompt(2), max_tokens=2)
+    h.add("c", prompt(2), max_tokens=2)
+    assert h.step() == [("a", 0, 2, True), ("b", 0, 2, True)]
+    assert len(h.engine.scheduler.running) == 2
+    assert h.status("c") == RequestStatus.WAITING
+    # a and b finish in this step; c was not admitted because they were still running.
+    assert h.step() == [("a", 2, 1, True), ("b", 2, 1, True)]
+    assert set(h.finished) == {"a", "b"}
+    assert h.step() == [("c", 0, 2, True)]
+    out = h.run()
+    for request_id in "abc":
+        assert completion(out[request_id]) == (expected_output(request_id, 2, 2), "length")
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_the_whole_budget() -> None:
+    h = Harness(enable_chunked_prefill=False, max_model_len=16, max_num_batched_tokens=16)
+    h.add("a", prompt(10))
+    h.add("b", prompt(8))
+    h.add("c", prompt(2))  # behind b: first come, first served
+    assert h.step() == [("a", 0, 10, True)]
+    assert h.status("b") == RequestStatus.WAITING
+    assert h.status("c") == RequestStatus.WAITING
+    assert h.step() == [("a", 10, 1, True), ("b", 0, 8, True), ("c", 0, 2, True)]
+    h.run()
+
+
+def test_with_chunked_prefill_the_same_prompt_is_split() -> None:
+    h = Harness(enable_chunked_prefill=True, max_model_len=16, max_num_batched_tokens=16)
+    h.add("a", prompt(10))
+    h.add("b", prompt(8))
+    assert h.step() == [("a", 0, 10, True), ("b", 0, 6, False)]
+    assert h.step() == [("a", 10, 1, True), ("b", 6, 2, True)]
+
+
+# ----------------------------------------------------------------- blocks
+
+
+def test_finished_request_frees_blocks_and_next_step_admits_into_them() -> None:
+    h = Harness(num_kv_blocks=3, max_model_len=16)
+    h.add("a", prompt(8), max_tokens=1)
+    h.add("b", prompt(8, first=20), max_tokens=1)
+    assert h.step() == [("a", 0, 8, True)]  # b needs 2 blocks, 1 is free
+    # a finished in that step and gave its blocks back (tail first) at once.
+    assert completion(h.finished["a"]) == (expected_output("a", 8, 1), "length")
+    assert h.kv_free == 3
+    assert h.engine.scheduler.kv.pool.free_block_ids() == [2, 1, 0]
+    assert h.status("b") == RequestStatus.WAITING
+    assert h.step() == [("b", 0, 8, True)]
+    assert completion(h.finished["b"]) == (expected_output("b", 8, 1), "length")
+    assert h.kv_free == 3
+
+
+def test_eos_stops_a_request_and_frees_its_blocks() -> None:
+    h = Harness(FakeRunner(eos_at={"a": 5}))
+    h.add("a", prompt(3), max_tokens=10)
+    h.add("b", prompt(3), max_tokens=3)
+    out = h.run()
+    assert completion(out["a"]) == ([*expected_output("a", 3, 2), EOS], "stop")
+    assert completion(out["b"]) == (expected_output("b", 3, 3), "length")
+    assert h.kv_free == 64
+
+
+def test_preemption_recomputes_the_newest_request_without_duplicating_output() -> None:
+    # 4 blocks of 2 slots; each request needs up to 4 blocks (3 prompt + 5 outputs in the KV).
+    h = Harness(num_kv_blocks=4, block_size=2, max_model_len=16)
+    h.add("a", prompt(3), max_tokens=6)
+    h.add("b", prompt(3, first=20), max_tokens=6)
+    assert h.step() == [("a", 0, 3, True), ("b", 0, 3, True)]
+    assert (h.block_ids("a"), h.block_ids("b")) == ([0, 1], [2, 3])
+    assert h.step() == [("a", 3, 1, True), ("b", 3, 1, True)]
+    # a's 5th token needs a 3rd block: b (admitted last) is preempted and a takes b's tail.
+    assert h.step() == [("a", 4, 1, True)]
+    assert h.last_output().preempted_request_ids == ["b"]
+    assert h.status("b") == RequestStatus.PREEMPTED
+    assert h.block_ids("a") == [0, 1, 3]
+    assert h.block_ids("b") == []
+    b = h.engine.scheduler.requests["b"]
+    assert (b.num_computed_tokens, b.output_token_ids) == (0, expected_output("b", 3, 2))
+    assert h.engine.scheduler.num_preemptions == 1
+    # b needs 3 blocks for its 5 tokens; 1 is free: it waits while a grows into the last one.
+    assert h.step() == [("a", 5, 1, True)]
+    assert h.step() == [("a", 6, 1, True)]
+    assert h.block_ids("a") == [0, 1, 3, 2]
+    assert h.step() == [("a", 7, 1, True)]
+    assert completion(h.finished["a"]) == (expected_output("a", 3, 6), "length")
+    # b recomputes prompt and output (5 tokens) in one chunk and samples its 3rd token.
+    assert h.step() == [("b", 0, 5, True)]
+    assert b.num_preemptions == 1
+    out = h.run()
+    assert completion(out["b"]) == (expected_output("b", 3, 6), "length")
+
+    unpreempted = Harness(num_kv_blocks=64, block_size=2, max_model_len=16)
+    unpreempted.add("a", prompt(3), max_tokens=6)
+    unpreempted.add("b", prompt(3, first=20), max_tokens=6)
+    reference = unpreempted.run()
+    assert unpreempted.engine.scheduler.num_preemptions == 0
+    for request_id in "ab":
+        assert completion(out[request_id]) == completion(reference[request_id])
+    # Every position of b was sampled exactly once, preemption included.
+    sampled = [
+        s.seq_len for o in h.runner.outputs for s in o.scheduled if s.request_id == "b" and s.sample
+    ]
+    assert sampled == [3, 4, 5, 6, 7, 8]
+
+
+def test_preemption_of_a_prefill_in_progress() -> None:
+    h = Harness(num_kv_blocks=4, block_size=2, max_model_len=16, max_num_batched_tokens=4)
+    h.add("a", prompt(3), max_tokens=6)
+    h.add("b", prompt(6, first=20), max_tokens=2)
+    assert h.step() == [("a", 0, 3, True), ("b", 0, 1, False)]
+    assert h.step() == [("a", 3, 1, True), ("b", 1, 3, False)]
+    assert (h.block_ids("a"), h.block_ids("b")) == ([0, 1], [2, 3])
+    assert h.step() == [("a", 4, 1, True)]  # b preempted halfway through its prompt
+    assert h.last_output().preempted_request_ids == ["b"]
+    out = h.run()
+    assert completion(out["a"]) == (expected_output("a", 3, 6), "length")
+    assert completion(out["b"]) == (expected_output("b", 6, 2), "length")
+    assert h.kv_free == 4
+
+
+def test_request_alone_that_outgrows_the_pool_finishes_with_length() -> None:
+    h = Harness(num_kv_blocks=2, block_size=2, max_model_len=16)
+    h.add("a", prompt(3), max_tokens=5)
+    assert h.step() == [("a", 0, 3, True)]
+    assert h.step() == [("a", 3, 1, True)]
+    assert h.step() == []  # position 4 needs a 3rd block that does not exist
+    assert completion(h.finished["a"]) == (expected_output("a", 3, 2), "length")
+    assert not h.engine.has_unfinished_requests()
+    assert h.kv_free == 2
+
+
+# ----------------------------------------------------------------- aborts
+
+
+@pytest.mark.parametrize("abort_step", range(8))
+def test_abort_at_any_step_frees_every_block(abort_step: int) -> None:
+    h = Harness(num_kv_blocks=6, block_size=2, max_model_len=16, max_num_batched_tokens=4)
+    h.add("a", prompt(3), max_tokens=6)
+    h.add("b", prompt(5, first=20), max_tokens=4)
+    h.add("c", prompt(2, first=9), max_tokens=3)
+    for _ in range(abort_step):
+        h.step()
+    if "b" in h.finished:
+        pytest.fail("b finished before the abort: pick a smaller abort_step range")
+    status_before = h.status("b")
+    free_before = h.kv_free
+    num_blocks_b = len(h.block_ids("b"))
+    out = h.abort("b")
+    assert completion(out)[1] == "abort"
+    assert h.block_ids("b") == []
+    assert h.kv_free == free_before + num_blocks_b
+    assert "b" not in h.engine.scheduler.requests
+    assert h.engine.abort_request("b") == []  # already gone: ignored
+    h.run()
+    assert status_before in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+    assert completion(h.finished["a"]) == (expected_output("a", 3, 6), "length")
+    assert completion(h.finished["c"]) == (expected_output("c", 2, 3), "length")
+    assert h.kv_free == 6
+
+
+def test_abort_reports_finished_id_to_the_runner_once() -> None:
+    h = Harness()
+    h.add("a", prompt(3), max_tokens=4)
+    h.add("b", prompt(3), max_tokens=4)
+    h.step()
+    h.abort("a")
+    h.step()
+    assert h.last_output().finished_request_ids == ["a"]
+    h.step()
+    assert h.last_output().finished_request_ids == []
+
+
+def test_abort_everything_frees_the_pool() -> None:
+    h = Harness(num_kv_blocks=8, block_size=2)
+    for i in range(4):
+        h.add(f"r{i}", prompt(5, first=i), max_tokens=8)
+    h.step()
+    h.step()
+    outs = h.engine.abort_request([f"r{i}" for i in range(4)])
+    assert [o.request_id for o in outs] == ["r0", "r1", "r2", "r3"]
+    assert all(completion(o)[1] == "abort" for o in outs)
+    h.engine.scheduler.check_integrity()
+    assert h.kv_free == 8
+    assert not h.engine.has_unfinished_requests()
+
+
+# ----------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("prompt_token_ids", "max_tokens", "param", "message"),
+    [
+        ([], 4, "prompt", "the prompt is empty"),
+        (prompt(10), 7, "max_tokens", "maximum context length is 16 tokens"),
+        (prompt(16), 1, "prompt", "maximum context length is 16 tokens"),
+        ([3, VOCAB_SIZE, 4], 2, "prompt", r"integers in \[0, 32\), got \[32\]"),
+        ([3, -1], 2, "prompt", r"got \[-1\]"),
+        (prompt(13), 2, "prompt", "needs 4 KV blocks but the whole pool has 3 blocks"),
+    ],
+)
+def test_add_request_rejects_what_can_never_be_served(
+    prompt_token_ids: list[int], max_tokens: int, param: str, message: str
+) -> None:
+    h = Harness(num_kv_blocks=3, block_size=4, max_model_len=16)
+    h.add("ok", prompt(5), max_tokens=3)
+    h.step()
+    with pytest.raises(InvalidRequestError, match=message) as info:
+        h.add("bad", prompt_token_ids, max_tokens=max_tokens)
+    assert info.value.param == param
+    assert "bad" not in h.engine.scheduler.requests
+    out = h.run()
+    assert set(out) == {"ok"}
+    assert completion(out["ok"]) == (expected_output("ok", 5, 3), "length")
+
+
+def test_prompt_filling_the_whole_pool_is_accepted() -> None:
+    h = Harness(num_kv_blocks=3, block_size=4, max_model_len=16)
+    h.add("full", prompt(12), max_tokens=2)
+    out = h.run()
+    # Its first output token fits; the second needs a 4th block.
+    assert completion(out["full"]) == (expected_output("full", 12, 1), "length")
+
+
+def test_duplicate_request_id_is_rejected() -> None:
+    h = Harness()
+    h.add("a", prompt(3))
+    with pytest.raises(ValueError, match="already in use"):
+        h.add("a", prompt(3))
+    h.run()

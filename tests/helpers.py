@@ -1,0 +1,27 @@
+"""Helpers shared by tests (importable as ``helpers`` thanks to pytest's pythonpath)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from iterserve.config import EngineConfig
+from iterserve.engine.llm_engine import LLMEngine
+
+# Pool of the shared runner's KV cache; engines built on it may use fewer blocks.
+SHARED_NUM_KV_BLOCKS = 384
+
+
+def make_engine(loaded: Any, **kwargs: Any) -> LLMEngine:
+    """A fresh engine (own scheduler and block manager) on the shared float32 model runner."""
+    num_kv_blocks = kwargs.pop("num_kv_blocks", SHARED_NUM_KV_BLOCKS)
+    assert num_kv_blocks <= loaded.num_kv_blocks
+    kwargs.setdefault("max_model_len", loaded.config.model.max_model_len)
+    config = EngineConfig.from_kwargs(dtype="float32", num_kv_blocks=num_kv_blocks, **kwargs)
+    return LLMEngine(
+        config,
+        loaded.runner,
+        loaded.tokenizer,
+        num_kv_blocks=num_kv_blocks,
+        vocab_size=int(loaded.hf_config.vocab_size),
+        eos_token_ids=loaded.eos_token_ids,
+    )
