@@ -96,7 +96,7 @@ def test_prefix_hit_stops_before_the_last_token() -> None:
     hits = kv.get_computed_blocks(exact)
     assert [h.block_id for h in hits] == [0]  # the last token must be computed
 
-    longer = make_request("longer", list(range(8)) + [77])
+    longer = make_request("longer", [*range(8), 77])
     assert [h.block_id for h in kv.get_computed_blocks(longer)] == [0, 1]
 
     diverges = make_request("diverges", [0, 1, 2, 3, 4, 5, 6, 99, 8])
@@ -125,7 +125,7 @@ def test_hits_on_cached_free_blocks_leave_the_free_queue() -> None:
     assert kv.pool.free_block_ids() == [3, 4, 5, 6, 7, 2, 1, 0]
     assert kv.pool.num_cached_blocks == 2
 
-    b = make_request("b", list(range(8)) + [42, 43])
+    b = make_request("b", [*range(8), 42, 43])
     assert admit_with_hits(kv, b) == [0, 1]
     assert kv.block_ids("b") == [0, 1, 3]
     assert kv.pool.blocks[0].ref_cnt == 1
@@ -138,7 +138,7 @@ def test_hits_on_blocks_of_a_running_request_are_shared() -> None:
     a = make_request("a", list(range(9)))
     compute(kv, a, 9)  # 0 1 2, a keeps running
 
-    b = make_request("b", list(range(8)) + [42])
+    b = make_request("b", [*range(8), 42])
     assert admit_with_hits(kv, b) == [0, 1]
     assert kv.block_ids("b") == [0, 1, 3]
     assert [kv.pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 1, 1]
@@ -201,7 +201,7 @@ def test_unowned_hits_count_against_the_free_blocks() -> None:
     assert kv.block_ids("filler") == [3]
 
     # 2 hits (both in the free queue) + 2 new blocks > 3 free: refused, nothing touched.
-    b = make_request("b", list(range(8)) + [42, 43, 44, 45, 46])
+    b = make_request("b", [*range(8), 42, 43, 44, 45, 46])
     hits = kv.get_computed_blocks(b)
     assert [h.block_id for h in hits] == [0, 1]
     free_before = kv.pool.free_block_ids()

@@ -1,0 +1,348 @@
+"""Property tests: random configs, arrivals and aborts against a runner that simulates the KV cache.
+
+The fake runner keeps ``slot -> token id`` for the whole pool. Before it "attends" for a
+scheduled request, every context position must hold that request's true token in the slot
+its block table names, so a block freed while still read, a prefix-cache hit on the wrong
+block, or a chunk written to the wrong slot all fail. Sampled tokens depend only on
+``(request_id, position)``, so each request's output is known in advance whatever the
+schedule: preemption by recompute may neither lose nor duplicate a token.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
+from hypothesis import strategies as st
+
+from iterserve.config import EngineConfig
+from iterserve.engine.errors import InvalidRequestError
+from iterserve.engine.kv_cache_manager import cdiv
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from iterserve.engine.request import Request
+from iterserve.engine.sampling_params import SamplingParams
+
+VOCAB_SIZE = 24
+EOS = 1
+MAX_STEPS = 3000
+
+
+def token_for(request_id: str, position: int) -> int:
+    """The token sampled at ``position``: EOS about one time in 13, else a non-EOS id."""
+    h = zlib.crc32(f"{request_id}@{position}".encode())
+    return EOS if h % 13 == 0 else 2 + h % (VOCAB_SIZE - 2)
+
+
+class KVSimRunner:
+    """A model runner whose KV cache is ``slot -> token id``; checks every context read."""
+
+    def __init__(self, block_size: int, lookup: Callable[[str], Request]) -> None:
+        self.block_size = block_size
+        self.lookup = lookup
+        self.slots: dict[int, int] = {}
+        self.num_batches = 0
+        self.last: SchedulerOutput | None = None
+
+    def slot(self, block_table: list[int], position: int) -> int:
+        return block_table[position // self.block_size] * self.block_size + (
+            position % self.block_size
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.num_batches += 1
+        self.last = scheduler_output
+        written: set[int] = set()
+        # Write this iteration's KV first: attention reads it in the same forward.
+        for sched in scheduler_output.scheduled:
+            assert sched.num_scheduled_tokens >= 1, sched
+            assert len(sched.block_table) >= cdiv(sched.seq_len, self.block_size), sched
+            assert len(set(sched.block_table)) == len(sched.block_table), sched
+            true_tokens = self.lookup(sched.request_id).all_token_ids
+            assert sched.token_ids == true_tokens[sched.num_computed_tokens : sched.seq_len]
+            assert sched.sample == (sched.seq_len == len(true_tokens)), sched
+            for offset, token_id in enumerate(sched.token_ids):
+                slot = self.slot(sched.block_table, sched.num_computed_tokens + offset)
+                assert slot not in written, f"two tokens of one batch written to slot {slot}"
+                written.add(slot)
+                self.slots[slot] = token_id
+        sampled = {}
+        for sched in scheduler_output.scheduled:
+            true_tokens = self.lookup(sched.request_id).all_token_ids
+            for position in range(sched.seq_len):
+                slot = self.slot(sched.block_table, position)
+                assert self.slots.get(slot) == true_tokens[position], (
+                    f"{sched.request_id}: position {position} reads slot {slot} holding "
+                    f"{self.slots.get(slot)}, expected {true_tokens[position]}"
+                )
+            if sched.sample:
+                sampled[sched.request_id] = token_for(sched.request_id, sched.seq_len)
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_step: int
+    abort_step: int | None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    long_prefill_token_threshold: int
+    enable_chunked_prefill: bool
+    enable_prefix_caching: bool
+    kv_watermark: float
+    requests: list[RequestSpec]
+
+    def is_valid(self, spec: RequestSpec) -> bool:
+        """What LLMEngine.validate accepts (prompt tokens are always in the vocab here)."""
+        num_prompt = len(spec.prompt_token_ids)
+        return (
+            num_prompt >= 1
+            and num_prompt + spec.max_tokens <= self.max_model_len
+            and cdiv(num_prompt, self.block_size) <= self.num_kv_blocks
+        )
+
+    def expected(self, spec: RequestSpec) -> tuple[list[int], str]:
+        """Output tokens and finish reason of a request that is not aborted.
+
+        The j-th output token (position P + j) needs the KV of P + j tokens; when that is more
+        than the whole pool holds, the request ends with ``length``.
+        """
+        num_prompt = len(spec.prompt_token_ids)
+        capacity = self.num_kv_blocks * self.block_size
+        out: list[int] = []
+        for j in range(spec.max_tokens):
+            if num_prompt + j > capacity:
+                return out, "length"
+            token_id = token_for(spec.request_id, num_prompt + j)
+            out.append(token_id)
+            if token_id == EOS:
+                return out, "stop"
+        return out, "length"
+
+
+@st.composite
+def scenarios(draw: st.DrawFn, pressure: bool = False, caching: bool | None = None) -> Scenario:
+    """Random engine settings and workloads.
+
+    With ``pressure`` the pool holds 8 to 24 tokens and several requests arrive at once, so
+    most examples preempt; otherwise pools, arrivals and aborts range widely. ``caching``
+    forces prefix caching on or off (None draws it).
+    """
+    max_model_len = draw(st.sampled_from([16, 40, 40]))
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    if pressure:
+        num_kv_blocks = draw(st.integers(max(1, 8 // block_size), 24 // block_size))
+    else:
+        num_kv_blocks = draw(st.integers(1, 40 // block_size + 1))
+    chunked = draw(st.booleans())
+    if chunked:
+        budget = draw(st.integers(1, 40))
+    else:
+        budget = draw(st.integers(max_model_len, max_model_len + 16))
+    max_num_seqs = draw(st.integers(1 + pressure, max(1 + pressure, min(6, budget))))
+    max_num_seqs = min(max_num_seqs, budget)
+    threshold = draw(st.one_of(st.just(0), st.integers(1, budget)))
+    if caching is None:
+        caching = draw(st.booleans())
+    watermark = 0.0 if pressure else draw(st.sampled_from([0.0, 0.0, 0.1, 0.3]))
+
+    token = st.integers(0, VOCAB_SIZE - 1)
+    stems = draw(st.lists(st.lists(token, min_size=4, max_size=16), min_size=1, max_size=3))
+    num_requests = draw(st.integers(2 + pressure, 7))
+    last_arrival = 3 if pressure else 12
+    requests = []
+    for i in range(num_requests):
+        stem = draw(st.sampled_from(stems))
+        num_shared = draw(st.one_of(st.just(len(stem)), st.integers(0, len(stem))))
+        suffix = draw(st.lists(token, max_size=6))
+        prompt = stem[:num_shared] + suffix
+        if pressure:
+            prompt = prompt[: num_kv_blocks * block_size // 2] or [3]
+        abort_step = draw(st.one_of(st.none(), st.none(), st.integers(0, 30)))
+        requests.append(
+            RequestSpec(
+                request_id=f"r{i}",
+                prompt_token_ids=prompt,
+                max_tokens=draw(st.integers(1, 16)),
+                arrival_step=draw(st.integers(0, last_arrival)),
+                abort_step=None if pressure else abort_step,
+            )
+        )
+    return Scenario(
+        max_model_len=max_model_len,
+        num_kv_blocks=num_kv_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        long_prefill_token_threshold=threshold,
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=caching,
+        kv_watermark=watermark,
+        requests=requests,
+    )
+
+
+def build_engine(scenario: Scenario) -> tuple[LLMEngine, KVSimRunner]:
+    config = EngineConfig.from_kwargs(
+        max_model_len=scenario.max_model_len,
+        num_kv_blocks=scenario.num_kv_blocks,
+        block_size=scenario.block_size,
+        max_num_seqs=scenario.max_num_seqs,
+        max_num_batched_tokens=scenario.max_num_batched_tokens,
+        long_prefill_token_threshold=scenario.long_prefill_token_threshold,
+        enable_chunked_prefill=scenario.enable_chunked_prefill,
+        enable_prefix_caching=scenario.enable_prefix_caching,
+        kv_watermark=scenario.kv_watermark,
+    )
+    holder: list[LLMEngine] = []
+    runner = KVSimRunner(scenario.block_size, lambda rid: holder[0].scheduler.requests[rid])
+    engine = LLMEngine(
+        config,
+        runner,
+        tokenizer=None,
+        num_kv_blocks=scenario.num_kv_blocks,
+        vocab_size=VOCAB_SIZE,
+        eos_token_ids=frozenset({EOS}),
+    )
+    holder.append(engine)
+    return engine, runner
+
+
+def record(
+    outputs: list[RequestOutput],
+    expected: dict[str, list[int]],
+    seen: dict[str, int],
+    finished: dict[str, RequestOutput],
+) -> None:
+    """Streamed outputs grow by exactly one expected token per update until finished."""
+    for out in outputs:
+        assert out.request_id not in finished, f"{out.request_id} reported after finishing"
+        (completion,) = out.outputs
+        token_ids = completion.token_ids
+        assert token_ids == expected[out.request_id][: len(token_ids)], out
+        if out.finished:
+            finished[out.request_id] = out
+        else:
+            assert len(token_ids) == seen.get(out.request_id, 0) + 1, out
+        seen[out.request_id] = len(token_ids)
+
+
+def run_scenario(scenario: Scenario) -> None:
+    engine, runner = build_engine(scenario)
+    scheduler = engine.scheduler
+    accepted: dict[str, RequestSpec] = {}
+    expected = {spec.request_id: scenario.expected(spec)[0] for spec in scenario.requests}
+    seen: dict[str, int] = {}
+    finished: dict[str, RequestOutput] = {}
+    aborted: set[str] = set()
+    last_arrival = max(spec.arrival_step for spec in scenario.requests)
+
+    for step in range(MAX_STEPS):
+        for spec in scenario.requests:
+            if spec.arrival_step != step:
+                continue
+            params = SamplingParams(max_tokens=spec.max_tokens)
+            if scenario.is_valid(spec):
+                engine.add_request(spec.request_id, spec.prompt_token_ids, params)
+                accepted[spec.request_id] = spec
+            else:
+                try:
+                    engine.add_request(spec.request_id, spec.prompt_token_ids, params)
+                except InvalidRequestError:
+                    pass
+                else:
+                    raise AssertionError(f"{spec} accepted but can never be served")
+                assert spec.request_id not in scheduler.requests
+        for spec in scenario.requests:
+            if spec.abort_step == step and spec.request_id in scheduler.requests:
+                (out,) = engine.abort_request(spec.request_id)
+                assert out.outputs[0].finish_reason == "abort"
+                record([out], expected, seen, finished)
+                aborted.add(spec.request_id)
+                scheduler.check_integrity()
+
+        num_batches = runner.num_batches
+        record(engine.step(), expected, seen, finished)
+        scheduler.check_integrity()
+        assert len(scheduler.running) <= scenario.max_num_seqs
+        if runner.num_batches > num_batches:
+            assert runner.last is not None
+            batch = runner.last
+            assert batch.num_scheduled_tokens <= scenario.max_num_batched_tokens
+            assert not set(batch.preempted_request_ids) & {s.request_id for s in batch.scheduled}
+        if step >= last_arrival and not engine.has_unfinished_requests():
+            break
+    else:
+        raise AssertionError(f"requests left after {MAX_STEPS} steps: {scheduler.requests}")
+
+    assert set(finished) == set(accepted)
+    if currently_in_test_context():
+        event(f"preempted: {scheduler.num_preemptions > 0}")
+        event(f"prefix hits: {any(o.num_cached_tokens for o in finished.values())}")
+        event(f"rejected: {len(accepted) < len(scenario.requests)}")
+        event(f"aborted: {bool(aborted)}")
+        capped = any(
+            len(expected[r]) < spec.max_tokens and scenario.expected(spec)[1] == "length"
+            for r, spec in accepted.items()
+        )
+        event(f"pool too small for a request: {capped}")
+    for request_id, spec in accepted.items():
+        completion = finished[request_id].outputs[0]
+        if request_id in aborted:
+            assert completion.finish_reason == "abort"
+            continue
+        assert (completion.token_ids, completion.finish_reason) == scenario.expected(spec)
+    pool = scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert not scheduler.requests
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_random_workloads_keep_invariants_and_exact_outputs(scenario: Scenario) -> None:
+    run_scenario(scenario)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(pressure=True))
+def test_small_pools_preempt_without_losing_or_duplicating_tokens(scenario: Scenario) -> None:
+    run_scenario(scenario)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(pressure=True, caching=True))
+def test_prefix_hits_under_preemption_read_the_right_blocks(scenario: Scenario) -> None:
+    run_scenario(scenario)
+
+
+def test_identical_prompts_share_cached_blocks_under_pressure() -> None:
+    """A fixed scenario with full-block prompts, caching and preemption (exercised every run)."""
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    scenario = Scenario(
+        max_model_len=32,
+        num_kv_blocks=6,
+        block_size=2,
+        max_num_batched_tokens=6,
+        max_num_seqs=3,
+        long_prefill_token_threshold=4,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        kv_watermark=0.0,
+        requests=[
+            RequestSpec(f"r{i}", prompt, max_tokens=10, arrival_step=i, abort_step=None)
+            for i in range(4)
+        ],
+    )
+    run_scenario(scenario)
