@@ -118,7 +118,8 @@ def test_sequence_longer_than_the_pool_ends_with_length(loaded_f32: Any) -> None
 
 
 def test_llm_generate_mixed_prompt_forms_in_input_order(loaded_f32: Any) -> None:
-    from iterserve import LLM, SamplingParams as TopLevelSamplingParams
+    from iterserve import LLM
+    from iterserve import SamplingParams as TopLevelSamplingParams
 
     llm = LLM(
         model="default",

@@ -138,7 +138,9 @@ class TorchAttention:
             )
         else:
             q_len, seq_len = q.shape[0], k.shape[0]
-            mask = torch.arange(seq_len)[None, :] <= (num_computed + torch.arange(q_len))[:, None]
+            key_pos = torch.arange(seq_len, device=q.device)
+            query_pos = num_computed + torch.arange(q_len, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
             o = F.scaled_dot_product_attention(
                 qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=True
             )
@@ -159,3 +161,14 @@ class TorchAttention:
             enable_gqa=True,
         )
         return o.squeeze(2)
+
+
+def get_attention_backend(name: str) -> type[TorchAttention]:
+    """The attention backend class for ``--attention-backend`` (``auto`` picks torch for now).
+
+    Raises:
+        ValueError: for a backend that is not available.
+    """
+    if name in ("auto", "torch"):
+        return TorchAttention
+    raise ValueError(f"attention backend {name!r} is not available")

@@ -172,7 +172,7 @@ def build(config: EngineConfig) -> LoadedModel:
     )
     return LoadedModel(
         config=config,
-        runner=TorchModelRunner(model, kv_cache, config.model.seed),
+        runner=TorchModelRunner(model, kv_cache, config.model.seed, config.model.attention_backend),
         tokenizer=tokenizer,
         hf_config=hf_config,
         model_dir=model_dir,

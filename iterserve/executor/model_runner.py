@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from iterserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from iterserve.executor.attention import AttentionMetadata, KVCache, TorchAttention
+from iterserve.executor.attention import AttentionMetadata, KVCache, get_attention_backend
 from iterserve.executor.sampler import Sampler
 from iterserve.models.llama import LlamaForCausalLM
 
@@ -23,7 +23,9 @@ class ModelInputs:
     sampled: list[ScheduledRequest]  # the requests with sample=True, in logits order
 
 
-def prepare_inputs(scheduled: list[ScheduledRequest], block_size: int) -> ModelInputs:
+def prepare_inputs(
+    scheduled: list[ScheduledRequest], block_size: int, device: torch.device | None = None
+) -> ModelInputs:
     """Flatten the scheduled requests into the model's inputs and attention metadata."""
     # Single-token queries first: the attention backend batches them as decodes.
     order = [s for s in scheduled if s.num_scheduled_tokens == 1]
@@ -53,19 +55,19 @@ def prepare_inputs(scheduled: list[ScheduledRequest], block_size: int) -> ModelI
             sampled.append(s)
     seq_lens = [s.seq_len for s in order]
     metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-        block_tables=block_tables,
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        block_tables=block_tables.to(device),
         num_decodes=num_decodes,
         query_lens=[s.num_scheduled_tokens for s in order],
         seq_lens_list=seq_lens,
     )
     return ModelInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
         metadata=metadata,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
         sampled=sampled,
     )
 
@@ -78,18 +80,23 @@ class TorchModelRunner:
         model: the loaded model, in its serving dtype, on ``device``.
         kv_cache: the KV cache tensors.
         seed: seed of the sampler's generator.
+        attention_backend: ``auto`` or ``torch``.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, seed: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: KVCache, seed: int, attention_backend: str = "auto"
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.device = model.embed_tokens.weight.device
+        self.attention_cls = get_attention_backend(attention_backend)
         self.sampler = Sampler(seed)
         self.scale = float(model.head_dim) ** -0.5
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        inputs = prepare_inputs(scheduler_output.scheduled, self.kv_cache.block_size)
-        attention = TorchAttention(self.kv_cache, inputs.metadata, self.scale)
+        inputs = prepare_inputs(scheduler_output.scheduled, self.kv_cache.block_size, self.device)
+        attention = self.attention_cls(self.kv_cache, inputs.metadata, self.scale)
         hidden = self.model(inputs.input_ids, inputs.positions, attention)  # [num_tokens, hidden]
         if not inputs.sampled:
             return ModelRunnerOutput(sampled_token_ids={})

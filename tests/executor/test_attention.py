@@ -64,7 +64,7 @@ def test_paged_attention_matches_dense(block_size: int, seed: int) -> None:
         ref = dense_reference(q[s:e], full_k[i], full_v[i], shapes[i][0])
         torch.testing.assert_close(out[s:e], ref, atol=1e-5, rtol=1e-5)
     # Every new token's KV landed in its slot.
-    for row, i in enumerate(order):
+    for i in order:
         num_computed, num_new = shapes[i]
         table = requests[i].block_table
         for p in range(num_computed, num_computed + num_new):
