@@ -159,6 +159,11 @@ class SchedulerConfig:
             f"{self.max_num_batched_tokens}], got {self.long_prefill_token_threshold}",
         )
         _require(
+            self.enable_chunked_prefill or self.long_prefill_token_threshold == 0,
+            "long_prefill_token_threshold splits prompts, so it needs chunked prefill "
+            "(without it a prompt is prefilled whole)",
+        )
+        _require(
             0.0 <= self.kv_watermark < 1.0,
             f"kv_watermark must be in [0, 1), got {self.kv_watermark}",
         )

@@ -124,6 +124,9 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             runner_output = ModelRunnerOutput(sampled_token_ids={})
+            if scheduler_output.finished_request_ids or scheduler_output.preempted_request_ids:
+                # Nothing to compute, but the runner must still drop per-request state.
+                self.runner.execute_model(scheduler_output)
         else:
             start = time.perf_counter()
             runner_output = self.runner.execute_model(scheduler_output)

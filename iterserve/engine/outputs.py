@@ -51,6 +51,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """No tokens to compute (finished or preempted ids may still be listed)."""
         return not self.scheduled
 
 

@@ -95,6 +95,8 @@ class TorchModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
         inputs = prepare_inputs(scheduler_output.scheduled, self.kv_cache.block_size, self.device)
         attention = self.attention_cls(self.kv_cache, inputs.metadata, self.scale)
         hidden = self.model(inputs.input_ids, inputs.positions, attention)  # [num_tokens, hidden]

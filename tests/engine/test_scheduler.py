@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from iterserve.config import EngineConfig
+from iterserve.config import ConfigError, EngineConfig
 from iterserve.engine.errors import InvalidRequestError
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
@@ -417,3 +417,48 @@ def test_duplicate_request_id_is_rejected() -> None:
     with pytest.raises(ValueError, match="already in use"):
         h.add("a", prompt(3))
     h.run()
+
+
+# ----------------------------------------------------------------- runner contract
+
+
+def test_every_finished_request_id_reaches_the_runner() -> None:
+    """SchedulerOutput.finished_request_ids tells the runner to drop per-request state.
+
+    "a" outgrows the pool alone: it is finished inside schedule(), whose batch is then empty,
+    so the engine skips the runner for that iteration. Its id must still reach the runner
+    with the next batch it does run.
+    """
+    h = Harness(num_kv_blocks=2, block_size=2, max_model_len=16)
+    h.add("a", prompt(3), max_tokens=5)
+    h.step()
+    h.step()
+    assert h.step() == []  # "a" finished for lack of blocks; no forward ran
+    assert completion(h.finished["a"]) == (expected_output("a", 3, 2), "length")
+    h.add("b", prompt(2), max_tokens=2)
+    h.run()
+    reported = [rid for out in h.runner.outputs for rid in out.finished_request_ids]
+    assert reported == ["a"]
+
+
+def test_aborted_ids_reach_the_runner_after_an_empty_iteration() -> None:
+    h = Harness()
+    h.add("a", prompt(3), max_tokens=4)
+    h.step()
+    h.abort("a")
+    assert h.step() == []  # nothing left to compute, but the runner hears of the abort
+    assert h.last_output().finished_request_ids == ["a"]
+    h.add("b", prompt(3), max_tokens=1)
+    assert h.step() == [("b", 0, 3, True)]
+    assert h.last_output().finished_request_ids == []
+
+
+def test_without_chunked_prefill_the_threshold_is_refused() -> None:
+    """Chunked prefill off means a prompt is prefilled whole: a threshold would split it."""
+    with pytest.raises(ConfigError, match="needs chunked prefill"):
+        Harness(
+            enable_chunked_prefill=False,
+            long_prefill_token_threshold=4,
+            max_model_len=16,
+            max_num_batched_tokens=16,
+        )

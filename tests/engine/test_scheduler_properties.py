@@ -45,6 +45,7 @@ class KVSimRunner:
         self.slots: dict[int, int] = {}
         self.num_batches = 0
         self.last: SchedulerOutput | None = None
+        self.reported_finished: list[str] = []
 
     def slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + (
@@ -54,6 +55,7 @@ class KVSimRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.num_batches += 1
         self.last = scheduler_output
+        self.reported_finished += scheduler_output.finished_request_ids
         written: set[int] = set()
         # Write this iteration's KV first: attention reads it in the same forward.
         for sched in scheduler_output.scheduled:
@@ -186,7 +188,7 @@ def scenarios(draw: st.DrawFn, pressure: bool = False, caching: bool | None = No
         block_size=block_size,
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
-        long_prefill_token_threshold=threshold,
+        long_prefill_token_threshold=threshold if chunked else 0,
         enable_chunked_prefill=chunked,
         enable_prefix_caching=caching,
         kv_watermark=watermark,
@@ -239,6 +241,26 @@ def record(
         seen[out.request_id] = len(token_ids)
 
 
+def add_arrivals(engine: LLMEngine, scenario: Scenario, step: int) -> dict[str, RequestSpec]:
+    """Add the requests arriving at ``step``; those that can never be served must be refused."""
+    accepted = {}
+    for spec in scenario.requests:
+        if spec.arrival_step != step:
+            continue
+        params = SamplingParams(max_tokens=spec.max_tokens)
+        if scenario.is_valid(spec):
+            engine.add_request(spec.request_id, spec.prompt_token_ids, params)
+            accepted[spec.request_id] = spec
+            continue
+        try:
+            engine.add_request(spec.request_id, spec.prompt_token_ids, params)
+        except InvalidRequestError:
+            assert spec.request_id not in engine.scheduler.requests
+        else:
+            raise AssertionError(f"{spec} accepted but can never be served")
+    return accepted
+
+
 def run_scenario(scenario: Scenario) -> None:
     engine, runner = build_engine(scenario)
     scheduler = engine.scheduler
@@ -250,21 +272,7 @@ def run_scenario(scenario: Scenario) -> None:
     last_arrival = max(spec.arrival_step for spec in scenario.requests)
 
     for step in range(MAX_STEPS):
-        for spec in scenario.requests:
-            if spec.arrival_step != step:
-                continue
-            params = SamplingParams(max_tokens=spec.max_tokens)
-            if scenario.is_valid(spec):
-                engine.add_request(spec.request_id, spec.prompt_token_ids, params)
-                accepted[spec.request_id] = spec
-            else:
-                try:
-                    engine.add_request(spec.request_id, spec.prompt_token_ids, params)
-                except InvalidRequestError:
-                    pass
-                else:
-                    raise AssertionError(f"{spec} accepted but can never be served")
-                assert spec.request_id not in scheduler.requests
+        accepted |= add_arrivals(engine, scenario, step)
         for spec in scenario.requests:
             if spec.abort_step == step and spec.request_id in scheduler.requests:
                 (out,) = engine.abort_request(spec.request_id)
@@ -304,6 +312,9 @@ def run_scenario(scenario: Scenario) -> None:
             assert completion.finish_reason == "abort"
             continue
         assert (completion.token_ids, completion.finish_reason) == scenario.expected(spec)
+    # Finished ids reach the runner at most once (that each one does is a unit test).
+    assert len(set(runner.reported_finished)) == len(runner.reported_finished)
+    assert set(runner.reported_finished) <= set(finished)
     pool = scheduler.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
     assert not scheduler.requests
