@@ -35,7 +35,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                 "default": argparse.SUPPRESS,
                 "help": help_text,
             }
-            if tp is bool:
+            if f.name == "tiers":
+                group.add_argument(flag, type=_tiers_from_file, **kwargs)
+            elif tp is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
             elif typing.get_origin(tp) is typing.Literal:
                 group.add_argument(flag, choices=typing.get_args(tp), **kwargs)
@@ -44,6 +46,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", type=Path, default=None, help="YAML file of any of these flags (as vLLM's)"
     )
+
+
+def _tiers_from_file(path: str) -> list[dict[str, Any]]:
+    """``--tiers FILE``: a YAML list of {name, priority, max_queue_wait_ms, ttft_target_ms}."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read tiers from {path}: {e}") from e
+    if not isinstance(data, list):
+        raise argparse.ArgumentTypeError(f"{path}: expected a list of tiers")
+    return data
 
 
 def engine_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:

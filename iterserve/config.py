@@ -122,6 +122,57 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class Tier:
+    """A priority tier: requests whose priority maps here are labelled ``name`` in metrics.
+
+    ``max_queue_wait_ms`` and ``ttft_target_ms`` (None = no limit) are used by admission
+    control in the server.
+    """
+
+    name: str
+    priority: int
+    max_queue_wait_ms: float | None = None
+    ttft_target_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name), "a tier needs a non-empty name")
+        _require(
+            isinstance(self.priority, int) and not isinstance(self.priority, bool),
+            f"tier {self.name!r}: priority must be an integer, got {self.priority!r}",
+        )
+
+
+DEFAULT_TIERS: tuple[Tier, ...] = (
+    Tier("premium", 0),
+    Tier("standard", 1),
+    Tier("best-effort", 2),
+)
+DEFAULT_TIER_NAME = "standard"
+
+
+def parse_tiers(data: object) -> tuple[Tier, ...]:
+    """Tiers from a list of mappings (YAML/JSON): ``[{name, priority, ...}, ...]``.
+
+    Raises:
+        ConfigError: malformed entries.
+    """
+    if not isinstance(data, list | tuple) or not data:
+        raise ConfigError("tiers must be a non-empty list of {name, priority, ...}")
+    tiers = []
+    for entry in data:
+        if isinstance(entry, Tier):
+            tiers.append(entry)
+            continue
+        if not isinstance(entry, dict):
+            raise ConfigError(f"a tier must be a mapping, got {entry!r}")
+        try:
+            tiers.append(Tier(**entry))
+        except TypeError as e:
+            raise ConfigError(f"bad tier {entry!r}: {e}") from e
+    return tuple(tiers)
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
     max_num_batched_tokens: int = field(
@@ -144,9 +195,28 @@ class SchedulerConfig:
         default="priority", metadata={"help": "order of the waiting queue"}
     )
     batching: BatchingMode = field(default="continuous", metadata={"help": "batching policy"})
+    aging_interval_s: float = field(
+        default=5.0, metadata={"help": "seconds waited per step of priority gained"}
+    )
+    tiers: tuple[Tier, ...] = field(
+        default=DEFAULT_TIERS,
+        metadata={"help": "YAML file: list of {name, priority, max_queue_wait_ms, ttft_target_ms}"},
+    )
 
     def __post_init__(self) -> None:
         _check_literals(self)
+        object.__setattr__(self, "tiers", parse_tiers(self.tiers))
+        names = [t.name for t in self.tiers]
+        _require(len(set(names)) == len(names), f"tier names must be unique, got {names}")
+        priorities = [t.priority for t in self.tiers]
+        _require(
+            len(set(priorities)) == len(priorities),
+            f"tier priorities must be unique, got {priorities}",
+        )
+        _require(
+            self.aging_interval_s > 0,
+            f"aging_interval_s must be positive, got {self.aging_interval_s}",
+        )
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,
@@ -167,11 +237,16 @@ class SchedulerConfig:
             0.0 <= self.kv_watermark < 1.0,
             f"kv_watermark must be in [0, 1), got {self.kv_watermark}",
         )
-        _require(
-            self.preemption_mode != "swap",
-            "preemption_mode 'swap' is not available yet; use 'recompute' or 'auto'",
-        )
-        _require(self.batching == "continuous", "batching 'static' is not available yet")
+
+    def tier_for(self, priority: int) -> Tier:
+        """The tier with the largest priority <= ``priority`` (the most urgent tier if none)."""
+        below = [t for t in self.tiers if t.priority <= priority]
+        if below:
+            return max(below, key=lambda t: t.priority)
+        return min(self.tiers, key=lambda t: t.priority)
+
+    def tier_named(self, name: str) -> Tier | None:
+        return next((t for t in self.tiers if t.name == name), None)
 
 
 @dataclass(frozen=True)
@@ -204,6 +279,10 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        _require(
+            self.scheduler.preemption_mode != "swap" or self.cache.swap_space > 0,
+            "preemption_mode 'swap' needs swap space: pass --swap-space GiB",
+        )
         max_model_len = self.model.max_model_len
         if max_model_len is not None and not self.scheduler.enable_chunked_prefill:
             _require(

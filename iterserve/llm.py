@@ -39,6 +39,8 @@ class LLM:
             num_kv_blocks=self.loaded.num_kv_blocks,
             vocab_size=int(self.loaded.hf_config.vocab_size),
             eos_token_ids=self.loaded.eos_token_ids,
+            num_host_blocks=self.loaded.num_host_blocks,
+            preemption_costs=self.loaded.preemption_costs,
         )
         self._ids = itertools.count()
 

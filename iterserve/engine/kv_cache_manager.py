@@ -32,11 +32,20 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, watermark: float = 0.0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        watermark: float = 0.0,
+        num_host_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        # Host (swap) pool: plain free list, no caching. Swapped request -> host block ids.
+        self.num_host_blocks = num_host_blocks
+        self._free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self._host_tables: dict[str, list[int]] = {}
         self.num_watermark_blocks = int(watermark * num_blocks)
         self._tables: dict[str, list[KVBlock]] = {}
         # Per request: how many of its leading blocks are registered in the prefix cache.
@@ -128,5 +137,52 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(table))
 
+    # ----------------------------------------------------------------- swap
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._free_host_blocks)
+
+    def can_swap_out(self, request: Request) -> bool:
+        return self.num_blocks_for(request.num_computed_tokens) <= len(self._free_host_blocks)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's computed blocks to the host pool; free its device blocks.
+
+        Returns the copies to make, ``(device_block_id, host_block_id)`` pairs; the runner
+        makes them before this iteration's forward reuses any freed block.
+        """
+        table = self._tables[request.request_id]
+        num_blocks = self.num_blocks_for(request.num_computed_tokens)
+        host = [self._free_host_blocks.pop() for _ in range(num_blocks)]
+        self._host_tables[request.request_id] = host
+        copies = [(table[i].block_id, host[i]) for i in range(num_blocks)]
+        self.free(request)
+        return copies
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back with room for ``num_new_tokens`` more tokens.
+
+        Returns ``(host_block_id, device_block_id)`` copies, or None (nothing changed) when the
+        device pool is short.
+        """
+        host = self._host_tables[request.request_id]
+        if not self.allocate_slots(request, num_new_tokens):
+            return None
+        device = self._tables[request.request_id]
+        copies = [(h, device[i].block_id) for i, h in enumerate(host)]
+        self._free_host_blocks.extend(reversed(self._host_tables.pop(request.request_id)))
+        return copies
+
+    def free_host(self, request: Request) -> None:
+        """Drop a swapped request's host blocks (it was aborted while swapped)."""
+        self._free_host_blocks.extend(reversed(self._host_tables.pop(request.request_id, [])))
+
+    def host_block_ids(self, request_id: str) -> list[int]:
+        return list(self._host_tables.get(request_id, ()))
+
     def check_integrity(self) -> None:
         self.pool.check_integrity(self._tables.values())
+        held = [b for table in self._host_tables.values() for b in table]
+        assert len(held) == len(set(held)), "a host block is held twice"
+        assert sorted(held + self._free_host_blocks) == list(range(self.num_host_blocks))

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
-from iterserve.config import EngineConfig
+from iterserve.config import DEFAULT_TIER_NAME, EngineConfig
+from iterserve.engine.detokenizer import IncrementalDetokenizer
 from iterserve.engine.errors import InvalidRequestError
 from iterserve.engine.kv_cache_manager import KVCacheManager
 from iterserve.engine.outputs import (
@@ -12,11 +16,53 @@ from iterserve.engine.outputs import (
     ModelRunner,
     ModelRunnerOutput,
     RequestOutput,
-    Tokenizer,
+    TokenLogprobs,
 )
-from iterserve.engine.request import FINISH_REASONS, Request, RequestStatus
+from iterserve.engine.policy import PreemptionCosts
+from iterserve.engine.request import FINISH_REASONS, Request
+from iterserve.engine.request import RequestStatus as Status
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.engine.scheduler import Scheduler
+
+TELEMETRY_LEN = 1024
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    """One iteration, as recorded for metrics."""
+
+    time: float  # monotonic seconds at its end
+    latency_s: float  # schedule + forward + update
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_free_blocks: int
+    num_preemptions: int
+
+
+@dataclass
+class _Completion:
+    """Engine-side bookkeeping of one completion (child request) of a user request."""
+
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[TokenLogprobs] | None
+
+
+class _Parent:
+    """A user request: ``n`` completions of one prompt."""
+
+    def __init__(self, request_id: str, prompt: str | None, completions: list[_Completion]) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.completions = completions
+
+    @property
+    def finished(self) -> bool:
+        return all(c.request.is_finished for c in self.completions)
 
 
 class LLMEngine:
@@ -24,21 +70,25 @@ class LLMEngine:
 
     Args:
         config: engine settings with ``model.max_model_len`` resolved.
-        runner: executes a :class:`SchedulerOutput` (the model runner, or a fake in tests).
-        tokenizer: decodes output tokens to text.
+        runner: executes a ``SchedulerOutput`` (the model runner, or a fake in tests).
+        tokenizer: a Hugging Face tokenizer for output text and stop strings (None: no text).
         num_kv_blocks: size of the KV pool in blocks (found at start-up).
         vocab_size: number of token ids the model accepts.
         eos_token_ids: token ids that end a request unless ``ignore_eos``.
+        num_host_blocks: blocks in the host swap pool (from ``swap_space``).
+        preemption_costs: measured at start-up, for ``preemption_mode=auto``.
     """
 
     def __init__(
         self,
         config: EngineConfig,
         runner: ModelRunner,
-        tokenizer: Tokenizer | None,
+        tokenizer: Any,
         num_kv_blocks: int,
         vocab_size: int,
         eos_token_ids: frozenset[int],
+        num_host_blocks: int = 0,
+        preemption_costs: PreemptionCosts | None = None,
     ) -> None:
         max_model_len = config.model.max_model_len
         if max_model_len is None:
@@ -56,20 +106,55 @@ class LLMEngine:
             config.cache.block_size,
             enable_caching=config.cache.enable_prefix_caching,
             watermark=config.scheduler.kv_watermark,
+            num_host_blocks=num_host_blocks,
         )
-        self.scheduler = Scheduler(config.scheduler, kv, max_model_len)
-        self._prompts: dict[str, str | None] = {}
+        self.scheduler = Scheduler(
+            config.scheduler, kv, max_model_len, self._check_stop_strings, preemption_costs
+        )
+        self._parents: dict[str, _Parent] = {}
+        self._completions: dict[str, tuple[_Parent, _Completion]] = {}  # child id ->
+        self.telemetry: deque[IterationStats] = deque(maxlen=TELEMETRY_LEN)
         self.num_iterations = 0
         self.last_iteration_latency = 0.0  # seconds of the last forward
 
     # ----------------------------------------------------------------- requests
 
+    def resolve_priority(self, priority: int | str | None) -> int:
+        """An integer priority from an integer, a tier name or None (the default tier).
+
+        Raises:
+            InvalidRequestError: unknown tier name or a non-integer.
+        """
+        tiers = self.scheduler.config
+        if priority is None:
+            default = tiers.tier_named(DEFAULT_TIER_NAME)
+            return default.priority if default else max(t.priority for t in tiers.tiers)
+        if isinstance(priority, str):
+            named = tiers.tier_named(priority)
+            if named is None:
+                names = [t.name for t in tiers.tiers]
+                raise InvalidRequestError(
+                    f"unknown priority tier {priority!r} (tiers: {names})", "priority"
+                )
+            return named.priority
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(
+                f"priority must be an integer or a tier name, got {priority!r}", "priority"
+            )
+        return priority
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise :class:`InvalidRequestError` for a request that can never be served."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"expected SamplingParams, got {type(params).__name__}")
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        bad = [
+            t
+            for t in prompt_token_ids
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
+        ]
         if bad:
             raise InvalidRequestError(
                 f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}",
@@ -88,6 +173,8 @@ class LLMEngine:
                 f"but the whole pool has {kv.num_blocks} blocks of {kv.block_size} tokens",
                 "prompt",
             )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer", "stop")
 
     def add_request(
         self,
@@ -96,64 +183,141 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        priority: int | str | None = None,
     ) -> None:
-        """Validate and queue a request.
+        """Validate and queue a request (``params.n`` completions of the prompt).
 
         Raises:
             InvalidRequestError: the request can never be served; nothing was queued.
             ValueError: ``request_id`` is already in use.
         """
         self.validate(prompt_token_ids, params)
-        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
-        self.scheduler.add_request(request)
-        self._prompts[request_id] = prompt
+        prio = self.resolve_priority(priority)
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        completions: list[_Completion] = []
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            child_params = params.child(index) if params.n > 1 else params
+            request = Request(
+                child_id, prompt_token_ids, child_params, self.eos_token_ids, arrival, prio
+            )
+            if index > 0:
+                request.wait_for = completions[0].request
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child_params)
+            logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+            completions.append(_Completion(request, index, detok, logprobs))
+        parent = _Parent(request_id, prompt, completions)
+        for c in completions:
+            self.scheduler.add_request(c.request)
+            self._completions[c.request.request_id] = (parent, c)
+        self._parents[request_id] = parent
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests now, freeing their KV blocks; returns their final outputs."""
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        return [self._make_output(r) for r in done]
+        outputs = []
+        for request_id in ids:
+            parent = self._parents.get(request_id)
+            if parent is None:
+                continue
+            child_ids = [c.request.request_id for c in parent.completions]
+            self.scheduler.finish_requests(child_ids, Status.FINISHED_ABORTED)
+            outputs.append(self._make_output(parent))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
+
+    def update_scheduler_config(self, config: Any) -> None:
+        """Apply new scheduler settings from the next iteration on (call between steps)."""
+        self.scheduler.update_config(config)
 
     # ----------------------------------------------------------------- iteration
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of requests that advanced or finished."""
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            runner_output = ModelRunnerOutput(sampled_token_ids={})
-            if scheduler_output.finished_request_ids or scheduler_output.preempted_request_ids:
-                # Nothing to compute, but the runner must still drop per-request state.
-                self.runner.execute_model(scheduler_output)
-        else:
-            start = time.perf_counter()
+        runner_output = ModelRunnerOutput(sampled_token_ids={})
+        if scheduler_output.has_runner_work:
             runner_output = self.runner.execute_model(scheduler_output)
-            self.last_iteration_latency = time.perf_counter() - start
-            self.num_iterations += 1
+        for request_id, logprobs in runner_output.logprobs.items():
+            entry = self._completions.get(request_id)
+            if entry is not None and entry[1].logprobs is not None:
+                entry[1].logprobs.append(logprobs)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return [self._make_output(r) for r in updated]
+        if not scheduler_output.is_empty:
+            self.num_iterations += 1
+            self.last_iteration_latency = time.perf_counter() - start
+            self._record(scheduler_output, self.last_iteration_latency)
+        parents: dict[str, _Parent] = {}
+        for request in updated:
+            parent = self._completions[request.request_id][0]
+            parents[parent.request_id] = parent
+        return [self._make_output(p) for p in parents.values()]
 
-    def _make_output(self, request: Request) -> RequestOutput:
-        token_ids = request.output_token_ids
-        finished = request.is_finished
-        if finished:
-            prompt = self._prompts.pop(request.request_id, None)
-        else:
-            prompt = self._prompts.get(request.request_id)
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=token_ids,
-            finish_reason=FINISH_REASONS.get(request.status),
+    def _check_stop_strings(self, request: Request) -> bool:
+        completion = self._completions[request.request_id][1]
+        if completion.detokenizer is None:
+            return False
+        stop = completion.detokenizer.append(request.all_token_ids[-1])
+        if stop is None or request.num_output_tokens < request.sampling_params.min_tokens:
+            return False
+        request.stop_reason = stop
+        return True
+
+    def _record(self, out: Any, latency: float) -> None:
+        prefill = sum(
+            s.num_scheduled_tokens
+            for s in out.scheduled
+            if not s.sample or s.num_scheduled_tokens > 1
         )
+        sched = self.scheduler
+        self.telemetry.append(
+            IterationStats(
+                time=time.monotonic(),
+                latency_s=latency,
+                num_prefill_tokens=prefill,
+                num_decode_tokens=out.num_scheduled_tokens - prefill,
+                num_running=len(sched.running),
+                num_waiting=len(sched.waiting),
+                num_swapped=len(sched.swapped),
+                num_free_blocks=sched.kv.pool.num_free_blocks,
+                num_preemptions=len(out.preempted_request_ids),
+            )
+        )
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        finished = parent.finished
+        if finished:
+            self._parents.pop(parent.request_id, None)
+            for c in parent.completions:
+                self._completions.pop(c.request.request_id, None)
+        outputs = []
+        for c in parent.completions:
+            request = c.request
+            done = request.is_finished
+            text = c.detokenizer.visible_text(done) if c.detokenizer is not None else ""
+            outputs.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=text,
+                    token_ids=request.output_token_ids,
+                    finish_reason=FINISH_REASONS.get(request.status),
+                    logprobs=c.logprobs,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        first = parent.completions[0].request
         return RequestOutput(
-            request_id=request.request_id,
-            prompt=prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
             finished=finished,
-            num_cached_tokens=request.num_cached_tokens or 0,
+            num_cached_tokens=first.num_cached_tokens or 0,
         )

@@ -24,6 +24,9 @@ class ScheduledRequest:
     block_table: list[int]
     sample: bool
     sampling_params: SamplingParams
+    # The request's prompt (a shared reference, never copied): the runner builds its
+    # per-request sampling state (repetition penalty) from it the first time it sees the id.
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -44,6 +47,10 @@ class SchedulerOutput:
     # Requests that finished or were aborted since the previous iteration: the runner drops
     # any per-request state it keeps for them.
     finished_request_ids: list[str] = field(default_factory=list)
+    # KV block copies to make before the forward, in this order: (device, host) pairs of
+    # swapped-out requests, then (host, device) pairs of swapped-in ones.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -51,19 +58,46 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        """No tokens to compute (finished or preempted ids may still be listed)."""
+        """No tokens to compute (finished or preempted ids, or swaps, may still be listed)."""
         return not self.scheduled
+
+    @property
+    def has_runner_work(self) -> bool:
+        """Anything at all for the runner: tokens, swaps, or per-request state to drop."""
+        return bool(
+            self.scheduled
+            or self.finished_request_ids
+            or self.preempted_request_ids
+            or self.blocks_to_swap_out
+            or self.blocks_to_swap_in
+        )
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probability of a sampled token and the ``logprobs`` most likely alternatives
+    (raw model distribution, natural log)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """What one forward produced: a sampled token for each request with ``sample`` set."""
+    """What one forward produced: a sampled token for each request with ``sample`` set, and
+    its logprobs for requests that asked for them."""
 
     sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):
-    """The executor seen from the engine (no torch on this side)."""
+    """The executor seen from the engine (no torch on this side).
+
+    ``execute_model`` makes the block copies of the output, then runs the forward of its
+    scheduled requests and samples.
+    """
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -76,12 +110,15 @@ class Tokenizer(Protocol):
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence of a request (vLLM's shape)."""
+    """One generated sequence of a request (vLLM's shape); text and token ids so far."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    # The stop string or stop token id that ended it (None for EOS or length).
+    stop_reason: str | int | None = None
 
 
 @dataclass

@@ -9,18 +9,19 @@ from iterserve.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    """Ordered so that every status after ``PREEMPTED`` is finished."""
+    """Ordered so that every status after ``SWAPPED`` is finished."""
 
     WAITING = 0
     RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    PREEMPTED = 2  # recompute: back in the waiting queue without blocks
+    SWAPPED = 3  # swap: its KV blocks sit in the host pool
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
 
     @property
     def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        return self > RequestStatus.SWAPPED
 
 
 # The one map from finished statuses to OpenAI's ``finish_reason``.
@@ -51,12 +52,14 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
+        priority: int = 1,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority  # lower is more urgent
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -65,8 +68,17 @@ class Request:
         self.num_preemptions = 0
         # Admission order among running requests (set each time it is admitted).
         self.admit_seq = -1
+        # Insertion order into the scheduler (ties between equal arrival times).
+        self.arrival_seq = 0
+        # Iterations at which it was preempted (anti-thrashing protection).
+        self.preempted_at: list[int] = []
         # Chain hashes of this request's full blocks, extended as tokens are appended.
         self.block_hashes: list[bytes] = []
+        # Completion i > 0 of an n > 1 request waits until completion 0 has computed the
+        # prompt, so that it starts from the shared (prefix-cached) prompt blocks.
+        self.wait_for: Request | None = None
+        self.stop_reason: str | int | None = None
+        self.first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -91,14 +103,20 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 
+    @property
+    def prompt_computed(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finished status the last appended token causes, or None to go on."""
         params = self.sampling_params
         last = self.all_token_ids[-1]
-        if not params.ignore_eos and last in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None

@@ -1,50 +1,98 @@
 """Iteration-level scheduler: re-decides the batch before every forward.
 
-Each iteration has one token budget (``max_num_batched_tokens``). Running requests are
-served first (decodes, then unfinished prefill chunks, each in admission order), then
-waiting requests in arrival order while the budget, ``max_num_seqs`` and the KV watermark
-allow. A prefill takes ``min(remaining, budget, long_prefill_token_threshold)`` tokens, so
-long prompts are chunked across iterations (Sarathi-Serve, Agrawal et al., OSDI 2024). When
-a running request cannot get a block, the most recently admitted request is preempted by
-recompute: its blocks are freed and it re-enters the waiting queue at the front, keeping its
-output tokens, which are recomputed with the prompt when it is admitted again.
+Each iteration has one token budget (``max_num_batched_tokens``), spent in this order:
+
+1. running requests: decodes, then unfinished prefill chunks, each in admission order;
+2. swapped requests, brought back from the host pool (before any new admission);
+3. waiting requests by effective priority (aging) then arrival, while the budget,
+   ``max_num_seqs`` and the KV watermark allow.
+
+A prefill takes ``min(remaining, budget, long_prefill_token_threshold)`` tokens, so long
+prompts are chunked across iterations (Sarathi-Serve, Agrawal et al., OSDI 2024). When a
+running request cannot get a block, a victim is preempted (``policy.select_victim``) by
+recompute (blocks freed, tokens kept, recomputed on re-admission) or by swap (blocks copied
+to the host pool), as ``policy.choose_preemption_mode`` decides. With ``batching=static`` a
+new batch is admitted only when every request of the previous one has finished.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from iterserve.config import SchedulerConfig
+from iterserve.engine import policy
 from iterserve.engine.kv_cache_manager import KVCacheManager
 from iterserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from iterserve.engine.request import Request, RequestStatus
 
+# Called after a token is appended; returns True when a stop string ended the request.
+StopChecker = Callable[[Request], bool]
+
+
+class _Batch:
+    """The decisions of one ``schedule()`` call, in batch order."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.num_tokens: dict[str, int] = {}
+        self.preempted: list[Request] = []
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.num_tokens[request.request_id] = num_tokens
+        self.budget -= num_tokens
+
+    def remove(self, request: Request) -> None:
+        self.budget += self.num_tokens.pop(request.request_id, 0)
+
 
 class Scheduler:
-    """Owns the waiting and running queues; the only code that changes a request's state.
+    """Owns the waiting, running and swapped queues; the only code that changes a request's
+    state.
 
     Args:
-        config: scheduler settings.
+        config: scheduler settings (replaceable between iterations: see ``update_config``).
         kv_cache_manager: the block manager (owned by this scheduler from now on).
         max_model_len: tokens per sequence, resolved from the model.
+        stop_checker: checks stop strings after each appended token (the detokenizer).
+        preemption_costs: measured costs for ``preemption_mode=auto``.
+        clock: seconds, monotonic (injectable for tests).
     """
 
     def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        stop_checker: StopChecker | None = None,
+        preemption_costs: policy.PreemptionCosts | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
+        self.stop_checker = stop_checker
+        self.preemption_costs = preemption_costs
+        self.clock = clock
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order
+        self.swapped: list[Request] = []  # in swap-out order
         self._finished_since_last_step: list[str] = []
         # Requests the scheduler itself ended (pool too small), reported by update_from_output.
         self._capacity_finished: list[Request] = []
         self._admit_counter = itertools.count()
-        self.num_preemptions = 0
+        self._arrival_counter = itertools.count()
+        self._static_batch_open = True
+        self.iteration = 0
+        self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
+
+    def update_config(self, config: SchedulerConfig) -> None:
+        """Swap in new settings; call between iterations (they apply to the next one)."""
+        self.config = config
 
     # ----------------------------------------------------------------- queue changes
 
@@ -52,6 +100,7 @@ class Scheduler:
         """Queue a validated request (see ``LLMEngine.add_request`` for the checks)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.arrival_seq = next(self._arrival_counter)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -62,100 +111,158 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._queue_of(request).remove(request)
             self._finish(request, status)
             done.append(request)
         return done
 
+    def _queue_of(self, request: Request) -> list[Request]:
+        if request.status == RequestStatus.RUNNING:
+            return self.running
+        if request.status == RequestStatus.SWAPPED:
+            return self.swapped
+        return self.waiting
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request)
+        self.kv.free_host(request)
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop all KV, keep the tokens, go back to the front."""
-        self.running.remove(request)
-        self.kv.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
+    def _preempt(self, victim: Request, batch: _Batch) -> None:
+        self.running.remove(victim)
+        batch.remove(victim)
+        batch.preempted.append(victim)
+        victim.preempted_at.append(self.iteration)
+        victim.num_preemptions += 1
+        can_swap = len(self.swapped) < policy.MAX_CONCURRENT_SWAPS and self.kv.can_swap_out(victim)
+        mode = policy.choose_preemption_mode(victim, self.config, self.preemption_costs, can_swap)
+        self.num_preemptions_by_mode[mode] += 1
+        if mode == "swap":
+            batch.swap_out += self.kv.swap_out(victim)
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.append(victim)
+        else:
+            self.kv.free(victim)
+            victim.status = RequestStatus.PREEMPTED
+            victim.num_computed_tokens = 0
+            self.waiting.append(victim)
 
     @property
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.num_preemptions_by_mode.values())
+
     # ----------------------------------------------------------------- one iteration
 
     def schedule(self) -> SchedulerOutput:
         """Choose this iteration's batch and reserve its KV slots."""
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, int] = {}  # request_id -> num_scheduled_tokens, in batch order
-        preempted: list[Request] = []
+        self.iteration += 1
+        batch = _Batch(self.config.max_num_batched_tokens)
+        self._schedule_running(batch)
+        if not batch.preempted and self._resume_swapped(batch):
+            self._admit_waiting(batch)
+        out = self._build_output(batch)
+        assert out.num_scheduled_tokens <= self.config.max_num_batched_tokens
+        return out
 
+    def _schedule_running(self, batch: _Batch) -> None:
         # Decodes first so that a long prefill never delays running streams.
         for request in sorted(self.running, key=lambda r: (self._is_prefill(r), r.admit_seq)):
-            if budget == 0:
+            if batch.budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, batch.budget)
             while not self.kv.allocate_slots(request, num_new):
                 if len(self.running) == 1:
                     # Alone and still out of blocks: the pool cannot hold this sequence.
                     self._finish_capacity(request)
                     break
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                budget += scheduled.pop(victim.request_id, 0)
+                victim = policy.select_victim(
+                    self.running, self.clock(), self.iteration, self.config
+                )
+                self._preempt(victim, batch)
                 if victim is request:
                     break
             if request.status == RequestStatus.RUNNING:
-                scheduled[request.request_id] = num_new
-                budget -= num_new
+                batch.add(request, num_new)
 
-        if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
+    def _resume_swapped(self, batch: _Batch) -> bool:
+        """Swap requests back in, oldest first; True when none is left waiting for room."""
+        while self.swapped and batch.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, batch.budget)
+            copies = self.kv.swap_in(request, num_new)
+            if copies is None:
+                if not self.running:
+                    # Every device block is free and it still does not fit: it never will.
+                    self.swapped.pop(0)
+                    self._finish_capacity(request, queued=True)
+                    continue
+                return False
+            self.swapped.pop(0)
+            batch.swap_in += copies
+            self._start_running(request)
+            batch.add(request, num_new)
+        return not self.swapped
 
-        out = self._build_output(scheduled, preempted)
-        assert out.num_scheduled_tokens <= self.config.max_num_batched_tokens
-        return out
-
-    def _admit_waiting(self, budget: int, scheduled: dict[str, int]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+    def _admit_waiting(self, batch: _Batch) -> None:
+        if self.config.batching == "static" and not self._static_admission_open():
+            return
+        self.waiting.sort(key=policy.waiting_key(self.clock(), self.config))
+        idx = 0
+        while idx < len(self.waiting) and batch.budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[idx]
+            if request.wait_for is not None and not self._sibling_ready(request.wait_for):
+                idx += 1  # completion i > 0 of n: wait for the shared prompt blocks
+                continue
             hits = self.kv.get_computed_blocks(request)
             num_computed = len(hits) * self.kv.block_size
             remaining = request.num_tokens - num_computed
-            if not self.config.enable_chunked_prefill and remaining > budget:
+            if not self.config.enable_chunked_prefill and remaining > batch.budget:
                 break
-            num_new = self._num_new_tokens(request, num_computed, budget)
+            num_new = self._num_new_tokens(request, num_computed, batch.budget)
             nothing_running = not self.running
             if not self.kv.allocate_slots(
                 request, num_new, hits, use_watermark=not nothing_running
             ):
                 if nothing_running:
                     # Every block is free and it still does not fit: it never will.
-                    self.waiting.popleft()
+                    self.waiting.pop(idx)
                     self._finish_capacity(request, queued=True)
                     continue
                 break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
+            self.waiting.pop(idx)
             request.num_computed_tokens = num_computed
-            request.admit_seq = next(self._admit_counter)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
-            self.running.append(request)
-            scheduled[request.request_id] = num_new
-            budget -= num_new
-        return budget
+            self._start_running(request)
+            batch.add(request, num_new)
+
+    def _static_admission_open(self) -> bool:
+        """Static batching: admit only into an empty engine, and keep admitting (over several
+        iterations if the budget is short) until the batch is full or one member decodes."""
+        if not self.running:
+            self._static_batch_open = True
+        elif any(r.num_output_tokens > 0 for r in self.running):
+            self._static_batch_open = False
+        return self._static_batch_open
+
+    @staticmethod
+    def _sibling_ready(sibling: Request) -> bool:
+        return sibling.prompt_computed or sibling.is_finished
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        request.admit_seq = next(self._admit_counter)
+        self.running.append(request)
 
     def _finish_capacity(self, request: Request, queued: bool = False) -> None:
         if not queued:
@@ -163,7 +270,8 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
         self._capacity_finished.append(request)
 
-    def _is_prefill(self, request: Request) -> bool:
+    @staticmethod
+    def _is_prefill(request: Request) -> bool:
         return request.num_tokens - request.num_computed_tokens > 1
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
@@ -173,12 +281,12 @@ class Scheduler:
             num_new = min(num_new, threshold)
         return min(num_new, budget)
 
-    def _build_output(self, scheduled: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
-        batch = []
-        for request_id, num_new in scheduled.items():
+    def _build_output(self, batch: _Batch) -> SchedulerOutput:
+        scheduled = []
+        for request_id, num_new in batch.num_tokens.items():
             request = self.requests[request_id]
             start = request.num_computed_tokens
-            batch.append(
+            scheduled.append(
                 ScheduledRequest(
                     request_id=request_id,
                     token_ids=request.all_token_ids[start : start + num_new],
@@ -186,13 +294,16 @@ class Scheduler:
                     block_table=self.kv.block_ids(request_id),
                     sample=start + num_new == request.num_tokens,
                     sampling_params=request.sampling_params,
+                    prompt_token_ids=request.prompt_token_ids,
                 )
             )
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         return SchedulerOutput(
-            scheduled=batch,
-            preempted_request_ids=[r.request_id for r in preempted],
+            scheduled=scheduled,
+            preempted_request_ids=[r.request_id for r in batch.preempted],
             finished_request_ids=finished,
+            blocks_to_swap_out=batch.swap_out,
+            blocks_to_swap_in=batch.swap_in,
         )
 
     def update_from_output(
@@ -204,6 +315,7 @@ class Scheduler:
         ones carry their final status and have already given back their blocks).
         """
         updated, self._capacity_finished = self._capacity_finished, []
+        now = self.clock()
         for sched in scheduler_output.scheduled:
             request = self.requests.get(sched.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -213,7 +325,11 @@ class Scheduler:
             if not sched.sample:
                 continue
             request.append_output_token(runner_output.sampled_token_ids[sched.request_id])
-            status = request.check_stop(self.max_model_len)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            stopped = self.stop_checker is not None and self.stop_checker(request)
+            status = RequestStatus.FINISHED_STOPPED if stopped else None
+            status = status or request.check_stop(self.max_model_len)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
@@ -223,10 +339,10 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Assert the queue and block invariants (tests call this after every step)."""
         self.kv.check_integrity()
-        assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(
-            self.requests
-        )
-        assert len(self.running) + len(self.waiting) == len(self.requests)
+        queues = [self.running, self.waiting, self.swapped]
+        ids = [r.request_id for q in queues for r in q]
+        assert len(ids) == len(set(ids)) == len(self.requests), "a request is lost or queued twice"
+        assert set(ids) == set(self.requests)
         for request in self.running:
             assert request.status == RequestStatus.RUNNING
             num_blocks = len(self.kv.block_ids(request.request_id))
@@ -234,3 +350,9 @@ class Scheduler:
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert not self.kv.block_ids(request.request_id), request
+            assert request.num_computed_tokens == 0, request
+        for request in self.swapped:
+            assert request.status == RequestStatus.SWAPPED
+            assert not self.kv.block_ids(request.request_id), request
+            host = self.kv.host_block_ids(request.request_id)
+            assert len(host) == self.kv.num_blocks_for(request.num_computed_tokens), request

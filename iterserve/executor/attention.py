@@ -53,11 +53,44 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_host_blocks: int = 0,
     ) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
+        self.bytes_per_token = self.bytes_per_block(num_layers, 1, num_kv_heads, head_dim, dtype)
         self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Host swap pool: one tensor of [num_host_blocks, layers x (key, value), block, ...].
+        pin = device.type == "cuda"
+        host_shape = (num_host_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.host = (
+            torch.zeros(host_shape, dtype=dtype, pin_memory=pin) if num_host_blocks else None
+        )
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks: ``(device_block_id, host_block_id)`` pairs."""
+        if not pairs:
+            return
+        assert self.host is not None, "swap without a host pool"
+        src = torch.tensor([d for d, _ in pairs], device=self.key[0].device)
+        dst = torch.tensor([h for _, h in pairs])
+        for layer, (k, v) in enumerate(zip(self.key, self.value, strict=True)):
+            self.host[dst, layer, 0] = k[src].to("cpu")
+            self.host[dst, layer, 1] = v[src].to("cpu")
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks back to device blocks: ``(host_block_id, device_block_id)`` pairs."""
+        if not pairs:
+            return
+        assert self.host is not None, "swap without a host pool"
+        src = torch.tensor([h for h, _ in pairs])
+        dst = torch.tensor([d for _, d in pairs], device=self.key[0].device)
+        blocks = self.host[src]  # [num_pairs, layers, 2, block_size, heads, head_dim]
+        for layer, (k, v) in enumerate(zip(self.key, self.value, strict=True)):
+            k[dst] = blocks[:, layer, 0].to(k.device, non_blocking=True)
+            v[dst] = blocks[:, layer, 1].to(v.device, non_blocking=True)
 
     @staticmethod
     def bytes_per_block(

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from iterserve.config import ConfigError, EngineConfig, GiB
+from iterserve.engine.policy import PreemptionCosts
 from iterserve.executor.attention import KVCache
 from iterserve.executor.model_runner import TorchModelRunner
 from iterserve.models.llama import LlamaForCausalLM
@@ -41,7 +42,9 @@ class LoadedModel:
     hf_config: Any
     model_dir: Path
     num_kv_blocks: int
+    num_host_blocks: int
     eos_token_ids: frozenset[int]
+    preemption_costs: PreemptionCosts | None
 
 
 def load_hf_config(model_dir: Path) -> Any:
@@ -153,6 +156,10 @@ def build(config: EngineConfig) -> LoadedModel:
     model = load_model(hf_config, model_dir, dtype, device, config.model.max_model_len)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     num_blocks = num_kv_blocks_for(config, hf_config, dtype, device)
+    per_block = KVCache.bytes_per_block(
+        len(model.layers), config.cache.block_size, model.num_kv_heads, model.head_dim, dtype
+    )
+    num_host_blocks = int(config.cache.swap_space * GiB) // per_block
     kv_cache = KVCache(
         len(model.layers),
         num_blocks,
@@ -161,21 +168,33 @@ def build(config: EngineConfig) -> LoadedModel:
         model.head_dim,
         dtype,
         device,
+        num_host_blocks,
     )
+    eos_ids = eos_token_ids(model_dir, hf_config, tokenizer)
+    runner = TorchModelRunner(
+        model, kv_cache, config.model.seed, config.model.attention_backend, eos_ids
+    )
+    costs = None
+    if num_host_blocks and config.scheduler.preemption_mode == "auto":
+        costs = runner.measure_preemption_costs()
+        logger.info("preemption costs: %s", costs)
     logger.info(
-        "model %s on %s in %s; %d KV blocks of %d tokens",
+        "model %s on %s in %s; %d KV blocks of %d tokens, %d host blocks",
         model_dir,
         device,
         dtype,
         num_blocks,
         config.cache.block_size,
+        num_host_blocks,
     )
     return LoadedModel(
         config=config,
-        runner=TorchModelRunner(model, kv_cache, config.model.seed, config.model.attention_backend),
+        runner=runner,
         tokenizer=tokenizer,
         hf_config=hf_config,
         model_dir=model_dir,
         num_kv_blocks=num_blocks,
-        eos_token_ids=eos_token_ids(model_dir, hf_config, tokenizer),
+        num_host_blocks=num_host_blocks,
+        eos_token_ids=eos_ids,
+        preemption_costs=costs,
     )

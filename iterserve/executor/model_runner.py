@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from iterserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from iterserve.engine.policy import PreemptionCosts
+from iterserve.engine.sampling_params import SamplingParams
 from iterserve.executor.attention import AttentionMetadata, KVCache, get_attention_backend
-from iterserve.executor.sampler import Sampler
+from iterserve.executor.sampler import Sampler, SamplingState
 from iterserve.models.llama import LlamaForCausalLM
 
 
@@ -74,27 +77,39 @@ def prepare_inputs(
 
 class TorchModelRunner:
     """Runs a :class:`LlamaForCausalLM` over a paged :class:`KVCache` (implements the engine's
-    ``ModelRunner`` protocol).
+    ``ModelRunner`` protocol). Keeps each request's sampling state (generator, token history)
+    until the scheduler reports the request finished.
 
     Args:
         model: the loaded model, in its serving dtype, on ``device``.
-        kv_cache: the KV cache tensors.
-        seed: seed of the sampler's generator.
+        kv_cache: the KV cache tensors (with their host swap pool).
+        seed: seed of the sampler's shared generator.
         attention_backend: ``auto`` or ``torch``.
+        eos_token_ids: masked until a request's ``min_tokens``.
     """
 
     def __init__(
-        self, model: LlamaForCausalLM, kv_cache: KVCache, seed: int, attention_backend: str = "auto"
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        seed: int,
+        attention_backend: str = "auto",
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.embed_tokens.weight.device
         self.attention_cls = get_attention_backend(attention_backend)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, eos_token_ids)
         self.scale = float(model.head_dim) ** -0.5
+        self.states: dict[str, SamplingState] = {}
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_request_ids:
+            self.states.pop(request_id, None)
+        self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
+        self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = prepare_inputs(scheduler_output.scheduled, self.kv_cache.block_size, self.device)
@@ -103,7 +118,41 @@ class TorchModelRunner:
         if not inputs.sampled:
             return ModelRunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab]
-        tokens = self.sampler(logits, [s.sampling_params for s in inputs.sampled])
+        states = [self._state(s) for s in inputs.sampled]
+        out = self.sampler(logits, states)
+        ids = [s.request_id for s in inputs.sampled]
         return ModelRunnerOutput(
-            sampled_token_ids={s.request_id: t for s, t in zip(inputs.sampled, tokens, strict=True)}
+            sampled_token_ids=dict(zip(ids, out.token_ids, strict=True)),
+            logprobs={i: lp for i, lp in zip(ids, out.logprobs, strict=True) if lp is not None},
         )
+
+    def _state(self, sched: ScheduledRequest) -> SamplingState:
+        state = self.states.get(sched.request_id)
+        if state is None:
+            state = self.sampler.new_state(sched.sampling_params, sched.prompt_token_ids)
+            self.states[sched.request_id] = state
+        return state
+
+    @torch.inference_mode()
+    def measure_preemption_costs(self, num_tokens: int = 256) -> PreemptionCosts:
+        """Time one prefill of ``num_tokens`` and a swap of as many tokens' blocks (start-up)."""
+        bs = self.kv_cache.block_size
+        num_blocks = min(-(-num_tokens // bs), self.kv_cache.num_blocks)
+        num_tokens = min(num_tokens, num_blocks * bs)
+        sched = ScheduledRequest(
+            "profile", [0] * num_tokens, 0, list(range(num_blocks)), False, SamplingParams()
+        )
+        self.execute_model(SchedulerOutput(scheduled=[sched]))  # warm-up
+        start = time.perf_counter()
+        self.execute_model(SchedulerOutput(scheduled=[sched]))
+        prefill_s = (time.perf_counter() - start) / num_tokens
+        kv_bytes_per_token = self.kv_cache.bytes_per_token
+        if self.kv_cache.num_host_blocks == 0:
+            return PreemptionCosts(prefill_s, float("inf"), kv_bytes_per_token)
+        pairs = [(i, i) for i in range(min(num_blocks, self.kv_cache.num_host_blocks))]
+        start = time.perf_counter()
+        self.kv_cache.swap_out(pairs)
+        self.kv_cache.swap_in(pairs)
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        bandwidth = 2 * len(pairs) * bs * kv_bytes_per_token / elapsed
+        return PreemptionCosts(prefill_s, bandwidth, kv_bytes_per_token)

@@ -1,0 +1,67 @@
+"""Incremental detokenization and stop strings.
+
+Text grows with ``tokenizers``' ``DecodeStream``, which returns nothing until a token
+completes a character, so a multi-byte character (CJK, emoji) split across tokens never
+shows up as U+FFFD. Stop strings are searched in the text as it grows (they may span token
+boundaries); text that might still turn out to be the start of a stop string is held back
+from streaming until the next token decides it (as vLLM does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from iterserve.engine.sampling_params import SamplingParams
+
+# Prompt tokens fed to the stream first, so the first output token decodes in context
+# (SentencePiece tokenizers drop a leading space without it).
+_CONTEXT_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    """The output text of one completion, one token at a time.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (its ``backend_tokenizer`` is used).
+        prompt_token_ids: the prompt, for context.
+        params: ``stop``, ``include_stop_str_in_output``, ``skip_special_tokens``.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = tokenizer.backend_tokenizer
+        self._stream = DecodeStream(
+            prompt_token_ids[-_CONTEXT_TOKENS:], skip_special_tokens=params.skip_special_tokens
+        )
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self.stop_string: str | None = None
+
+    def append(self, token_id: int) -> str | None:
+        """Decode one more token; returns the stop string it completed, if any (the text is
+        then cut before it, or after it with ``include_stop_str_in_output``)."""
+        piece = self._stream.step(self._backend, token_id)
+        if not piece:
+            return None
+        start = max(0, len(self.text) - self._hold)
+        self.text += piece
+        if not self.stop:
+            return None
+        found = [(self.text.find(s, start), s) for s in self.stop]
+        hits = [(i, s) for i, s in found if i >= 0]
+        if not hits:
+            return None
+        idx, stop = min(hits)
+        self.text = self.text[: idx + len(stop)] if self.include_stop else self.text[:idx]
+        self.stop_string = stop
+        return stop
+
+    def visible_text(self, finished: bool) -> str:
+        """Text that may be streamed now: all of it once finished, else without the tail that
+        could still be the start of a stop string."""
+        if finished or not self._hold:
+            return self.text
+        return self.text[: max(0, len(self.text) - self._hold)]

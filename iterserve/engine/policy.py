@@ -1,0 +1,108 @@
+"""Small scheduling policies the scheduler calls: queue order with aging, preemption victims
+with anti-thrashing protection, and the recompute-vs-swap cost model."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from iterserve.config import SchedulerConfig
+from iterserve.engine.request import Request
+
+# A request preempted this many times within the window is protected from being chosen again.
+PROTECT_AFTER_PREEMPTIONS = 2
+PROTECT_WINDOW_ITERATIONS = 64
+# At most this many requests sit in the host swap pool at once; beyond it, recompute.
+MAX_CONCURRENT_SWAPS = 16
+
+
+def effective_priority(request: Request, now: float, config: SchedulerConfig) -> int:
+    """Priority minus one per ``aging_interval_s`` waited since arrival, never below the most
+    urgent tier's priority (so an aged request ties the most urgent tier and wins on arrival).
+
+    Under policy ``fcfs`` every request has the same effective priority (0).
+    """
+    if config.scheduling_policy == "fcfs":
+        return 0
+    floor = min(min(t.priority for t in config.tiers), request.priority)
+    aged = math.floor(max(0.0, now - request.arrival_time) / config.aging_interval_s)
+    return max(floor, request.priority - aged)
+
+
+def waiting_key(now: float, config: SchedulerConfig) -> Callable[[Request], tuple[int, float, int]]:
+    """Sort key of the waiting queue: effective priority, then arrival (then insertion)."""
+    return lambda r: (effective_priority(r, now, config), r.arrival_time, r.arrival_seq)
+
+
+def is_protected(request: Request, iteration: int) -> bool:
+    recent = [i for i in request.preempted_at if iteration - i < PROTECT_WINDOW_ITERATIONS]
+    return len(recent) >= PROTECT_AFTER_PREEMPTIONS
+
+
+def select_victim(
+    running: Sequence[Request], now: float, iteration: int, config: SchedulerConfig
+) -> Request:
+    """The running request to preempt: largest effective priority value, then the most
+    recently admitted, skipping protected (thrashing) requests.
+
+    The request that this order would choose last (most urgent, admitted first) is never
+    chosen while there is another candidate: protection may move preemption onto other
+    requests but never onto it, so it always makes progress (no livelock). If every other
+    candidate is protected, the one protected longest loses its protection and is chosen.
+    """
+    order = sorted(
+        running, key=lambda r: (effective_priority(r, now, config), r.admit_seq), reverse=True
+    )
+    candidates = order[:-1] or order
+    for request in candidates:
+        if not is_protected(request, iteration):
+            return request
+    oldest = min(candidates, key=lambda r: r.preempted_at[-PROTECT_AFTER_PREEMPTIONS])
+    oldest.preempted_at.clear()
+    return oldest
+
+
+@dataclass(frozen=True)
+class PreemptionCosts:
+    """Costs measured by the model runner at start-up (never hard-coded).
+
+    Attributes:
+        prefill_seconds_per_token: time to recompute one token's KV in a prefill.
+        swap_bytes_per_second: bandwidth of copying KV blocks to the host pool and back.
+        kv_bytes_per_token: KV bytes of one token across all layers.
+    """
+
+    prefill_seconds_per_token: float
+    swap_bytes_per_second: float
+    kv_bytes_per_token: int
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens * self.prefill_seconds_per_token
+
+    def swap_seconds(self, num_tokens: int) -> float:
+        """Out and back in."""
+        return 2 * num_tokens * self.kv_bytes_per_token / self.swap_bytes_per_second
+
+
+def choose_preemption_mode(
+    victim: Request,
+    config: SchedulerConfig,
+    costs: PreemptionCosts | None,
+    can_swap: bool,
+) -> Literal["recompute", "swap"]:
+    """``recompute`` or ``swap`` for one victim.
+
+    ``swap`` mode swaps whenever the host pool and the concurrency cap allow; ``auto`` swaps
+    only when copying the victim's KV out and back is cheaper than recomputing it.
+    """
+    mode = config.preemption_mode
+    if mode == "recompute" or not can_swap or victim.num_computed_tokens == 0:
+        return "recompute"
+    if mode == "swap":
+        return "swap"
+    if costs is None:
+        return "recompute"
+    tokens = victim.num_computed_tokens
+    return "swap" if costs.swap_seconds(tokens) < costs.recompute_seconds(tokens) else "recompute"
