@@ -28,7 +28,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(cls.__name__)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "") + f" (default: {f.default})"
+            help_text = f.metadata.get("help", "")
+            if f.default is not None and f.name != "tiers":
+                help_text += f" (default: {f.default})"
             tp = field_type(cls, f.name)
             kwargs: dict[str, Any] = {
                 "dest": f.name,
@@ -44,7 +46,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             else:
                 group.add_argument(flag, type=tp, **kwargs)
     parser.add_argument(
-        "--config", type=Path, default=None, help="YAML file of any of these flags (as vLLM's)"
+        "--config",
+        type=Path,
+        default=None,
+        help="YAML file of any of the engine flags above (as vLLM's); flags given win",
     )
 
 
@@ -64,7 +69,10 @@ def engine_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     known = {f.name for cls in ENGINE_CONFIG_CLASSES for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     if args.config is not None:
-        data = yaml.safe_load(args.config.read_text()) or {}
+        try:
+            data = yaml.safe_load(args.config.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            parser.error(f"cannot read --config {args.config}: {e}")
         if not isinstance(data, dict):
             parser.error(f"{args.config}: expected a mapping of flags to values")
         for key, value in data.items():
@@ -80,6 +88,7 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from iterserve.engine.errors import InvalidRequestError
     from iterserve.engine.sampling_params import SamplingParams
     from iterserve.llm import LLM
+    from iterserve.models.loader import ModelNotFoundError
 
     try:
         llm = LLM(**engine_kwargs(args, parser))
@@ -93,7 +102,14 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         else:
             outs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
-    except (ConfigError, InvalidRequestError, TypeError) as e:
+        cfg = llm.config
+        print(
+            f"model {llm.loaded.model_dir.name} ({cfg.model.dtype}), {llm.loaded.num_kv_blocks} "
+            f"KV blocks of {cfg.cache.block_size} tokens, max_num_seqs "
+            f"{cfg.scheduler.max_num_seqs}, max_num_batched_tokens "
+            f"{cfg.scheduler.max_num_batched_tokens}"
+        )
+    except (ConfigError, InvalidRequestError, ModelNotFoundError, TypeError) as e:
         print(f"iterserve generate: error: {e}", file=sys.stderr)
         return 2
     num_out = 0
@@ -115,11 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation from the command line")
     add_engine_flags(gen)
-    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument(
+        "--prompt", action="append", help="a prompt (repeatable; default: 4 example prompts)"
+    )
+    gen.add_argument("--max-tokens", type=int, default=64, help="(default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument(
+        "--chat", action="store_true", help="apply the model's chat template to each prompt"
+    )
     gen.set_defaults(func=_cmd_generate, subparser=gen)
     return parser
 

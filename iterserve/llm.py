@@ -88,19 +88,23 @@ class LLM:
             list[list[dict[str, str]]],
             messages if messages and isinstance(messages[0], list) else [messages],
         )
+        texts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        # The template spells out its special tokens: the tokenizer adds none on top.
         prompts: list[PromptType] = [
-            {"prompt_token_ids": self.encode_chat(c, add_generation_prompt), "prompt": None}
-            for c in conversations
+            {"prompt_token_ids": self.tokenizer(t, add_special_tokens=False).input_ids, "prompt": t}
+            for t in texts
         ]
         return self.generate(prompts, sampling_params)
 
-    def encode_chat(
+    def apply_chat_template(
         self, conversation: list[dict[str, str]], add_generation_prompt: bool = True
-    ) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    ) -> str:
+        """The prompt text of a conversation under the model's chat template."""
+        return str(
+            self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
         )
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def _encode(self, prompt: PromptType) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

@@ -15,4 +15,8 @@ def loaded_f32() -> Any:
     """The default model loaded once in float32 (parity with Hugging Face is tested there)."""
     from iterserve.executor.build import build
 
-    return build(EngineConfig.from_kwargs(dtype="float32", num_kv_blocks=SHARED_NUM_KV_BLOCKS))
+    # A small host pool too (swap tests): 0.05 GiB = 72 float32 blocks of 16 tokens.
+    config = EngineConfig.from_kwargs(
+        dtype="float32", num_kv_blocks=SHARED_NUM_KV_BLOCKS, swap_space=0.05
+    )
+    return build(config)

@@ -17,6 +17,8 @@ def make_engine(loaded: Any, **kwargs: Any) -> LLMEngine:
     assert num_kv_blocks <= loaded.num_kv_blocks
     kwargs.setdefault("max_model_len", loaded.config.model.max_model_len)
     config = EngineConfig.from_kwargs(dtype="float32", num_kv_blocks=num_kv_blocks, **kwargs)
+    # The runner outlives engines here: forget the sampling state of earlier engines' requests.
+    loaded.runner.states.clear()
     return LLMEngine(
         config,
         loaded.runner,
@@ -24,4 +26,6 @@ def make_engine(loaded: Any, **kwargs: Any) -> LLMEngine:
         num_kv_blocks=num_kv_blocks,
         vocab_size=int(loaded.hf_config.vocab_size),
         eos_token_ids=loaded.eos_token_ids,
+        num_host_blocks=loaded.num_host_blocks,
+        preemption_costs=loaded.preemption_costs,
     )

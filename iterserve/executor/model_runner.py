@@ -139,8 +139,9 @@ class TorchModelRunner:
         bs = self.kv_cache.block_size
         num_blocks = min(-(-num_tokens // bs), self.kv_cache.num_blocks)
         num_tokens = min(num_tokens, num_blocks * bs)
+        token_ids = [i % self.model.config.vocab_size for i in range(num_tokens)]
         sched = ScheduledRequest(
-            "profile", [0] * num_tokens, 0, list(range(num_blocks)), False, SamplingParams()
+            "profile", token_ids, 0, list(range(num_blocks)), False, SamplingParams()
         )
         self.execute_model(SchedulerOutput(scheduled=[sched]))  # warm-up
         start = time.perf_counter()

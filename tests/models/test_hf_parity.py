@@ -219,3 +219,23 @@ def test_prefix_cache_hits_are_reported(loaded_f32: Any) -> None:
             if out.finished:
                 cached = out.num_cached_tokens
     assert cached == (len(shared) // 16) * 16
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_tiny_pool_with_swap_preemption(
+    loaded_f32: Any, prompts: list[list[int]], references: list[Reference], mode: str
+) -> None:
+    """Victims' KV goes to the host pool and comes back; outputs stay equal to HF's."""
+    engine = make_engine(
+        loaded_f32,
+        num_kv_blocks=60,
+        max_num_batched_tokens=256,
+        preemption_mode=mode,
+        swap_space=0.05,
+    )
+    outputs = run_staggered(engine, prompts, arrival_steps=[0] * len(prompts))
+    # On this machine copying KV is far cheaper than recomputing it, so auto swaps too.
+    assert engine.scheduler.num_preemptions_by_mode["swap"] > 0
+    assert engine.scheduler.kv.num_free_host_blocks == engine.scheduler.kv.num_host_blocks
+    for i, ref in enumerate(references):
+        assert_greedy_equal(outputs[str(i)], ref, f"prompt {i} ({mode})")
