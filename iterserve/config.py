@@ -31,14 +31,39 @@ class ConfigError(ValueError):
     """A configuration value or combination of values is invalid."""
 
 
-def _check_literals(cfg: Any) -> None:
-    """Raise ConfigError when a ``Literal``-typed field holds a value outside its choices."""
+def _check_types(cfg: Any) -> None:
+    """Raise ConfigError when a field's value does not have its annotated type.
+
+    ``Literal`` fields must hold one of their choices; ``int`` fields an int (not a bool);
+    ``float`` fields an int or float; ``bool`` and ``str`` fields exactly that; ``X | None``
+    also None. Other annotations (tuples of tiers) are checked by the class itself.
+    """
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
-        choices = _literal_choices(hints[f.name])
         value = getattr(cfg, f.name)
-        if choices is not None and value not in choices:
-            raise ConfigError(f"{f.name} must be one of {list(choices)}, got {value!r}")
+        tp = hints[f.name]
+        args = typing.get_args(tp)
+        if (isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union) and (
+            type(None) in args
+        ):
+            if value is None:
+                continue
+            tp = next(a for a in args if a is not type(None))
+        choices = _literal_choices(tp)
+        if choices is not None:
+            if value not in choices:
+                raise ConfigError(f"{f.name} must be one of {list(choices)}, got {value!r}")
+        elif tp in _SCALAR_CHECKS and not _SCALAR_CHECKS[tp](value):
+            raise ConfigError(f"{f.name} must be {_SCALAR_NAMES[tp]}, got {value!r}")
+
+
+_SCALAR_CHECKS: dict[Any, Any] = {
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, int | float) and not isinstance(v, bool) and v == v,
+    bool: lambda v: isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+}
+_SCALAR_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
 def _literal_choices(tp: Any) -> tuple[Any, ...] | None:
@@ -71,7 +96,7 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_literals(self)
+        _check_types(self)
         _require(
             self.max_model_len is None or self.max_model_len > 0,
             f"max_model_len must be positive, got {self.max_model_len}",
@@ -98,6 +123,7 @@ class CacheConfig:
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _require(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
             f"block_size must be a power of two in [1, 256], got {self.block_size}",
@@ -135,6 +161,7 @@ class Tier:
     ttft_target_ms: float | None = None
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _require(bool(self.name), "a tier needs a non-empty name")
         _require(
             isinstance(self.priority, int) and not isinstance(self.priority, bool),
@@ -204,7 +231,7 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_literals(self)
+        _check_types(self)
         object.__setattr__(self, "tiers", parse_tiers(self.tiers))
         names = [t.name for t in self.tiers]
         _require(len(set(names)) == len(names), f"tier names must be unique, got {names}")
@@ -254,6 +281,7 @@ class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per replica"})
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _require(
             self.tensor_parallel_size == 1,
             f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import operator
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from iterserve.config import EngineConfig
@@ -66,12 +67,15 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
-        else:
+        elif isinstance(sampling_params, list | tuple):
             params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"{len(params_list)} sampling params for {len(prompt_list)} prompts"
-                )
+        else:
+            raise TypeError(
+                f"sampling_params must be SamplingParams or a list of them, got "
+                f"{type(sampling_params).__name__}"
+            )
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
         encoded = [self._encode(p) for p in prompt_list]
         for (token_ids, _), params in zip(encoded, params_list, strict=True):
             self.engine.validate(token_ids, params)
@@ -111,38 +115,75 @@ class LLM:
             return list(self.tokenizer(prompt).input_ids), prompt
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
-            if "prompt" in prompt:
-                return self._encode(str(prompt["prompt"]))
+                text = prompt.get("prompt")
+                return _token_ids(prompt["prompt_token_ids"]), text if isinstance(
+                    text, str
+                ) else None
+            if isinstance(prompt.get("prompt"), str):
+                return self._encode(prompt["prompt"])
             raise InvalidRequestError(
-                "a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt"
+                "a prompt dict needs a 'prompt' string or 'prompt_token_ids'", "prompt"
             )
-        return list(prompt), None
+        return _token_ids(prompt), None
 
     def _run(
         self, encoded: list[tuple[list[int], str | None]], params_list: list[SamplingParams]
     ) -> list[RequestOutput]:
         order: dict[str, int] = {}
-        for i, ((token_ids, text), params) in enumerate(zip(encoded, params_list, strict=True)):
-            request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, token_ids, params, prompt=text)
-            order[request_id] = i
-        results: list[RequestOutput | None] = [None] * len(order)
-        pending = len(order)
-        while pending:
-            for out in self.engine.step():
-                if out.finished and out.request_id in order:
-                    results[order[out.request_id]] = out
-                    pending -= 1
+        results: list[RequestOutput | None] = [None] * len(encoded)
+        try:
+            for i, ((token_ids, text), params) in enumerate(zip(encoded, params_list, strict=True)):
+                request_id = f"offline-{next(self._ids)}"
+                self.engine.add_request(request_id, token_ids, params, prompt=text)
+                order[request_id] = i
+            pending = len(order)
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        pending -= 1
+        finally:
+            # On any error, leave nothing of this call queued in the engine.
+            self.engine.abort_request([r for r, i in order.items() if results[i] is None])
         return [r for r in results if r is not None]
 
 
-def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+def _token_ids(prompt: object) -> list[int]:
+    """Token ids from a sequence of integers (numpy integers and arrays too).
+
+    Raises:
+        InvalidRequestError: anything else.
+    """
+    if isinstance(prompt, str | bytes | dict) or not isinstance(prompt, Iterable):
+        raise InvalidRequestError(
+            f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}",
+            "prompt",
+        )
+    try:
+        return [_index(t) for t in prompt]
+    except TypeError as e:
+        raise InvalidRequestError(f"prompt token ids must be integers: {e}", "prompt") from e
+
+
+def _index(token: object) -> int:
+    if isinstance(token, bool) or not hasattr(token, "__index__"):
+        raise TypeError(f"{token!r} is not an integer")
+    return operator.index(token)
+
+
+def _as_prompt_list(prompts: object) -> list[PromptType]:
     if isinstance(prompts, str | dict):
         return [prompts]
+    if isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
+        raise InvalidRequestError(
+            f"prompts must be text, token ids, a dict or a list of these, got "
+            f"{type(prompts).__name__}",
+            "prompt",
+        )
     prompt_list = list(prompts)
-    if prompt_list and all(isinstance(t, int) for t in prompt_list):
-        return [prompt_list]  # type: ignore[list-item]  # one prompt of token ids
     if not prompt_list:
         raise InvalidRequestError("no prompts given", "prompt")
-    return prompt_list  # type: ignore[return-value]
+    if not any(isinstance(p, str | dict) or hasattr(p, "__len__") for p in prompt_list):
+        # One prompt of token ids (non-integers are rejected when it is encoded).
+        return [typing.cast(PromptType, prompt_list)]
+    return typing.cast(list[PromptType], prompt_list)

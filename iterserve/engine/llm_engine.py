@@ -191,6 +191,8 @@ class LLMEngine:
             InvalidRequestError: the request can never be served; nothing was queued.
             ValueError: ``request_id`` is already in use.
         """
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {request_id!r}")
         self.validate(prompt_token_ids, params)
         prio = self.resolve_priority(priority)
         if request_id in self._parents:
@@ -218,7 +220,7 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests now, freeing their KV blocks; returns their final outputs."""
-        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         outputs = []
         for request_id in ids:
             parent = self._parents.get(request_id)

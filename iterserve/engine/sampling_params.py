@@ -9,6 +9,8 @@ from typing import Any
 from iterserve.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# Temperatures below this sample greedily (as vLLM): dividing logits by less overflows.
+GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_N = 128
 MAX_STOP_STRINGS = 16
 
@@ -72,8 +74,21 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        _check(
+            stop is None or isinstance(stop, list | tuple),
+            "stop",
+            "must be a string or a list of strings",
+            stop,
+        )
         object.__setattr__(self, "stop", tuple(stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        ids = self.stop_token_ids
+        _check(
+            ids is None or isinstance(ids, list | tuple),
+            "stop_token_ids",
+            "must be a list of integers",
+            ids,
+        )
+        object.__setattr__(self, "stop_token_ids", tuple(ids or ()))
         self._validate()
 
     def _validate(self) -> None:
@@ -155,7 +170,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
     @property
     def needs_penalties(self) -> bool:
