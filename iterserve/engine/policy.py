@@ -21,13 +21,17 @@ MAX_CONCURRENT_SWAPS = 16
 def effective_priority(request: Request, now: float, config: SchedulerConfig) -> int:
     """Priority minus one per ``aging_interval_s`` waited since arrival, never below the most
     urgent tier's priority (so an aged request ties the most urgent tier and wins on arrival).
+    A priority below the most urgent tier counts as that tier (it maps there too), which keeps
+    the bound: after ``aging_interval_s * (priority - most urgent)`` a request is ahead of
+    every newer arrival.
 
     Under policy ``fcfs`` every request has the same effective priority (0).
     """
     if config.scheduling_policy == "fcfs":
         return 0
-    floor = min(min(t.priority for t in config.tiers), request.priority)
-    aged = math.floor(max(0.0, now - request.arrival_time) / config.aging_interval_s)
+    floor = min(t.priority for t in config.tiers)
+    # The epsilon keeps exact multiples of the interval from rounding down (0.3 / 0.1).
+    aged = math.floor(max(0.0, now - request.arrival_time) / config.aging_interval_s + 1e-9)
     return max(floor, request.priority - aged)
 
 
@@ -59,7 +63,8 @@ def select_victim(
     for request in candidates:
         if not is_protected(request, iteration):
             return request
-    oldest = min(candidates, key=lambda r: r.preempted_at[-PROTECT_AFTER_PREEMPTIONS])
+    # Protected since its latest preemption: the smallest one has been protected longest.
+    oldest = min(candidates, key=lambda r: r.preempted_at[-1])
     oldest.preempted_at.clear()
     return oldest
 

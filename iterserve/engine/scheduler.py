@@ -248,11 +248,10 @@ class Scheduler:
 
     def _static_admission_open(self) -> bool:
         """Static batching: admit only into an empty engine, and keep admitting (over several
-        iterations if the budget is short) until the batch is full or one member decodes."""
+        iterations if the budget is short) until the batch is full or a member has sampled
+        (``update_from_output`` closes it)."""
         if not self.running:
             self._static_batch_open = True
-        elif any(r.num_output_tokens > 0 for r in self.running):
-            self._static_batch_open = False
         return self._static_batch_open
 
     @staticmethod
@@ -325,6 +324,7 @@ class Scheduler:
             if not sched.sample:
                 continue
             request.append_output_token(runner_output.sampled_token_ids[sched.request_id])
+            self._static_batch_open = False  # a member decodes: the static batch is formed
             if request.first_token_time is None:
                 request.first_token_time = now
             stopped = self.stop_checker is not None and self.stop_checker(request)

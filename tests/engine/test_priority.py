@@ -245,7 +245,7 @@ def test_add_request_stores_the_resolved_priority() -> None:
         (0, 1000.0, 0),
         (7, 34.0, 1),
         (7, 35.0, 0),
-        (-2, 1000.0, -2),  # already more urgent than every tier: never changes
+        (-2, 1000.0, 0),  # below every tier: counts as the most urgent tier
         (2, -3.0, 2),  # a clock before the arrival ages nothing
     ],
 )
