@@ -110,9 +110,12 @@ def test_streamed_multibyte_text_has_no_replacement_characters(loaded_f32: Any) 
         assert "".join(deltas) == full
         assert "\ufffd" not in full
         assert any(ord(c) > 0x2E80 for c in full), f"no multi-byte output to test: {full!r}"
-        assert full == loaded_f32.tokenizer.decode(
+        # Equal to a one-shot decode, except that a character cut off by max_tokens is left
+        # out rather than shown as U+FFFD.
+        one_shot = loaded_f32.tokenizer.decode(
             final[request_id].outputs[0].token_ids, skip_special_tokens=True
         )
+        assert full == one_shot.rstrip("\ufffd")
 
 
 def test_n_completions_share_the_prompt_blocks(loaded_f32: Any) -> None:
@@ -124,8 +127,9 @@ def test_n_completions_share_the_prompt_blocks(loaded_f32: Any) -> None:
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
     prefill = sum(s.num_prefill_tokens for s in engine.telemetry)
-    # Completions 1 and 2 reuse the full blocks of the prompt: they recompute < one block each.
-    assert prefill < len(prompt) + 2 * 16
+    # Completions 1 and 2 reuse the prompt's full blocks: each recomputes at most one block
+    # (a prefix-cache hit never covers the last prompt token).
+    assert prefill <= len(prompt) + 2 * 16
     for i, completion in enumerate(out.outputs):
         single = SamplingParams(max_tokens=8, temperature=1.0, seed=10 + i)
         alone = run(make_engine(loaded_f32), {"a": (prompt, single)})["a"].outputs[0]
@@ -146,7 +150,7 @@ def test_logprobs_with_top_alternatives(loaded_f32: Any) -> None:
 
 
 def test_min_tokens_and_stop_token_ids(loaded_f32: Any) -> None:
-    prompt = chat_ids(loaded_f32, "Say yes.")
+    prompt = chat_ids(loaded_f32, "What is 2+2? Answer with a number only.")
     short = run(
         make_engine(loaded_f32), {"a": (prompt, SamplingParams(max_tokens=40, temperature=0.0))}
     )
