@@ -42,7 +42,15 @@ class AttentionMetadata:
 
 
 class KVCache:
-    """Per-layer key and value caches, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """Per-layer key and value caches, each ``[num_kv_heads, num_blocks, block_size, head_dim]``.
+
+    Head-major (not vLLM's ``[num_blocks, block_size, num_kv_heads, head_dim]``): gathering a
+    batch's blocks with ``index_select`` on dim 1 then yields ``[num_kv_heads * num_seqs,
+    seq_len, head_dim]`` contiguously, which batched matmuls read directly; with the
+    block-major layout a transposing copy of all gathered KV was needed (measured 2x slower
+    for decode attention on the development CPU, see docs/engine.md). Heads are also the axis
+    tensor parallelism shards.
+    """
 
     def __init__(
         self,
@@ -55,42 +63,19 @@ class KVCache:
         device: torch.device,
         num_host_blocks: int = 0,
     ) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.bytes_per_token = self.bytes_per_block(num_layers, 1, num_kv_heads, head_dim, dtype)
         self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        # Host swap pool: one tensor of [num_host_blocks, layers x (key, value), block, ...].
+        # Host swap pool: [num_host_blocks, layers, (key, value), num_kv_heads, block, head_dim].
         pin = device.type == "cuda"
-        host_shape = (num_host_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        host_shape = (num_host_blocks, num_layers, 2, num_kv_heads, block_size, head_dim)
         self.host = (
             torch.zeros(host_shape, dtype=dtype, pin_memory=pin) if num_host_blocks else None
         )
-
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy device blocks to host blocks: ``(device_block_id, host_block_id)`` pairs."""
-        if not pairs:
-            return
-        assert self.host is not None, "swap without a host pool"
-        src = torch.tensor([d for d, _ in pairs], device=self.key[0].device)
-        dst = torch.tensor([h for _, h in pairs])
-        for layer, (k, v) in enumerate(zip(self.key, self.value, strict=True)):
-            self.host[dst, layer, 0] = k[src].to("cpu")
-            self.host[dst, layer, 1] = v[src].to("cpu")
-
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy host blocks back to device blocks: ``(host_block_id, device_block_id)`` pairs."""
-        if not pairs:
-            return
-        assert self.host is not None, "swap without a host pool"
-        src = torch.tensor([h for h, _ in pairs])
-        dst = torch.tensor([d for _, d in pairs], device=self.key[0].device)
-        blocks = self.host[src]  # [num_pairs, layers, 2, block_size, heads, head_dim]
-        for layer, (k, v) in enumerate(zip(self.key, self.value, strict=True)):
-            k[dst] = blocks[:, layer, 0].to(k.device, non_blocking=True)
-            v[dst] = blocks[:, layer, 1].to(v.device, non_blocking=True)
 
     @staticmethod
     def bytes_per_block(
@@ -100,13 +85,39 @@ class KVCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks: ``(device_block_id, host_block_id)`` pairs."""
+        if not pairs:
+            return
+        assert self.host is not None, "swap without a host pool"
+        src = torch.tensor([d for d, _ in pairs], device=self.key[0].device)
+        dst = torch.tensor([h for _, h in pairs])
+        for layer, (k, v) in enumerate(zip(self.key, self.value, strict=True)):
+            # [num_kv_heads, n, block, head_dim] -> [n, num_kv_heads, block, head_dim]
+            self.host[dst, layer, 0] = k.index_select(1, src).transpose(0, 1).to("cpu")
+            self.host[dst, layer, 1] = v.index_select(1, src).transpose(0, 1).to("cpu")
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks back to device blocks: ``(host_block_id, device_block_id)`` pairs."""
+        if not pairs:
+            return
+        assert self.host is not None, "swap without a host pool"
+        src = torch.tensor([h for h, _ in pairs])
+        dst = torch.tensor([d for _, d in pairs], device=self.key[0].device)
+        blocks = self.host[src]  # [n, layers, 2, num_kv_heads, block, head_dim]
+        for layer, (k, v) in enumerate(zip(self.key, self.value, strict=True)):
+            k[:, dst] = blocks[:, layer, 0].transpose(0, 1).to(k.device, non_blocking=True)
+            v[:, dst] = blocks[:, layer, 1].transpose(0, 1).to(v.device, non_blocking=True)
+
 
 class TorchAttention:
-    """Paged attention in plain torch: ``scaled_dot_product_attention`` over gathered blocks.
+    """Paged attention in plain torch.
 
-    Decodes are batched: their blocks are gathered into ``[num_decodes, max_len, ...]`` and
-    masked past each sequence's length. Prefill chunks run one request at a time with a causal
-    mask shifted by the tokens already in the cache.
+    Decodes are batched: their blocks are gathered into ``[num_kv_heads * num_decodes,
+    padded_len, head_dim]`` and two batched matmuls (grouped-query heads share their KV head)
+    attend, masked past each sequence's length, with the softmax in float32. Prefill chunks
+    run one request at a time through ``scaled_dot_product_attention`` with a causal mask
+    shifted by the tokens already in the cache.
     """
 
     def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata, scale: float) -> None:
@@ -118,37 +129,40 @@ class TorchAttention:
             decode_lens = metadata.seq_lens[:num_decodes]
             max_len = max(metadata.seq_lens_list[:num_decodes])
             num_blocks = -(-max_len // kv_cache.block_size)
-            self._decode_blocks = metadata.block_tables[:num_decodes, :num_blocks]
+            # [num_decodes * num_blocks]: the blocks to gather, sequence after sequence.
+            self._decode_blocks = metadata.block_tables[:num_decodes, :num_blocks].flatten()
             self._decode_len = num_blocks * kv_cache.block_size
-            # [num_decodes, 1, 1, padded_len]: True where the key exists.
-            self._decode_mask = (torch.arange(self._decode_len)[None, :] < decode_lens[:, None])[
-                :, None, None, :
-            ]
+            keys = torch.arange(self._decode_len, device=decode_lens.device)
+            # [1, num_decodes, 1, padded_len]: True past the end of each sequence.
+            self._decode_pad = (keys[None, :] >= decode_lens[:, None])[None, :, None, :]
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        key_cache = self.kv_cache.key[layer_idx]
+        key_cache = self.kv_cache.key[layer_idx]  # [num_kv_heads, num_blocks, block, head_dim]
         value_cache = self.kv_cache.value[layer_idx]
-        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
         # Write this iteration's keys and values into their slots.
-        key_cache.view(-1, *k.shape[1:])[self.md.slot_mapping] = k
-        value_cache.view(-1, *v.shape[1:])[self.md.slot_mapping] = v
-        out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+        slots = self.md.slot_mapping
+        key_cache.view(num_kv_heads, -1, head_dim)[:, slots] = k.transpose(0, 1)
+        value_cache.view(num_kv_heads, -1, head_dim)[:, slots] = v.transpose(0, 1)
         nd = self.md.num_decodes
+        if nd == len(self.md.query_lens):
+            return self._decode(q, key_cache, value_cache)
+        out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         if nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache)
-        qsl = self.md.query_start_loc.tolist() if nd < len(self.md.query_lens) else []
+        qsl = self.md.query_start_loc.tolist()
         for i in range(nd, len(self.md.query_lens)):
             start, end = qsl[i], qsl[i + 1]
             seq_len = self.md.seq_lens_list[i]
             num_computed = seq_len - (end - start)
             if num_computed == 0:
-                ks, vs = k[start:end], v[start:end]  # the whole context is in this chunk
+                # The whole context is in this chunk: [num_kv_heads, q_len, head_dim]
+                ks, vs = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
             else:
                 ks, vs = self._gather(i, seq_len, key_cache, value_cache)
             out[start:end] = self._prefill(q[start:end], ks, vs, num_computed)
-        assert out.shape[1:] == (num_heads, head_dim)
         return out
 
     def _gather(
@@ -156,44 +170,52 @@ class TorchAttention:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         bs = self.kv_cache.block_size
         blocks = self.md.block_tables[i, : -(-seq_len // bs)]
-        ks = key_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
-        vs = value_cache[blocks].flatten(0, 1)[:seq_len]
+        # [num_kv_heads, seq_len, head_dim]
+        ks = key_cache.index_select(1, blocks).flatten(1, 2)[:, :seq_len]
+        vs = value_cache.index_select(1, blocks).flatten(1, 2)[:, :seq_len]
         return ks, vs
 
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_computed: int
     ) -> torch.Tensor:
-        # q [q_len, H, D]; k, v [seq_len, Hkv, D]; query j sits at position num_computed + j.
-        qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        # q [q_len, H, D]; k, v [Hkv, seq_len, D]; query j sits at position num_computed + j.
+        qt = q.transpose(0, 1)
         if num_computed == 0:
             o = F.scaled_dot_product_attention(
-                qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=True
+                qt, k, v, is_causal=True, scale=self.scale, enable_gqa=True
             )
         else:
-            q_len, seq_len = q.shape[0], k.shape[0]
+            q_len, seq_len = q.shape[0], k.shape[1]
             key_pos = torch.arange(seq_len, device=q.device)
             query_pos = num_computed + torch.arange(q_len, device=q.device)
             mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
             o = F.scaled_dot_product_attention(
-                qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=True
+                qt, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
             )
         return o.transpose(0, 1)
 
     def _decode(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
     ) -> torch.Tensor:
-        # q [num_decodes, H, D] -> gather [num_decodes, padded_len, Hkv, D]
-        ks = key_cache[self._decode_blocks].flatten(1, 2)
-        vs = value_cache[self._decode_blocks].flatten(1, 2)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [num_decodes, H, 1, D]
-            ks.transpose(1, 2),  # [num_decodes, Hkv, padded_len, D]
-            vs.transpose(1, 2),
-            attn_mask=self._decode_mask,
-            scale=self.scale,
-            enable_gqa=True,
+        nd, num_heads, head_dim = q.shape  # q [num_decodes, num_heads, head_dim]
+        num_kv_heads = key_cache.shape[0]
+        group = num_heads // num_kv_heads
+        length = self._decode_len
+        # [num_kv_heads * num_decodes, padded_len, head_dim], contiguous after the gather.
+        ks = key_cache.index_select(1, self._decode_blocks).view(-1, length, head_dim)
+        vs = value_cache.index_select(1, self._decode_blocks).view(-1, length, head_dim)
+        # Query heads of one KV head side by side: [num_kv_heads * num_decodes, group, head_dim]
+        qg = (q * self.scale).view(nd, num_kv_heads, group, head_dim).transpose(0, 1)
+        scores = torch.bmm(qg.reshape(-1, group, head_dim), ks.transpose(1, 2))
+        scores = scores.float().view(num_kv_heads, nd, group, length)
+        probs = scores.masked_fill(self._decode_pad, float("-inf")).softmax(dim=-1)
+        probs = probs.to(q.dtype).view(-1, group, length)
+        o = torch.bmm(probs, vs)  # [num_kv_heads * num_decodes, group, head_dim]
+        return (
+            o.view(num_kv_heads, nd, group, head_dim)
+            .transpose(0, 1)
+            .reshape(nd, num_heads, head_dim)
         )
-        return o.squeeze(2)
 
 
 def get_attention_backend(name: str) -> type[TorchAttention]:

@@ -45,8 +45,8 @@ def test_paged_attention_matches_dense(block_size: int, seed: int) -> None:
         k = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=gen)
         v = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=gen)
         for p in range(num_computed):  # context already in the cache
-            kv.key[0][table[p // block_size], p % block_size] = k[p]
-            kv.value[0][table[p // block_size], p % block_size] = v[p]
+            kv.key[0][:, table[p // block_size], p % block_size] = k[p]
+            kv.value[0][:, table[p // block_size], p % block_size] = v[p]
         full_k.append(k)
         full_v.append(v)
         requests.append(
@@ -68,4 +68,6 @@ def test_paged_attention_matches_dense(block_size: int, seed: int) -> None:
         num_computed, num_new = shapes[i]
         table = requests[i].block_table
         for p in range(num_computed, num_computed + num_new):
-            assert torch.equal(kv.key[0][table[p // block_size], p % block_size], full_k[i][p])
+            slot = (table[p // block_size], p % block_size)
+            assert torch.equal(kv.key[0][:, slot[0], slot[1]], full_k[i][p])
+            assert torch.equal(kv.value[0][:, slot[0], slot[1]], full_v[i][p])
