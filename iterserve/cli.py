@@ -141,13 +141,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="apply the model's chat template to each prompt"
     )
     gen.set_defaults(func=_cmd_generate, subparser=gen)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from iterserve.bench import decode
+
+    decode.add_parser(bench_sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args, args.subparser))
+    if args.command == "generate":
+        return int(args.func(args, args.subparser))
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

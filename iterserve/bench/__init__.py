@@ -1,0 +1,1 @@
+"""Benchmarks: the decode micro-benchmark now; load generation and baselines later."""

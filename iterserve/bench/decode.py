@@ -1,0 +1,223 @@
+"""Decode-iteration micro-benchmark: the full iteration against its parts, in one run.
+
+For each (batch, context) the script times, on the same loaded model:
+
+- ``iteration``: one real decode iteration through the model runner (input preparation,
+  forward with paged attention, logits, sampling), median of ``--iters``;
+- ``linears``: the model's own linear layers alone at that batch (fused qkv, o, gate-up,
+  down in every layer, and the LM head);
+- ``floor``: the memory floor, (weight bytes + KV bytes read) / the bandwidth of a large
+  copy measured in the same run (read + write counted, as the design notes do).
+
+It prints a table, writes JSON and a PNG bar chart. Run: ``iterserve bench decode``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from iterserve.config import EngineConfig
+from iterserve.engine.outputs import ScheduledRequest, SchedulerOutput
+from iterserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class DecodeRow:
+    batch: int
+    context: int
+    iteration_ms: float
+    linears_ms: float
+    floor_ms: float
+    weight_bytes: int
+    kv_bytes: int
+
+    @property
+    def vs_linears(self) -> float:
+        return self.iteration_ms / self.linears_ms
+
+    @property
+    def vs_floor(self) -> float:
+        return self.iteration_ms / self.floor_ms
+
+
+def median_seconds(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(num_bytes: int = 256 << 20, iters: int = 5) -> float:
+    """Bytes per second of a large tensor copy, read + write counted."""
+    src = torch.empty(num_bytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / median_seconds(lambda: dst.copy_(src), iters)
+
+
+def decode_batch(batch: int, context: int, block_size: int) -> SchedulerOutput:
+    """``batch`` requests each decoding its ``context``-th token, on disjoint blocks."""
+    num_blocks = -(-context // block_size)
+    greedy = SamplingParams(temperature=0.0)
+    scheduled = [
+        ScheduledRequest(
+            request_id=f"bench-{i}",
+            token_ids=[100 + i],
+            num_computed_tokens=context - 1,
+            block_table=list(range(i * num_blocks, (i + 1) * num_blocks)),
+            sample=True,
+            sampling_params=greedy,
+            prompt_token_ids=[1],
+        )
+        for i in range(batch)
+    ]
+    return SchedulerOutput(scheduled=scheduled)
+
+
+@torch.inference_mode()
+def linears_only(model: Any, batch: int) -> Callable[[], None]:
+    hidden = model.config.hidden_size
+    dtype = model.embed_tokens.weight.dtype
+    x = torch.randn(batch, hidden, dtype=dtype)
+    o_in = torch.randn(batch, model.layers[0].q_size, dtype=dtype)
+    down_in = torch.randn(batch, model.config.intermediate_size, dtype=dtype)
+
+    def run() -> None:
+        with torch.inference_mode():
+            for layer in model.layers:
+                layer.qkv_proj(x)
+                layer.o_proj(o_in)
+                layer.gate_up_proj(x)
+                layer.down_proj(down_in)
+            F.linear(x, model.lm_head_weight)
+
+    return run
+
+
+def run_decode_bench(
+    shapes: list[tuple[int, int]], dtype: str, iters: int, model: str = "default"
+) -> tuple[list[DecodeRow], dict[str, Any]]:
+    from iterserve.executor.build import build
+
+    block_size = 16
+    num_blocks = max(b * -(-c // block_size) for b, c in shapes)
+    loaded = build(
+        EngineConfig.from_kwargs(
+            model=model, dtype=dtype, num_kv_blocks=num_blocks, block_size=block_size
+        )
+    )
+    runner = loaded.runner
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    bandwidth = copy_bandwidth()
+    rows = []
+    for batch, context in shapes:
+        out = decode_batch(batch, context, block_size)
+
+        def one_iteration(out: SchedulerOutput = out) -> None:
+            runner.execute_model(out)
+
+        iteration = median_seconds(one_iteration, iters)
+        linears = median_seconds(linears_only(runner.model, batch), iters)
+        kv_bytes = batch * context * runner.kv_cache.bytes_per_token
+        floor = (weight_bytes + kv_bytes) / bandwidth
+        rows.append(
+            DecodeRow(
+                batch, context, iteration * 1e3, linears * 1e3, floor * 1e3, weight_bytes, kv_bytes
+            )
+        )
+    meta = {
+        "dtype": str(runner.model.embed_tokens.weight.dtype),
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+    }
+    return rows, meta
+
+
+def format_table(rows: list[DecodeRow]) -> str:
+    lines = [
+        f"{'batch':>5} {'ctx':>5} {'iteration ms':>13} {'linears ms':>11} {'x linears':>9} "
+        f"{'floor ms':>9} {'x floor':>8}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.batch:>5} {r.context:>5} {r.iteration_ms:>13.1f} {r.linears_ms:>11.1f} "
+            f"{r.vs_linears:>9.2f} {r.floor_ms:>9.1f} {r.vs_floor:>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def save(rows: list[DecodeRow], meta: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "decode.json"
+    data = {
+        "meta": meta,
+        "rows": [asdict(r) | {"vs_linears": r.vs_linears, "vs_floor": r.vs_floor} for r in rows],
+    }
+    json_path.write_text(json.dumps(data, indent=2))
+    labels = [f"b{r.batch}/ctx{r.context}" for r in rows]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.27
+    ax.bar([x - width for x in xs], [r.iteration_ms for r in rows], width, label="iteration")
+    ax.bar(list(xs), [r.linears_ms for r in rows], width, label="linears alone")
+    ax.bar([x + width for x in xs], [r.floor_ms for r in rows], width, label="memory floor")
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("ms per decode iteration")
+    ax.set_title(f"Decode iteration, {meta['dtype']}, {meta['threads']} threads")
+    ax.legend()
+    fig.tight_layout()
+    png_path = out_dir / "decode.png"
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return json_path, png_path
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "decode", help="decode-iteration micro-benchmark vs linears and memory floor"
+    )
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--iters", type=int, default=10, help="timed repetitions per row (median)")
+    p.add_argument(
+        "--shapes",
+        default="1x128,32x128,128x128,64x512",
+        help="comma-separated BATCHxCONTEXT rows",
+    )
+    p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, 2 iterations (tests)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    iters = args.iters
+    if args.smoke:
+        shapes, iters = [(1, 16), (4, 32)], 2
+    rows, meta = run_decode_bench([(b, c) for b, c in shapes], args.dtype, iters, args.model)
+    print(f"copy bandwidth {meta['copy_bandwidth_gb_s']:.1f} GB/s (read + write), {meta['dtype']}")
+    print(format_table(rows))
+    json_path, png_path = save(rows, meta, args.output_dir)
+    print(f"wrote {json_path} and {png_path}")
+    return 0

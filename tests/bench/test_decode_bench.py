@@ -1,0 +1,44 @@
+"""The decode micro-benchmark runs end to end (smoke size) and writes its table, JSON and plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from iterserve.bench.decode import DecodeRow, format_table
+
+
+def test_smoke_run_writes_json_and_plot(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "iterserve.cli",
+            "bench",
+            "decode",
+            "--smoke",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "x linears" in proc.stdout and "x floor" in proc.stdout
+    data = json.loads((tmp_path / "decode.json").read_text())
+    assert [(r["batch"], r["context"]) for r in data["rows"]] == [(1, 16), (4, 32)]
+    for row in data["rows"]:
+        assert row["iteration_ms"] > 0 and row["linears_ms"] > 0 and row["floor_ms"] > 0
+        assert row["kv_bytes"] == row["batch"] * row["context"] * 30 * 2 * 3 * 64 * 2
+    assert data["meta"]["copy_bandwidth_gb_s"] > 0
+    assert (tmp_path / "decode.png").stat().st_size > 1000
+
+
+def test_table_ratios() -> None:
+    row = DecodeRow(
+        32, 128, iteration_ms=30.0, linears_ms=20.0, floor_ms=10.0, weight_bytes=1, kv_bytes=2
+    )
+    assert (row.vs_linears, row.vs_floor) == (1.5, 3.0)
+    assert "1.50" in format_table([row]) and "3.00" in format_table([row])
