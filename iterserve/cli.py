@@ -143,9 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate, subparser=gen)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from iterserve.bench import decode
+    from iterserve.bench import decode, engine_loop
 
     decode.add_parser(bench_sub)
+    engine_loop.add_parser(bench_sub)
     return parser
 
 

@@ -42,3 +42,26 @@ def test_table_ratios() -> None:
     )
     assert (row.vs_linears, row.vs_floor) == (1.5, 3.0)
     assert "1.50" in format_table([row]) and "3.00" in format_table([row])
+
+
+def test_engine_loop_smoke(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "iterserve.cli",
+            "bench",
+            "engine-loop",
+            "--smoke",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert "thread / process throughput" in proc.stdout
+    rows = json.loads((tmp_path / "engine_loop.json").read_text())
+    assert [r["mode"] for r in rows] == ["thread", "process"]
+    assert all(r["output_tokens"] == 2 * 4 for r in rows)

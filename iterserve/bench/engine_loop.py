@@ -1,0 +1,223 @@
+"""Engine loop on a thread or in its own process: which keeps iterations faster under
+HTTP-like work on the event loop? Both run in one invocation on the same workload.
+
+Each of ``--concurrency`` streams gets its outputs on an asyncio loop, which does the work an
+SSE handler does per token: build an OpenAI ``chat.completion.chunk`` dict and ``json.dumps``
+it (plus ``--extra-us`` of busy Python, to model a heavier HTTP stack).
+
+- ``thread``: :class:`~iterserve.engine.async_engine.AsyncEngine` (the engine loop on a
+  thread of this process, sharing the GIL with the event loop).
+- ``process``: the engine loop in a child process (``multiprocessing``, spawn); commands and
+  each iteration's outputs cross pipes, pickled, as vLLM v1's engine-core process does.
+
+Run: ``iterserve bench engine-loop``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from iterserve.config import EngineConfig
+from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class LoopResult:
+    mode: str
+    output_tokens: int
+    seconds: float
+    median_itl_ms: float
+    p99_itl_ms: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {"dtype": args.dtype, "num_kv_blocks": args.num_kv_blocks, "max_num_seqs": 64}
+
+
+def _build_engine(kwargs: dict[str, Any]) -> Any:
+    from iterserve.engine.llm_engine import LLMEngine
+    from iterserve.executor.build import build
+
+    loaded = build(EngineConfig.from_kwargs(**kwargs))
+    engine = LLMEngine(
+        loaded.config,
+        loaded.runner,
+        loaded.tokenizer,
+        loaded.num_kv_blocks,
+        int(loaded.hf_config.vocab_size),
+        loaded.eos_token_ids,
+    )
+    return engine, loaded.tokenizer
+
+
+def _sse_work(out: RequestOutput, extra_us: float) -> int:
+    """What an SSE handler does per output; returns bytes produced."""
+    c = out.outputs[0]
+    chunk = {
+        "id": out.request_id,
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "SmolLM2-135M-Instruct",
+        "choices": [
+            {"index": 0, "delta": {"content": c.text[-8:]}, "finish_reason": c.finish_reason}
+        ],
+    }
+    data = f"data: {json.dumps(chunk)}\n\n"
+    end = time.perf_counter() + extra_us / 1e6
+    while time.perf_counter() < end:
+        pass
+    return len(data)
+
+
+async def _consume(stream: Any, extra_us: float, gaps: list[float]) -> int:
+    last = time.perf_counter()
+    num_tokens = 0
+    async for out in stream:
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+        _sse_work(out, extra_us)
+        num_tokens = len(out.outputs[0].token_ids)
+    return num_tokens
+
+
+def _workload(tokenizer: Any, concurrency: int) -> list[list[int]]:
+    text = "Tell me a long story about a robot who learns to paint. " * 4
+    ids = list(tokenizer(text).input_ids)
+    return [ids[: 40 + (i % 8) * 4] for i in range(concurrency)]
+
+
+async def _run_thread(args: argparse.Namespace, params: SamplingParams) -> LoopResult:
+    from iterserve.engine.async_engine import AsyncEngine
+
+    engine, tokenizer = _build_engine(_engine_kwargs(args))
+    prompts = _workload(tokenizer, args.concurrency)
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    gaps: list[float] = []
+    start = time.perf_counter()
+    try:
+        counts = await asyncio.gather(
+            *[
+                _consume(aengine.generate(str(i), p, params), args.extra_us, gaps)
+                for i, p in enumerate(prompts)
+            ]
+        )
+    finally:
+        await aengine.stop()
+    return _result("thread", sum(counts), time.perf_counter() - start, gaps)
+
+
+def _process_main(kwargs: dict[str, Any], commands: Any, outputs: Any) -> None:
+    """Child process: an engine loop fed by a pipe; one message per iteration back."""
+    kwargs = dict(kwargs)
+    concurrency = kwargs.pop("concurrency")
+    engine, tokenizer = _build_engine(kwargs)
+    outputs.send(("ready", _workload(tokenizer, concurrency)))
+    while True:
+        while commands.poll() or not engine.has_unfinished_requests():
+            kind, payload = commands.recv()
+            if kind == "stop":
+                return
+            engine.add_request(*payload)
+        outputs.send(("outputs", engine.step()))
+
+
+async def _run_process(args: argparse.Namespace, params: SamplingParams) -> LoopResult:
+    ctx = mp.get_context("spawn")
+    cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+    out_recv, out_send = ctx.Pipe(duplex=False)
+    kwargs = _engine_kwargs(args) | {"concurrency": args.concurrency}
+    proc = ctx.Process(target=_process_main, args=(kwargs, cmd_recv, out_send), daemon=True)
+    proc.start()
+    kind, prompts = out_recv.recv()
+    assert kind == "ready"
+    loop = asyncio.get_running_loop()
+    queues: dict[str, asyncio.Queue[RequestOutput]] = {
+        str(i): asyncio.Queue() for i in range(len(prompts))
+    }
+
+    def reader() -> None:  # a thread that moves pickled outputs onto the event loop
+        while True:
+            try:
+                _, outs = out_recv.recv()
+            except (EOFError, OSError):
+                return  # the child process exited
+            for out in outs:
+                loop.call_soon_threadsafe(queues[out.request_id].put_nowait, out)
+
+    async def stream(request_id: str) -> Any:
+        while True:
+            out = await queues[request_id].get()
+            yield out
+            if out.finished:
+                return
+
+    gaps: list[float] = []
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        cmd_send.send(("add", (str(i), p, params)))
+    reader_thread = threading.Thread(target=reader, daemon=True)
+    reader_thread.start()
+    counts = await asyncio.gather(
+        *[_consume(stream(str(i)), args.extra_us, gaps) for i in range(len(prompts))]
+    )
+    seconds = time.perf_counter() - start
+    cmd_send.send(("stop", None))
+    proc.join(timeout=30)
+    return _result("process", sum(counts), seconds, gaps)
+
+
+def _result(mode: str, tokens: int, seconds: float, gaps: list[float]) -> LoopResult:
+    gaps_ms = sorted(g * 1e3 for g in gaps)
+    p99 = gaps_ms[min(len(gaps_ms) - 1, int(0.99 * len(gaps_ms)))]
+    return LoopResult(mode, tokens, seconds, statistics.median(gaps_ms), p99)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("engine-loop", help="engine loop on a thread vs in a process")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--extra-us", type=float, default=0.0, help="extra Python work per output")
+    p.add_argument("--num-kv-blocks", type=int, default=1024)
+    p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    p.add_argument("--smoke", action="store_true", help="2 streams of 4 tokens (tests)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.smoke:
+        args.concurrency, args.max_tokens, args.num_kv_blocks = 2, 4, 64
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    results = [asyncio.run(_run_thread(args, params)), asyncio.run(_run_process(args, params))]
+    header = f"{'mode':>8} {'tokens':>7} {'seconds':>8} {'tok/s':>7}"
+    print(header + f" {'p50 ITL ms':>11} {'p99 ITL ms':>11}")
+    for r in results:
+        print(
+            f"{r.mode:>8} {r.output_tokens:>7} {r.seconds:>8.2f} {r.tokens_per_s:>7.1f} "
+            f"{r.median_itl_ms:>11.1f} {r.p99_itl_ms:>11.1f}"
+        )
+    thread, process = results
+    print(f"thread / process throughput: {thread.tokens_per_s / process.tokens_per_s:.2f}")
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    path = args.output_dir / "engine_loop.json"
+    path.write_text(
+        json.dumps([r.__dict__ | {"tokens_per_s": r.tokens_per_s} for r in results], indent=2)
+    )
+    print(f"wrote {path}")
+    return 0
