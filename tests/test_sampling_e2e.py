@@ -165,3 +165,15 @@ def test_min_tokens_and_stop_token_ids(loaded_f32: Any) -> None:
     stopped = run(make_engine(loaded_f32), {"c": (prompt, params)})["c"].outputs[0]
     assert stopped.token_ids == natural[:2]
     assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop_id)
+
+
+def test_skip_special_tokens(loaded_f32: Any) -> None:
+    prompt = chat_ids(loaded_f32, "What is 2+2? Answer with a number only.")
+    texts = {}
+    for skip in (True, False):
+        params = SamplingParams(max_tokens=20, temperature=0.0, skip_special_tokens=skip)
+        out = run(make_engine(loaded_f32), {"k": (prompt, params)})["k"].outputs[0]
+        assert out.token_ids[-1] in loaded_f32.eos_token_ids
+        texts[skip] = out.text
+    eos_text = loaded_f32.tokenizer.decode([2])
+    assert texts[False] == texts[True] + eos_text
