@@ -7,129 +7,34 @@ explicit ``arrival_time``, so effective priorities are exact. Sampled tokens dep
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import engine_fakes
 import pytest
+from engine_fakes import FakeClock, token_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from iterserve.config import EngineConfig, SchedulerConfig, Tier
+from iterserve.config import SchedulerConfig, Tier
 from iterserve.engine import policy
 from iterserve.engine.errors import InvalidRequestError
-from iterserve.engine.llm_engine import LLMEngine
-from iterserve.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from iterserve.engine.request import Request, RequestStatus
 from iterserve.engine.sampling_params import SamplingParams
 
-VOCAB_SIZE = 32
-EOS = 1
 
-# (request_id, num_computed_tokens, num_scheduled_tokens, sample) of one ScheduledRequest.
-Row = tuple[str, int, int, bool]
+class Harness(engine_fakes.Harness):
+    """The shared harness with preemption by recompute and a fake clock.
 
+    ``add(request_id, n, ...)`` queues an ``n``-token prompt arriving now by the fake clock
+    unless ``arrival_time`` is given.
+    """
 
-def token_for(request_id: str, position: int) -> int:
-    """The token the fake model samples at ``position`` of a request: never EOS, never 0."""
-    return 2 + zlib.crc32(f"{request_id}:{position}".encode()) % (VOCAB_SIZE - 2)
-
-
-class FakeClock:
-    """Seconds that only move when a test says so."""
-
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class FakeRunner:
-    """Records every batch and samples ``token_for(request_id, position)``."""
-
-    def __init__(self) -> None:
-        self.outputs: list[SchedulerOutput] = []
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.outputs.append(scheduler_output)
-        sampled = {
-            s.request_id: token_for(s.request_id, s.seq_len)
-            for s in scheduler_output.scheduled
-            if s.sample
-        }
-        return ModelRunnerOutput(sampled_token_ids=sampled)
-
-
-class Harness:
-    """An LLMEngine on a FakeRunner with a fake clock; checks integrity after every step."""
+    clock: FakeClock
 
     def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("max_model_len", 64)
-        kwargs.setdefault("num_kv_blocks", 64)
-        kwargs.setdefault("block_size", 4)
-        kwargs.setdefault("max_num_batched_tokens", 64)
-        kwargs.setdefault("max_num_seqs", min(8, kwargs["max_num_batched_tokens"]))
-        kwargs.setdefault("kv_watermark", 0.0)
-        kwargs.setdefault("enable_prefix_caching", False)
         kwargs.setdefault("preemption_mode", "recompute")
-        self.runner = FakeRunner()
-        self.clock = FakeClock()
-        self.engine = LLMEngine(
-            EngineConfig.from_kwargs(**kwargs),
-            self.runner,
-            tokenizer=None,
-            num_kv_blocks=kwargs["num_kv_blocks"],
-            vocab_size=VOCAB_SIZE,
-            eos_token_ids=frozenset({EOS}),
-        )
-        self.engine.scheduler.clock = self.clock
-        self.finished: dict[str, RequestOutput] = {}
-
-    def add(
-        self,
-        request_id: str,
-        num_prompt_tokens: int = 3,
-        max_tokens: int = 4,
-        priority: int | str | None = None,
-        arrival_time: float | None = None,
-    ) -> None:
-        """Queue a request arriving now (by the fake clock) unless ``arrival_time`` is given."""
-        self.engine.add_request(
-            request_id,
-            [2 + i % (VOCAB_SIZE - 2) for i in range(num_prompt_tokens)],
-            SamplingParams(max_tokens=max_tokens),
-            arrival_time=self.clock.now if arrival_time is None else arrival_time,
-            priority=priority,
-        )
-
-    def request(self, request_id: str) -> Request:
-        return self.engine.scheduler.requests[request_id]
-
-    def step(self) -> list[Row]:
-        """One engine step; returns the batch the runner got ([] when none ran)."""
-        num_batches = len(self.runner.outputs)
-        for out in self.engine.step():
-            if out.finished:
-                assert out.request_id not in self.finished
-                self.finished[out.request_id] = out
-        self.engine.scheduler.check_integrity()
-        if len(self.runner.outputs) == num_batches:
-            return []
-        return [
-            (s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.sample)
-            for s in self.runner.outputs[-1].scheduled
-        ]
-
-    def preempted(self) -> list[str]:
-        return self.runner.outputs[-1].preempted_request_ids
-
-    def run(self, max_steps: int = 500) -> dict[str, RequestOutput]:
-        for _ in range(max_steps):
-            if not self.engine.has_unfinished_requests():
-                return self.finished
-            self.step()
-        raise AssertionError(f"not finished after {max_steps} steps")
+        super().__init__(clock=FakeClock(), max_steps=500, **kwargs)
 
 
 def make_request(

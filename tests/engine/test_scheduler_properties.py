@@ -10,128 +10,17 @@ schedule: preemption by recompute may neither lose nor duplicate a token.
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
-
+from engine_fakes import Harness, KVSimRunner, RequestSpec, Scenario
 from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 
-from iterserve.config import EngineConfig
 from iterserve.engine.errors import InvalidRequestError
-from iterserve.engine.kv_cache_manager import cdiv
 from iterserve.engine.llm_engine import LLMEngine
-from iterserve.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
-from iterserve.engine.request import Request
+from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.sampling_params import SamplingParams
 
-VOCAB_SIZE = 24
-EOS = 1
+VOCAB_SIZE = 24  # of the engine and of the sampled tokens (Scenario.sample)
 MAX_STEPS = 3000
-
-
-def token_for(request_id: str, position: int) -> int:
-    """The token sampled at ``position``: EOS about one time in 13, else a non-EOS id."""
-    h = zlib.crc32(f"{request_id}@{position}".encode())
-    return EOS if h % 13 == 0 else 2 + h % (VOCAB_SIZE - 2)
-
-
-class KVSimRunner:
-    """A model runner whose KV cache is ``slot -> token id``; checks every context read."""
-
-    def __init__(self, block_size: int, lookup: Callable[[str], Request]) -> None:
-        self.block_size = block_size
-        self.lookup = lookup
-        self.slots: dict[int, int] = {}
-        self.num_batches = 0
-        self.last: SchedulerOutput | None = None
-        self.reported_finished: list[str] = []
-
-    def slot(self, block_table: list[int], position: int) -> int:
-        return block_table[position // self.block_size] * self.block_size + (
-            position % self.block_size
-        )
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.num_batches += 1
-        self.last = scheduler_output
-        self.reported_finished += scheduler_output.finished_request_ids
-        written: set[int] = set()
-        # Write this iteration's KV first: attention reads it in the same forward.
-        for sched in scheduler_output.scheduled:
-            assert sched.num_scheduled_tokens >= 1, sched
-            assert len(sched.block_table) >= cdiv(sched.seq_len, self.block_size), sched
-            assert len(set(sched.block_table)) == len(sched.block_table), sched
-            true_tokens = self.lookup(sched.request_id).all_token_ids
-            assert sched.token_ids == true_tokens[sched.num_computed_tokens : sched.seq_len]
-            assert sched.sample == (sched.seq_len == len(true_tokens)), sched
-            for offset, token_id in enumerate(sched.token_ids):
-                slot = self.slot(sched.block_table, sched.num_computed_tokens + offset)
-                assert slot not in written, f"two tokens of one batch written to slot {slot}"
-                written.add(slot)
-                self.slots[slot] = token_id
-        sampled = {}
-        for sched in scheduler_output.scheduled:
-            true_tokens = self.lookup(sched.request_id).all_token_ids
-            for position in range(sched.seq_len):
-                slot = self.slot(sched.block_table, position)
-                assert self.slots.get(slot) == true_tokens[position], (
-                    f"{sched.request_id}: position {position} reads slot {slot} holding "
-                    f"{self.slots.get(slot)}, expected {true_tokens[position]}"
-                )
-            if sched.sample:
-                sampled[sched.request_id] = token_for(sched.request_id, sched.seq_len)
-        return ModelRunnerOutput(sampled_token_ids=sampled)
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    arrival_step: int
-    abort_step: int | None
-
-
-@dataclass(frozen=True)
-class Scenario:
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    long_prefill_token_threshold: int
-    enable_chunked_prefill: bool
-    enable_prefix_caching: bool
-    kv_watermark: float
-    requests: list[RequestSpec]
-
-    def is_valid(self, spec: RequestSpec) -> bool:
-        """What LLMEngine.validate accepts (prompt tokens are always in the vocab here)."""
-        num_prompt = len(spec.prompt_token_ids)
-        return (
-            num_prompt >= 1
-            and num_prompt + spec.max_tokens <= self.max_model_len
-            and cdiv(num_prompt, self.block_size) <= self.num_kv_blocks
-        )
-
-    def expected(self, spec: RequestSpec) -> tuple[list[int], str]:
-        """Output tokens and finish reason of a request that is not aborted.
-
-        The j-th output token (position P + j) needs the KV of P + j tokens; when that is more
-        than the whole pool holds, the request ends with ``length``.
-        """
-        num_prompt = len(spec.prompt_token_ids)
-        capacity = self.num_kv_blocks * self.block_size
-        out: list[int] = []
-        for j in range(spec.max_tokens):
-            if num_prompt + j > capacity:
-                return out, "length"
-            token_id = token_for(spec.request_id, num_prompt + j)
-            out.append(token_id)
-            if token_id == EOS:
-                return out, "stop"
-        return out, "length"
 
 
 @st.composite
@@ -193,33 +82,22 @@ def scenarios(draw: st.DrawFn, pressure: bool = False, caching: bool | None = No
         enable_prefix_caching=caching,
         kv_watermark=watermark,
         requests=requests,
+        vocab_size=VOCAB_SIZE,
     )
 
 
 def build_engine(scenario: Scenario) -> tuple[LLMEngine, KVSimRunner]:
-    config = EngineConfig.from_kwargs(
-        max_model_len=scenario.max_model_len,
-        num_kv_blocks=scenario.num_kv_blocks,
-        block_size=scenario.block_size,
-        max_num_seqs=scenario.max_num_seqs,
-        max_num_batched_tokens=scenario.max_num_batched_tokens,
-        long_prefill_token_threshold=scenario.long_prefill_token_threshold,
+    h = Harness(
+        simulate_kv=True,
+        strict=True,
+        sample=scenario.sample,
+        vocab_size=scenario.vocab_size,
         enable_chunked_prefill=scenario.enable_chunked_prefill,
-        enable_prefix_caching=scenario.enable_prefix_caching,
         kv_watermark=scenario.kv_watermark,
+        **scenario.engine_kwargs(),
     )
-    holder: list[LLMEngine] = []
-    runner = KVSimRunner(scenario.block_size, lambda rid: holder[0].scheduler.requests[rid])
-    engine = LLMEngine(
-        config,
-        runner,
-        tokenizer=None,
-        num_kv_blocks=scenario.num_kv_blocks,
-        vocab_size=VOCAB_SIZE,
-        eos_token_ids=frozenset({EOS}),
-    )
-    holder.append(engine)
-    return engine, runner
+    assert isinstance(h.runner, KVSimRunner)
+    return h.engine, h.runner
 
 
 def record(
@@ -281,13 +159,12 @@ def run_scenario(scenario: Scenario) -> None:
                 aborted.add(spec.request_id)
                 scheduler.check_integrity()
 
-        num_batches = runner.num_batches
+        num_batches = len(runner.outputs)
         record(engine.step(), expected, seen, finished)
         scheduler.check_integrity()
         assert len(scheduler.running) <= scenario.max_num_seqs
-        if runner.num_batches > num_batches:
-            assert runner.last is not None
-            batch = runner.last
+        if len(runner.outputs) > num_batches:
+            batch = runner.outputs[-1]
             assert batch.num_scheduled_tokens <= scenario.max_num_batched_tokens
             assert not set(batch.preempted_request_ids) & {s.request_id for s in batch.scheduled}
         if step >= last_arrival and not engine.has_unfinished_requests():
@@ -355,5 +232,6 @@ def test_identical_prompts_share_cached_blocks_under_pressure() -> None:
             RequestSpec(f"r{i}", prompt, max_tokens=10, arrival_step=i, abort_step=None)
             for i in range(4)
         ],
+        vocab_size=VOCAB_SIZE,
     )
     run_scenario(scenario)

@@ -7,99 +7,28 @@ budget is short and no member has produced a token yet.
 
 from __future__ import annotations
 
-import zlib
 from typing import Any
 
+import engine_fakes
 import pytest
+from engine_fakes import VOCAB_SIZE, expected_output
 
 from iterserve.config import EngineConfig
-from iterserve.engine.llm_engine import LLMEngine
-from iterserve.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
-from iterserve.engine.sampling_params import SamplingParams
-
-VOCAB_SIZE = 32
-EOS = 1
-
-# (request_id, num_computed_tokens, num_scheduled_tokens, sample) of one ScheduledRequest.
-Row = tuple[str, int, int, bool]
 
 
-def token_for(request_id: str, position: int) -> int:
-    """The token the fake model samples at ``position`` of a request: never EOS, never 0."""
-    return 2 + zlib.crc32(f"{request_id}:{position}".encode()) % (VOCAB_SIZE - 2)
+class Harness(engine_fakes.Harness):
+    """The shared harness in one batching mode; every request arrives at 0.0 (no aging).
 
-
-def expected_output(request_id: str, num_prompt_tokens: int, num_output_tokens: int) -> list[int]:
-    start = num_prompt_tokens
-    return [token_for(request_id, p) for p in range(start, start + num_output_tokens)]
-
-
-class FakeRunner:
-    def __init__(self) -> None:
-        self.outputs: list[SchedulerOutput] = []
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.outputs.append(scheduler_output)
-        sampled = {
-            s.request_id: token_for(s.request_id, s.seq_len)
-            for s in scheduler_output.scheduled
-            if s.sample
-        }
-        return ModelRunnerOutput(sampled_token_ids=sampled)
-
-
-class Harness:
-    """An LLMEngine on a FakeRunner; records rows and running counts of every step."""
+    ``step_batch`` and ``run_batches`` record the rows and running count of every step.
+    """
 
     def __init__(self, batching: str, **kwargs: Any) -> None:
         kwargs.setdefault("max_model_len", 32)
-        kwargs.setdefault("num_kv_blocks", 64)
-        kwargs.setdefault("block_size", 4)
-        kwargs.setdefault("kv_watermark", 0.0)
-        kwargs.setdefault("enable_prefix_caching", False)
-        self.runner = FakeRunner()
-        self.engine = LLMEngine(
-            EngineConfig.from_kwargs(batching=batching, **kwargs),
-            self.runner,
-            tokenizer=None,
-            num_kv_blocks=kwargs["num_kv_blocks"],
-            vocab_size=VOCAB_SIZE,
-            eos_token_ids=frozenset({EOS}),
-        )
-        self.engine.scheduler.clock = lambda: 0.0
-        self.finished: dict[str, RequestOutput] = {}
+        super().__init__(batching=batching, clock=lambda: 0.0, max_steps=100, **kwargs)
 
-    def add(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> None:
-        self.engine.add_request(
-            request_id,
-            [2 + (i + len(request_id)) % (VOCAB_SIZE - 2) for i in range(num_prompt_tokens)],
-            SamplingParams(max_tokens=max_tokens),
-            arrival_time=0.0,
-        )
-
-    def step(self) -> tuple[list[Row], int]:
-        """One engine step: the batch the runner got and the number running after it."""
-        num_batches = len(self.runner.outputs)
-        for out in self.engine.step():
-            if out.finished:
-                assert out.request_id not in self.finished
-                self.finished[out.request_id] = out
-        self.engine.scheduler.check_integrity()
-        rows: list[Row] = []
-        if len(self.runner.outputs) > num_batches:
-            rows = [
-                (s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.sample)
-                for s in self.runner.outputs[-1].scheduled
-            ]
-        return rows, len(self.engine.scheduler.running)
-
-    def run(self, max_steps: int = 100) -> list[tuple[list[Row], int]]:
-        steps = []
-        for _ in range(max_steps):
-            if not self.engine.has_unfinished_requests():
-                return steps
-            steps.append(self.step())
-        raise AssertionError(f"not finished after {max_steps} steps")
+    def numbered_prompt(self, request_id: str, n: int) -> list[int]:
+        """``n`` tokens offset by the length of the request id."""
+        return [2 + (i + len(request_id)) % (VOCAB_SIZE - 2) for i in range(n)]
 
 
 def add_uneven_batch(h: Harness) -> None:
@@ -125,7 +54,7 @@ UNEVEN = {"a": (2, 1), "b": (2, 4), "c": (2, 2), "d": (2, 2)}
 def test_static_admits_the_next_batch_only_when_the_whole_batch_finished() -> None:
     h = Harness("static", max_num_seqs=2, max_num_batched_tokens=64)
     add_uneven_batch(h)
-    assert h.run() == [
+    assert h.run_batches() == [
         ([("a", 0, 2, True), ("b", 0, 2, True)], 1),  # a finishes at once
         ([("b", 2, 1, True)], 1),  # a's slot stays idle although c and d wait
         ([("b", 3, 1, True)], 1),
@@ -139,7 +68,7 @@ def test_static_admits_the_next_batch_only_when_the_whole_batch_finished() -> No
 def test_continuous_admits_into_a_freed_slot_in_the_next_iteration() -> None:
     h = Harness("continuous", max_num_seqs=2, max_num_batched_tokens=64)
     add_uneven_batch(h)
-    assert h.run() == [
+    assert h.run_batches() == [
         ([("a", 0, 2, True), ("b", 0, 2, True)], 1),
         ([("b", 2, 1, True), ("c", 0, 2, True)], 2),  # c takes a's slot at once
         ([("b", 3, 1, True), ("c", 2, 1, True)], 1),
@@ -156,7 +85,7 @@ def test_static_admission_spans_iterations_until_a_member_has_a_token() -> None:
     h = Harness("static", max_num_seqs=3, max_num_batched_tokens=4)
     for request_id, (num_prompt, max_tokens) in PREFILLS.items():
         h.add(request_id, num_prompt, max_tokens)
-    assert h.run() == [
+    assert h.run_batches() == [
         ([("a", 0, 4, False)], 1),  # the budget admits only part of a's prompt
         ([("a", 4, 2, True), ("b", 0, 2, False)], 2),  # no token yet: b joins the batch
         ([("a", 6, 1, True), ("b", 2, 3, False)], 1),  # a has a token: c must wait
@@ -173,7 +102,7 @@ def test_continuous_keeps_admitting_whenever_budget_is_left() -> None:
     h = Harness("continuous", max_num_seqs=3, max_num_batched_tokens=4)
     for request_id, (num_prompt, max_tokens) in PREFILLS.items():
         h.add(request_id, num_prompt, max_tokens)
-    assert h.run() == [
+    assert h.run_batches() == [
         ([("a", 0, 4, False)], 1),
         ([("a", 4, 2, True), ("b", 0, 2, False)], 2),
         ([("a", 6, 1, True), ("b", 2, 3, False)], 1),
@@ -191,7 +120,7 @@ def test_static_slot_of_a_member_finished_during_prefill_stays_idle() -> None:
     h.add("a", 2, max_tokens=1)
     h.add("b", 5, max_tokens=1)
     h.add("c", 1, max_tokens=1)
-    assert h.run() == [
+    assert h.run_batches() == [
         ([("a", 0, 2, True), ("b", 0, 2, False)], 1),
         ([("b", 2, 3, True)], 0),
         ([("c", 0, 1, True)], 0),
@@ -205,16 +134,16 @@ def test_batches_follow_the_new_mode_after_a_live_change(batching: str) -> None:
     other = "continuous" if batching == "static" else "static"
     h = Harness(other, max_num_seqs=2, max_num_batched_tokens=64)
     add_uneven_batch(h)
-    first, _ = h.step()
+    first, _ = h.step_batch()
     assert first == [("a", 0, 2, True), ("b", 0, 2, True)]
     config = EngineConfig.from_kwargs(
         batching=batching, max_num_seqs=2, max_num_batched_tokens=64, kv_watermark=0.0
     ).scheduler
     h.engine.update_scheduler_config(config)
-    rows, running = h.step()
+    rows, running = h.step_batch()
     if batching == "static":
         assert (rows, running) == ([("b", 2, 1, True)], 1)
     else:
         assert (rows, running) == ([("b", 2, 1, True), ("c", 0, 2, True)], 2)
-    h.run()
+    h.run_batches()
     check_outputs(h, UNEVEN)

@@ -11,29 +11,29 @@ output is known in advance: a swap may neither lose nor duplicate a token.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+import engine_fakes
 import pytest
+from engine_fakes import (
+    VOCAB_SIZE,
+    RequestSpec,
+    Scenario,
+    completion,
+    expected_output,
+    prompt,
+    token_for,
+)
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from iterserve.config import EngineConfig, SchedulerConfig
+from iterserve.config import SchedulerConfig
 from iterserve.engine import policy
-from iterserve.engine.kv_cache_manager import cdiv
-from iterserve.engine.llm_engine import LLMEngine
-from iterserve.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.policy import PreemptionCosts
 from iterserve.engine.request import Request, RequestStatus
 from iterserve.engine.sampling_params import SamplingParams
-
-VOCAB_SIZE = 32
-EOS = 1
-
-# (request_id, num_computed_tokens, num_scheduled_tokens, sample) of one ScheduledRequest.
-Row = tuple[str, int, int, bool]
 
 # Swapping is cheaper than recomputing (2 * 1024 / 2**20 s < 1/256 s per token), or dearer.
 SWAP_CHEAP = PreemptionCosts(
@@ -47,103 +47,12 @@ SWAP_EVEN = PreemptionCosts(  # exactly equal: recompute (swap only when strictl
 )
 
 
-def token_for(request_id: str, position: int) -> int:
-    """The token sampled at ``position``: never EOS, never 0."""
-    return 2 + zlib.crc32(f"{request_id}:{position}".encode()) % (VOCAB_SIZE - 2)
+class Harness(engine_fakes.Harness):
+    """The shared harness with a host pool and swap preemption on a KV-simulating runner.
 
-
-def expected_output(request_id: str, num_prompt_tokens: int, num_output_tokens: int) -> list[int]:
-    start = num_prompt_tokens
-    return [token_for(request_id, p) for p in range(start, start + num_output_tokens)]
-
-
-class SwapSimRunner:
-    """A model runner whose device and host KV caches are ``slot -> token id`` maps."""
-
-    def __init__(
-        self,
-        block_size: int,
-        num_blocks: int,
-        num_host_blocks: int,
-        lookup: Callable[[str], Request],
-        sample: Callable[[str, int], int] = token_for,
-    ) -> None:
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.num_host_blocks = num_host_blocks
-        self.lookup = lookup
-        self.sample = sample
-        self.device: dict[int, int] = {}
-        self.host: dict[int, int] = {}
-        self.outputs: list[SchedulerOutput] = []
-
-    def slot(self, block_table: list[int], position: int) -> int:
-        return block_table[position // self.block_size] * self.block_size + (
-            position % self.block_size
-        )
-
-    def _copy_block(
-        self, src: dict[int, int], src_block: int, dst: dict[int, int], dst_block: int
-    ) -> None:
-        bs = self.block_size
-        for offset in range(bs):
-            value = src.get(src_block * bs + offset)
-            if value is None:
-                dst.pop(dst_block * bs + offset, None)
-            else:
-                dst[dst_block * bs + offset] = value
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.outputs.append(scheduler_output)
-        out_pairs = scheduler_output.blocks_to_swap_out
-        in_pairs = scheduler_output.blocks_to_swap_in
-        assert len({h for _, h in out_pairs}) == len(out_pairs), out_pairs
-        assert len({d for _, d in in_pairs}) == len(in_pairs), in_pairs
-        for device_block, host_block in out_pairs:
-            assert 0 <= device_block < self.num_blocks and 0 <= host_block < self.num_host_blocks
-            self._copy_block(self.device, device_block, self.host, host_block)
-        for host_block, device_block in in_pairs:
-            assert 0 <= device_block < self.num_blocks and 0 <= host_block < self.num_host_blocks
-            self._copy_block(self.host, host_block, self.device, device_block)
-        for host_block, _ in in_pairs:  # the host block is free again: forget what it held
-            for offset in range(self.block_size):
-                self.host.pop(host_block * self.block_size + offset, None)
-        written: set[int] = set()
-        for sched in scheduler_output.scheduled:
-            assert sched.num_scheduled_tokens >= 1, sched
-            assert len(sched.block_table) >= cdiv(sched.seq_len, self.block_size), sched
-            true_tokens = self.lookup(sched.request_id).all_token_ids
-            assert sched.token_ids == true_tokens[sched.num_computed_tokens : sched.seq_len]
-            for offset, token_id in enumerate(sched.token_ids):
-                slot = self.slot(sched.block_table, sched.num_computed_tokens + offset)
-                assert slot not in written, f"two tokens of one batch written to slot {slot}"
-                written.add(slot)
-                self.device[slot] = token_id
-        sampled = {}
-        for sched in scheduler_output.scheduled:
-            true_tokens = self.lookup(sched.request_id).all_token_ids
-            for position in range(sched.seq_len):
-                slot = self.slot(sched.block_table, position)
-                assert self.device.get(slot) == true_tokens[position], (
-                    f"{sched.request_id}: position {position} reads slot {slot} holding "
-                    f"{self.device.get(slot)}, expected {true_tokens[position]}"
-                )
-            if sched.sample:
-                sampled[sched.request_id] = self.sample(sched.request_id, sched.seq_len)
-        return ModelRunnerOutput(sampled_token_ids=sampled)
-
-    def check_host(self, request: Request, host_table: list[int]) -> None:
-        """A swapped request's host blocks hold its computed tokens."""
-        for position in range(request.num_computed_tokens):
-            slot = self.slot(host_table, position)
-            assert self.host.get(slot) == request.all_token_ids[position], (
-                f"{request.request_id}: host slot {slot} of position {position} holds "
-                f"{self.host.get(slot)}, expected {request.all_token_ids[position]}"
-            )
-
-
-class Harness:
-    """An LLMEngine with a host pool on a SwapSimRunner; checks integrity after every step."""
+    Requests arrive at 0.0 (no aging). After every step it also checks that each swapped
+    request's host blocks hold its computed tokens, and :meth:`run` ends with both pools free.
+    """
 
     def __init__(
         self,
@@ -152,98 +61,28 @@ class Harness:
         sample: Callable[[str, int], int] = token_for,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("max_model_len", 16)
-        kwargs.setdefault("num_kv_blocks", 4)
-        kwargs.setdefault("block_size", 2)
-        kwargs.setdefault("max_num_batched_tokens", 64)
-        kwargs.setdefault("max_num_seqs", 8)
-        kwargs.setdefault("kv_watermark", 0.0)
-        kwargs.setdefault("enable_prefix_caching", False)
-        kwargs.setdefault("preemption_mode", "swap")
-        kwargs.setdefault("swap_space", 1.0)  # validation only: the pool is num_host_blocks
-        holder: list[LLMEngine] = []
-        self.runner = SwapSimRunner(
-            kwargs["block_size"],
-            kwargs["num_kv_blocks"],
-            num_host_blocks,
-            lambda rid: holder[0].scheduler.requests[rid],
-            sample,
-        )
-        self.engine = LLMEngine(
-            EngineConfig.from_kwargs(**kwargs),
-            self.runner,
-            tokenizer=None,
-            num_kv_blocks=kwargs["num_kv_blocks"],
-            vocab_size=VOCAB_SIZE,
-            eos_token_ids=frozenset({EOS}),
+        defaults: dict[str, Any] = {
+            "max_model_len": 16,
+            "num_kv_blocks": 4,
+            "block_size": 2,
+            "max_num_seqs": 8,
+            "preemption_mode": "swap",
+            "swap_space": 1.0,  # validation only: the pool is num_host_blocks
+        }
+        super().__init__(
+            simulate_kv=True,
+            sample=sample,
             num_host_blocks=num_host_blocks,
             preemption_costs=preemption_costs,
-        )
-        holder.append(self.engine)
-        self.scheduler = self.engine.scheduler
-        self.scheduler.clock = lambda: 0.0  # requests arrive at 0.0: no aging
-        self.kv = self.scheduler.kv
-        self.finished: dict[str, RequestOutput] = {}
-
-    def add(
-        self, request_id: str, prompt_token_ids: list[int], max_tokens: int = 4, **kwargs: Any
-    ) -> None:
-        kwargs.setdefault("arrival_time", 0.0)
-        self.engine.add_request(
-            request_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens), **kwargs
+            clock=lambda: 0.0,
+            **(defaults | kwargs),
         )
 
-    def request(self, request_id: str) -> Request:
-        return self.scheduler.requests[request_id]
-
-    def check(self) -> None:
-        self.scheduler.check_integrity()
-        for request in self.scheduler.swapped:
-            self.runner.check_host(request, self.kv.host_block_ids(request.request_id))
-
-    def step(self) -> list[Row]:
-        """One engine step; returns the batch the runner got ([] when none ran)."""
-        num_batches = len(self.runner.outputs)
-        for out in self.engine.step():
-            if out.finished:
-                assert out.request_id not in self.finished
-                self.finished[out.request_id] = out
-        self.check()
-        if len(self.runner.outputs) == num_batches:
-            return []
-        return [
-            (s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.sample)
-            for s in self.runner.outputs[-1].scheduled
-        ]
-
-    def last_output(self) -> SchedulerOutput:
-        return self.runner.outputs[-1]
-
-    def run(self, max_steps: int = 200) -> dict[str, RequestOutput]:
-        for _ in range(max_steps):
-            if not self.engine.has_unfinished_requests():
-                assert self.kv.pool.num_free_blocks == self.kv.num_blocks
-                assert self.kv.num_free_host_blocks == self.kv.num_host_blocks
-                return self.finished
-            self.step()
-        raise AssertionError(f"not finished after {max_steps} steps")
-
-    def sampled_positions(self, request_id: str) -> list[int]:
-        return [
-            s.seq_len
-            for o in self.runner.outputs
-            for s in o.scheduled
-            if s.request_id == request_id and s.sample
-        ]
-
-
-def prompt(n: int, first: int = 2) -> list[int]:
-    return [(first + i) % VOCAB_SIZE for i in range(n)]
-
-
-def completion(out: RequestOutput) -> tuple[list[int], str | None]:
-    (c,) = out.outputs
-    return c.token_ids, c.finish_reason
+    def run(self, max_steps: int | None = None) -> dict[str, RequestOutput]:
+        finished = super().run(max_steps)
+        assert self.kv.pool.num_free_blocks == self.kv.num_blocks
+        assert self.kv.num_free_host_blocks == self.kv.num_host_blocks
+        return finished
 
 
 def start_two_and_preempt_b(h: Harness) -> None:
@@ -543,52 +382,6 @@ def test_anti_thrashing_in_the_engine() -> None:
 MAX_STEPS = 3000
 
 
-def random_token(request_id: str, position: int) -> int:
-    """EOS about one time in 13, else a non-EOS id."""
-    h = zlib.crc32(f"{request_id}@{position}".encode())
-    return EOS if h % 13 == 0 else 2 + h % (VOCAB_SIZE - 2)
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    arrival_step: int
-    abort_step: int | None
-    priority: int
-
-
-@dataclass(frozen=True)
-class Scenario:
-    max_model_len: int
-    num_kv_blocks: int
-    num_host_blocks: int
-    block_size: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    long_prefill_token_threshold: int
-    enable_prefix_caching: bool
-    preemption_mode: str
-    costs: PreemptionCosts | None
-    requests: list[RequestSpec]
-
-    def expected(self, spec: RequestSpec) -> tuple[list[int], str]:
-        """Output tokens and finish reason of a request that is not aborted (the j-th output
-        needs the KV of P + j tokens; beyond the whole device pool it ends with length)."""
-        num_prompt = len(spec.prompt_token_ids)
-        capacity = self.num_kv_blocks * self.block_size
-        out: list[int] = []
-        for j in range(spec.max_tokens):
-            if num_prompt + j > capacity:
-                return out, "length"
-            token_id = random_token(spec.request_id, num_prompt + j)
-            out.append(token_id)
-            if token_id == EOS:
-                return out, "stop"
-        return out, "length"
-
-
 @st.composite
 def scenarios(draw: st.DrawFn) -> Scenario:
     block_size = draw(st.sampled_from([1, 2, 4]))
@@ -634,15 +427,9 @@ def run_scenario(scenario: Scenario) -> None:
     h = Harness(
         num_host_blocks=scenario.num_host_blocks,
         preemption_costs=scenario.costs,
-        sample=random_token,
-        max_model_len=scenario.max_model_len,
-        num_kv_blocks=scenario.num_kv_blocks,
-        block_size=scenario.block_size,
-        max_num_batched_tokens=scenario.max_num_batched_tokens,
-        max_num_seqs=scenario.max_num_seqs,
-        long_prefill_token_threshold=scenario.long_prefill_token_threshold,
-        enable_prefix_caching=scenario.enable_prefix_caching,
+        sample=scenario.sample,
         preemption_mode=scenario.preemption_mode,
+        **scenario.engine_kwargs(),
     )
     expected = {spec.request_id: scenario.expected(spec)[0] for spec in scenario.requests}
     seen: dict[str, int] = {}
