@@ -49,7 +49,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--config",
         type=Path,
         default=None,
-        help="YAML file of any of the engine flags above (as vLLM's); flags given win",
+        help="YAML file setting any engine flag (keys like max_num_seqs or max-num-seqs, as "
+        "vLLM's --config); flags given on the command line win",
     )
 
 

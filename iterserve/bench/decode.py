@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -49,6 +50,19 @@ class DecodeRow:
     @property
     def vs_floor(self) -> float:
         return self.iteration_ms / self.floor_ms
+
+
+def warn_if_loaded() -> None:
+    """Benchmarks on 2 cores are easily polluted: say so when something else is running."""
+    load = os.getloadavg()[0]
+    if load > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {load:.1f} on {os.cpu_count()} cores; timings will be noisy")
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    if args.output_dir is not None:
+        return Path(args.output_dir)
+    return Path("bench-results") / "smoke" if args.smoke else Path("bench-results")
 
 
 def median_seconds(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
@@ -145,6 +159,7 @@ def run_decode_bench(
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
+        "load_average_at_start": os.getloadavg()[0],
     }
     return rows, meta
 
@@ -197,15 +212,22 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "decode", help="decode-iteration micro-benchmark vs linears and memory floor"
     )
-    p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--model", default="default", help="model to load (as `generate --model`)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="serving dtype (auto = bfloat16)",
+    )
     p.add_argument("--iters", type=int, default=10, help="timed repetitions per row (median)")
     p.add_argument(
         "--shapes",
         default="1x128,32x128,128x128,64x512",
-        help="comma-separated BATCHxCONTEXT rows",
+        help="comma-separated BATCHxCONTEXT rows, e.g. 32x128,64x512",
     )
-    p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    p.add_argument(
+        "--output-dir", type=Path, default=None, help="default: bench-results (smoke: .../smoke)"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shapes, 2 iterations (tests)")
     p.set_defaults(func=main)
 
@@ -215,9 +237,10 @@ def main(args: argparse.Namespace) -> int:
     iters = args.iters
     if args.smoke:
         shapes, iters = [(1, 16), (4, 32)], 2
+    warn_if_loaded()
     rows, meta = run_decode_bench([(b, c) for b, c in shapes], args.dtype, iters, args.model)
     print(f"copy bandwidth {meta['copy_bandwidth_gb_s']:.1f} GB/s (read + write), {meta['dtype']}")
     print(format_table(rows))
-    json_path, png_path = save(rows, meta, args.output_dir)
+    json_path, png_path = save(rows, meta, output_dir(args))
     print(f"wrote {json_path} and {png_path}")
     return 0

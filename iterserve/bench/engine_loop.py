@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from iterserve.bench.decode import output_dir, warn_if_loaded
 from iterserve.config import EngineConfig
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.sampling_params import SamplingParams
@@ -195,12 +196,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--extra-us", type=float, default=0.0, help="extra Python work per output")
     p.add_argument("--num-kv-blocks", type=int, default=1024)
-    p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    p.add_argument(
+        "--output-dir", type=Path, default=None, help="default: bench-results (smoke: .../smoke)"
+    )
     p.add_argument("--smoke", action="store_true", help="2 streams of 4 tokens (tests)")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    warn_if_loaded()
+    args.output_dir = output_dir(args)
     if args.smoke:
         args.concurrency, args.max_tokens, args.num_kv_blocks = 2, 4, 64
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
