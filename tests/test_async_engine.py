@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -106,5 +107,66 @@ def test_bad_requests_fail_alone(loaded_f32: Any) -> None:
             assert kv.pool.num_free_blocks == kv.num_blocks
         finally:
             await aengine.stop()
+
+    asyncio.run(main())
+
+
+def test_a_failed_iteration_fails_only_its_requests(loaded_f32: Any) -> None:
+    async def main() -> None:
+        # One running slot: the second request waits while the first's iteration fails.
+        engine = make_engine(loaded_f32, max_num_seqs=1, max_num_batched_tokens=64)
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        runner = engine.runner
+        original = runner.execute_model
+        calls = 0
+
+        def fail_second_call(*args: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise RuntimeError("injected fault")
+            return original(*args)
+
+        runner.execute_model = fail_second_call  # type: ignore[method-assign]
+        try:
+            first = asyncio.ensure_future(collect(aengine, "first", prompts(loaded_f32)[0]))
+            await asyncio.sleep(0)
+            second = asyncio.ensure_future(collect(aengine, "second", prompts(loaded_f32)[1]))
+            with pytest.raises(RequestFailedError, match="injected fault"):
+                await first
+            outs = await second
+            assert outs[-1].outputs[0].finish_reason in ("stop", "length")
+        finally:
+            runner.execute_model = original  # type: ignore[method-assign]
+            await aengine.stop()
+
+    asyncio.run(main())
+
+
+def test_commands_racing_stop_never_hang(loaded_f32: Any) -> None:
+    from iterserve.engine.async_engine import EngineDeadError
+
+    async def main() -> None:
+        for _ in range(10):
+            aengine = AsyncEngine(make_engine(loaded_f32))
+            aengine.start()
+            long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+            stream = aengine.generate("long", prompts(loaded_f32)[0], long)
+            await stream.__anext__()
+            stopping = asyncio.ensure_future(aengine.stop())
+            await asyncio.sleep(0)
+            with contextlib.suppress(EngineDeadError):  # it may still run, or be refused
+                await asyncio.wait_for(aengine.call(lambda: 1), timeout=30)
+
+            async def drain(stream: Any = stream) -> None:
+                async for _ in stream:
+                    pass
+
+            with pytest.raises(EngineDeadError):  # the stream ends with the error, no hang
+                await asyncio.wait_for(drain(), timeout=30)
+            await stopping
+            with pytest.raises(EngineDeadError):
+                await aengine.call(lambda: 1)
 
     asyncio.run(main())

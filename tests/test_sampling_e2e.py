@@ -177,3 +177,21 @@ def test_skip_special_tokens(loaded_f32: Any) -> None:
         texts[skip] = out.text
     eos_text = loaded_f32.tokenizer.decode([2])
     assert texts[False] == texts[True] + eos_text
+
+
+def test_stop_strings_before_min_tokens_leave_the_text_intact(loaded_f32: Any) -> None:
+    prompt = encode(loaded_f32, "The capital of France is")
+    plain = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    full = run(make_engine(loaded_f32), {"p": (prompt, plain)})["p"].outputs[0].text
+    assert full.startswith(" Paris")
+    params = SamplingParams(
+        max_tokens=20, temperature=0.0, ignore_eos=True, stop=["Par"], min_tokens=10
+    )
+    stream: dict[str, list[RequestOutput]] = {}
+    out = run(make_engine(loaded_f32), {"s": (prompt, params)}, stream)["s"].outputs[0]
+    assert out.text == full  # "Par" came before min_tokens: ignored, nothing cut
+    assert out.finish_reason == "length"
+    seen = ""
+    for step in stream["s"]:
+        assert step.outputs[0].text.startswith(seen)
+        seen = step.outputs[0].text

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.llm_engine import IterationError, LLMEngine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.sampling_params import SamplingParams
 
@@ -38,7 +38,7 @@ class _Call:
     """A function to run on the engine thread between iterations, with its result future."""
 
     fn: Callable[[], Any]
-    future: asyncio.Future[Any]
+    future: asyncio.Future[Any] | None  # None: nobody waits for the result (aborts)
 
 
 class AsyncEngine:
@@ -56,6 +56,10 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # Held while queueing a command and while the loop closes, so that no command is
+        # queued after the final drain (it would never be answered).
+        self._submit_lock = threading.Lock()
+        self._closed = False
         self.errored: BaseException | None = None
 
     # ----------------------------------------------------------------- lifecycle
@@ -69,7 +73,9 @@ class AsyncEngine:
     async def stop(self) -> None:
         """Stop the engine thread after the current iteration (pending requests are aborted)."""
         self._stop.set()
-        self._commands.put(_Call(lambda: None, asyncio.get_running_loop().create_future()))
+        with self._submit_lock:
+            if not self._closed:
+                self._commands.put(_Call(lambda: None, None))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
 
@@ -131,16 +137,22 @@ class AsyncEngine:
         """Abort a request at the next iteration boundary (no-op if it already ended)."""
         if self._loop is None:
             return
-        self._commands.put(
-            _Call(lambda: self.engine.abort_request(request_id), self._loop.create_future())
-        )
+        call = _Call(lambda: self.engine.abort_request(request_id), None)
+        with self._submit_lock:
+            if not self._closed:
+                self._commands.put(call)
 
     async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the engine thread at the next iteration boundary; return its result."""
-        if not self.is_running:
-            raise EngineDeadError("the engine loop is not running")
+        """Run ``fn`` on the engine thread at the next iteration boundary; return its result.
+
+        Raises:
+            EngineDeadError: the loop is not running (or stops before running ``fn``).
+        """
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._commands.put(_Call(fn, future))
+        with self._submit_lock:
+            if self._closed or not self.is_running:
+                raise EngineDeadError("the engine loop is not running")
+            self._commands.put(_Call(fn, future))
         return await future
 
     # ----------------------------------------------------------------- engine thread
@@ -160,9 +172,15 @@ class AsyncEngine:
             self._deliver_error(list(self._streams), EngineDeadError(f"engine loop died: {e}"))
             raise
         finally:
-            pending = list(self.engine.scheduler.requests)
-            if pending:
-                self.engine.abort_request(pending)
+            with self._submit_lock:
+                self._closed = True
+            while True:  # answer every command that will never run
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                self._resolve(command.future, None, EngineDeadError("the engine stopped"))
+            self.engine.abort_all()
             self._deliver_error(list(self._streams), EngineDeadError("the engine stopped"))
 
     def _apply_commands(self, block: bool) -> None:
@@ -186,8 +204,13 @@ class AsyncEngine:
             self._resolve(command.future, result, None)
 
     def _resolve(
-        self, future: asyncio.Future[Any], result: Any, error: BaseException | None
+        self, future: asyncio.Future[Any] | None, result: Any, error: BaseException | None
     ) -> None:
+        if future is None:
+            if error is not None and not isinstance(error, EngineDeadError):
+                logger.warning("engine command failed: %s", error)
+            return
+
         def settle() -> None:
             if future.done():
                 return
@@ -203,13 +226,11 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:
-            # One bad iteration must not kill the server: fail the requests it carried.
-            logger.exception("iteration failed; aborting its requests")
-            ids = list(self.engine.scheduler.requests)
-            parent_ids = {i.split("#", 1)[0] for i in ids}
-            self.engine.abort_request(sorted(parent_ids))
-            self._deliver_error(sorted(parent_ids), RequestFailedError(f"iteration failed: {e}"))
+        except IterationError as e:
+            # One bad iteration must not kill the server: only the requests it carried fail
+            # (the engine has aborted them already).
+            logger.exception("iteration failed; its requests were aborted")
+            self._deliver_error(e.request_ids, RequestFailedError(str(e)))
             return
         if outputs:
             assert self._loop is not None

@@ -40,15 +40,16 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop_string: str | None = None
 
-    def append(self, token_id: int) -> str | None:
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
         """Decode one more token; returns the stop string it completed, if any (the text is
-        then cut before it, or after it with ``include_stop_str_in_output``)."""
+        then cut before it, or after it with ``include_stop_str_in_output``). With
+        ``check_stop`` False (``min_tokens`` not reached) stop strings are not searched."""
         piece = self._stream.step(self._backend, token_id)
         if not piece:
             return None
         start = max(0, len(self.text) - self._hold)
         self.text += piece
-        if not self.stop:
+        if not self.stop or not check_stop:
             return None
         found = [(self.text.find(s, start), s) for s in self.stop]
         hits = [(i, s) for i, s in found if i >= 0]

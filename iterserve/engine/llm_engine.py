@@ -27,6 +27,20 @@ from iterserve.engine.scheduler import Scheduler
 TELEMETRY_LEN = 1024
 
 
+class IterationError(RuntimeError):
+    """An iteration's forward raised; the requests it carried were aborted.
+
+    Attributes:
+        request_ids: the aborted (user-level) request ids.
+    """
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(
+            f"iteration failed ({type(cause).__name__}: {cause}); aborted {request_ids}"
+        )
+        self.request_ids = request_ids
+
+
 @dataclass(frozen=True)
 class IterationStats:
     """One iteration, as recorded for metrics."""
@@ -173,6 +187,12 @@ class LLMEngine:
                 f"but the whole pool has {kv.num_blocks} blocks of {kv.block_size} tokens",
                 "prompt",
             )
+        bad_stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stops:
+            raise InvalidRequestError(
+                f"stop_token_ids must be < the vocabulary size {self.vocab_size}, got {bad_stops}",
+                "stop_token_ids",
+            )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", "stop")
 
@@ -195,12 +215,17 @@ class LLMEngine:
             raise TypeError(f"request_id must be a string, got {request_id!r}")
         self.validate(prompt_token_ids, params)
         prio = self.resolve_priority(priority)
-        if request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        child_ids = (
+            [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        )
+        taken = [
+            i for i in [request_id, *child_ids] if i in self._parents or i in self._completions
+        ]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         completions: list[_Completion] = []
-        for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+        for index, child_id in enumerate(child_ids):
             child_params = params.child(index) if params.n > 1 else params
             request = Request(
                 child_id, prompt_token_ids, child_params, self.eos_token_ids, arrival, prio
@@ -231,6 +256,10 @@ class LLMEngine:
             outputs.append(self._make_output(parent))
         return outputs
 
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every request (shutdown)."""
+        return self.abort_request(list(self._parents))
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
 
@@ -246,7 +275,18 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         runner_output = ModelRunnerOutput(sampled_token_ids={})
         if scheduler_output.has_runner_work:
-            runner_output = self.runner.execute_model(scheduler_output)
+            try:
+                runner_output = self.runner.execute_model(scheduler_output)
+            except Exception as e:
+                # The KV of every request in this iteration (and of any request swapped out
+                # in it) may be half-written: end those requests, keep the others.
+                ids = [s.request_id for s in scheduler_output.scheduled]
+                ids += scheduler_output.preempted_request_ids
+                failed = sorted(
+                    {self._completions[i][0].request_id for i in ids if i in self._completions}
+                )
+                self.abort_request(failed)
+                raise IterationError(failed, e) from e
         for request_id, logprobs in runner_output.logprobs.items():
             entry = self._completions.get(request_id)
             if entry is not None and entry[1].logprobs is not None:
@@ -256,18 +296,19 @@ class LLMEngine:
             self.num_iterations += 1
             self.last_iteration_latency = time.perf_counter() - start
             self._record(scheduler_output, self.last_iteration_latency)
-        parents: dict[str, _Parent] = {}
+        touched: dict[str, _Parent] = {}
         for request in updated:
             parent = self._completions[request.request_id][0]
-            parents[parent.request_id] = parent
-        return [self._make_output(p) for p in parents.values()]
+            touched[parent.request_id] = parent
+        return [self._make_output(p) for p in touched.values()]
 
     def _check_stop_strings(self, request: Request) -> bool:
         completion = self._completions[request.request_id][1]
         if completion.detokenizer is None:
             return False
-        stop = completion.detokenizer.append(request.all_token_ids[-1])
-        if stop is None or request.num_output_tokens < request.sampling_params.min_tokens:
+        can_stop = request.num_output_tokens >= request.sampling_params.min_tokens
+        stop = completion.detokenizer.append(request.all_token_ids[-1], can_stop)
+        if stop is None:
             return False
         request.stop_reason = stop
         return True

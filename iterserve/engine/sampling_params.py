@@ -135,12 +135,18 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, "must be in [-2, 2]", value)
         _check(
-            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+            _is_number(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 10,
             "repetition_penalty",
-            "must be in (0, 10]",
+            "must be in [0.01, 10]",
             self.repetition_penalty,
         )
-        _check(self.seed is None or _is_int(self.seed), "seed", "must be an integer", self.seed)
+        # Completion i of n uses seed + i; torch generators take signed 64-bit seeds.
+        _check(
+            self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed <= 2**63 - self.n),
+            "seed",
+            "must be an integer in [-2**63, 2**63 - n]",
+            self.seed,
+        )
         _check(
             self.logprobs is None
             or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),

@@ -77,6 +77,7 @@ class Sampler:
                 ids = list(s.params.stop_token_ids)
                 if not s.params.ignore_eos:
                     ids += self.eos_token_ids
+                ids = [t for t in ids if t < logits.shape[1]]
                 if ids:
                     logits[i, ids] = float("-inf")
 
