@@ -15,9 +15,9 @@ import yaml
 from iterserve.config import ENGINE_CONFIG_CLASSES, ConfigError, field_type
 
 _EXAMPLE_PROMPTS = [
-    "The capital of France is",
+    "What is the capital of France?",
     "Write a haiku about continuous batching.",
-    "def fibonacci(n):",
+    "Write a Python function that returns the n-th Fibonacci number.",
     "List three facts about the Moon.",
 ]
 
