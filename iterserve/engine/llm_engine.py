@@ -129,7 +129,6 @@ class LLMEngine:
         self._completions: dict[str, tuple[_Parent, _Completion]] = {}  # child id ->
         self.telemetry: deque[IterationStats] = deque(maxlen=TELEMETRY_LEN)
         self.num_iterations = 0
-        self.last_iteration_latency = 0.0  # seconds of the last forward
 
     # ----------------------------------------------------------------- requests
 
@@ -294,8 +293,7 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         if not scheduler_output.is_empty:
             self.num_iterations += 1
-            self.last_iteration_latency = time.perf_counter() - start
-            self._record(scheduler_output, self.last_iteration_latency)
+            self._record(scheduler_output, time.perf_counter() - start)
         touched: dict[str, _Parent] = {}
         for request in updated:
             parent = self._completions[request.request_id][0]

@@ -78,7 +78,6 @@ class Request:
         # prompt, so that it starts from the shared (prefix-cached) prompt blocks.
         self.wait_for: Request | None = None
         self.stop_reason: str | int | None = None
-        self.first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -314,7 +314,6 @@ class Scheduler:
         ones carry their final status and have already given back their blocks).
         """
         updated, self._capacity_finished = self._capacity_finished, []
-        now = self.clock()
         for sched in scheduler_output.scheduled:
             request = self.requests.get(sched.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -325,8 +324,6 @@ class Scheduler:
                 continue
             request.append_output_token(runner_output.sampled_token_ids[sched.request_id])
             self._static_batch_open = False  # a member decodes: the static batch is formed
-            if request.first_token_time is None:
-                request.first_token_time = now
             stopped = self.stop_checker is not None and self.stop_checker(request)
             status = RequestStatus.FINISHED_STOPPED if stopped else None
             status = status or request.check_stop(self.max_model_len)

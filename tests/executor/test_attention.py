@@ -71,3 +71,22 @@ def test_paged_attention_matches_dense(block_size: int, seed: int) -> None:
             slot = (table[p // block_size], p % block_size)
             assert torch.equal(kv.key[0][:, slot[0], slot[1]], full_k[i][p])
             assert torch.equal(kv.value[0][:, slot[0], slot[1]], full_v[i][p])
+
+
+def test_swap_out_and_in_round_trips_blocks() -> None:
+    gen = torch.Generator().manual_seed(3)
+    kv = KVCache(
+        2, 8, 4, NUM_KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"), num_host_blocks=4
+    )
+    for layer in range(2):
+        kv.key[layer].copy_(torch.randn(kv.key[layer].shape, generator=gen))
+        kv.value[layer].copy_(torch.randn(kv.value[layer].shape, generator=gen))
+    saved = [(kv.key[i][:, [5, 2]].clone(), kv.value[i][:, [5, 2]].clone()) for i in range(2)]
+    kv.swap_out([(5, 3), (2, 0)])  # device block -> host block
+    for layer in range(2):  # the device blocks are reused by someone else meanwhile
+        kv.key[layer][:, [5, 2]] = 0.0
+        kv.value[layer][:, [5, 2]] = 0.0
+    kv.swap_in([(3, 7), (0, 1)])  # host block -> (new) device block
+    for layer in range(2):
+        assert torch.equal(kv.key[layer][:, [7, 1]], saved[layer][0])
+        assert torch.equal(kv.value[layer][:, [7, 1]], saved[layer][1])
