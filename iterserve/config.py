@@ -203,7 +203,7 @@ def parse_tiers(data: object) -> tuple[Tier, ...]:
 class SchedulerConfig:
     max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
     max_num_batched_tokens: int = field(
-        default=512, metadata={"help": "token budget of one iteration"}
+        default=256, metadata={"help": "token budget of one iteration"}
     )
     enable_chunked_prefill: bool = field(
         default=True, metadata={"help": "split long prefills across iterations"}
