@@ -7,10 +7,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.config import DEFAULT_TIER_NAME, EngineConfig
+from iterserve.config import EngineConfig
 from iterserve.engine.detokenizer import IncrementalDetokenizer
-from iterserve.engine.errors import InvalidRequestError
 from iterserve.engine.kv_cache_manager import KVCacheManager
+from iterserve.engine.limits import RequestLimits
 from iterserve.engine.outputs import (
     CompletionOutput,
     ModelRunner,
@@ -132,68 +132,26 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
 
-    def resolve_priority(self, priority: int | str | None) -> int:
-        """An integer priority from an integer, a tier name or None (the default tier).
+    @property
+    def limits(self) -> RequestLimits:
+        """What a request is checked against (picklable: a client process validates too)."""
+        kv = self.scheduler.kv
+        return RequestLimits(
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            num_kv_blocks=kv.num_blocks,
+            block_size=kv.block_size,
+            has_tokenizer=self.tokenizer is not None,
+            scheduler=self.scheduler.config,
+        )
 
-        Raises:
-            InvalidRequestError: unknown tier name or a non-integer.
-        """
-        tiers = self.scheduler.config
-        if priority is None:
-            default = tiers.tier_named(DEFAULT_TIER_NAME)
-            return default.priority if default else max(t.priority for t in tiers.tiers)
-        if isinstance(priority, str):
-            named = tiers.tier_named(priority)
-            if named is None:
-                names = [t.name for t in tiers.tiers]
-                raise InvalidRequestError(
-                    f"unknown priority tier {priority!r} (tiers: {names})", "priority"
-                )
-            return named.priority
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError(
-                f"priority must be an integer or a tier name, got {priority!r}", "priority"
-            )
-        return priority
+    def resolve_priority(self, priority: int | str | None) -> int:
+        """See :meth:`RequestLimits.resolve_priority`."""
+        return self.limits.resolve_priority(priority)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise :class:`InvalidRequestError` for a request that can never be served."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"expected SamplingParams, got {type(params).__name__}")
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        bad = [
-            t
-            for t in prompt_token_ids
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
-        ]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}",
-                "prompt",
-            )
-        if num_prompt + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                f"has {num_prompt} prompt tokens and asks for max_tokens={params.max_tokens}",
-                "max_tokens" if num_prompt < self.max_model_len else "prompt",
-            )
-        kv = self.scheduler.kv
-        if kv.num_blocks_for(num_prompt) > kv.num_blocks:
-            raise InvalidRequestError(
-                f"the prompt ({num_prompt} tokens) needs {kv.num_blocks_for(num_prompt)} KV blocks "
-                f"but the whole pool has {kv.num_blocks} blocks of {kv.block_size} tokens",
-                "prompt",
-            )
-        bad_stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_stops:
-            raise InvalidRequestError(
-                f"stop_token_ids must be < the vocabulary size {self.vocab_size}, got {bad_stops}",
-                "stop_token_ids",
-            )
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer", "stop")
+        """See :meth:`RequestLimits.validate`."""
+        self.limits.validate(prompt_token_ids, params)
 
     def add_request(
         self,
