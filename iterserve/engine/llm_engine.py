@@ -213,6 +213,18 @@ class LLMEngine:
             outputs.append(self._make_output(parent))
         return outputs
 
+    def stats(self) -> dict[str, int]:
+        """Queue and pool counts (what ``/load`` will report)."""
+        sched = self.scheduler
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "num_swapped": len(sched.swapped),
+            "num_free_blocks": sched.kv.pool.num_free_blocks,
+            "num_cached_blocks": sched.kv.pool.num_cached_blocks,
+            "num_total_blocks": sched.kv.num_blocks,
+        }
+
     def abort_all(self) -> list[RequestOutput]:
         """Abort every request (shutdown)."""
         return self.abort_request(list(self._parents))

@@ -198,3 +198,23 @@ def build(config: EngineConfig) -> LoadedModel:
         eos_token_ids=eos_ids,
         preemption_costs=costs,
     )
+
+
+def build_llm_engine(**kwargs: Any) -> Any:
+    """An ``LLMEngine`` on a freshly loaded model (the engine process's factory).
+
+    ``kwargs`` are engine config keywords, as for ``LLM(...)``.
+    """
+    from iterserve.engine.llm_engine import LLMEngine
+
+    loaded = build(EngineConfig.from_kwargs(**kwargs))
+    return LLMEngine(
+        loaded.config,
+        loaded.runner,
+        loaded.tokenizer,
+        num_kv_blocks=loaded.num_kv_blocks,
+        vocab_size=int(loaded.hf_config.vocab_size),
+        eos_token_ids=loaded.eos_token_ids,
+        num_host_blocks=loaded.num_host_blocks,
+        preemption_costs=loaded.preemption_costs,
+    )

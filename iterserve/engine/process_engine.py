@@ -1,0 +1,242 @@
+"""The asyncio engine client with the engine loop in its own process (vLLM v1's design).
+
+Same API as :class:`~iterserve.engine.async_engine.AsyncEngine`. The child process builds the
+engine with a factory named by ``"module:function"`` (so this module imports no torch) and
+runs the loop; commands go down one pipe, each iteration's outputs come back pickled on
+another, read by a thread that hands them to the event loop. Requests are validated here,
+against the child's :class:`RequestLimits`, before anything is sent. Measured faster than the
+thread on the development machine (``iterserve bench engine-loop``): the engine's Python work
+no longer shares the GIL with the HTTP handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from iterserve.engine.async_engine import EngineDeadError, RequestFailedError
+from iterserve.engine.limits import RequestLimits
+from iterserve.engine.llm_engine import IterationError
+from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_FACTORY = "iterserve.executor.build:build_llm_engine"
+
+
+def _engine_main(factory: str, kwargs: dict[str, Any], commands: Any, results: Any) -> None:
+    """The child: build the engine, then loop: apply commands, step, send outputs."""
+    module, name = factory.split(":")
+    engine = getattr(importlib.import_module(module), name)(**kwargs)
+    results.send(("ready", engine.limits))
+    while True:
+        while commands.poll() or not engine.has_unfinished_requests():
+            message = commands.recv()
+            kind = message[0]
+            if kind == "stop":
+                engine.abort_all()
+                return
+            if kind == "add":
+                try:
+                    engine.add_request(*message[1])
+                except Exception as e:  # validated in the parent; report anything left
+                    results.send(("request_error", message[1][0], e))
+            elif kind == "abort":
+                engine.abort_request(message[1])
+            elif kind == "call":
+                call_id, method, args = message[1:]
+                try:
+                    results.send(("result", call_id, True, getattr(engine, method)(*args)))
+                except Exception as e:
+                    results.send(("result", call_id, False, e))
+        try:
+            outputs = engine.step()
+        except IterationError as e:
+            results.send(("failed", e.request_ids, str(e)))
+            continue
+        if outputs:
+            results.send(("outputs", outputs))
+
+
+class ProcessEngine:
+    """Runs an ``LLMEngine`` in a child process for an asyncio application.
+
+    Args:
+        engine_kwargs: keywords of the factory (for the default: ``LLM``-style config keys).
+        factory: ``"module:function"`` returning an ``LLMEngine``; runs in the child.
+    """
+
+    def __init__(self, engine_kwargs: dict[str, Any], factory: str = DEFAULT_FACTORY) -> None:
+        self.engine_kwargs = engine_kwargs
+        self.factory = factory
+        self.limits: RequestLimits | None = None
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._proc: Any = None
+        self._send_lock = threading.Lock()
+        self._dead = True
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        """Start the child and wait until its model is loaded.
+
+        Raises:
+            EngineDeadError: the child failed to start.
+        """
+        self._loop = asyncio.get_running_loop()
+        ctx = mp.get_context("spawn")
+        cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
+        self._res_recv, res_send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=_engine_main,
+            args=(self.factory, self.engine_kwargs, cmd_recv, res_send),
+            name="iterserve-engine-core",
+            daemon=True,
+        )
+        self._proc.start()
+        res_send.close()
+        cmd_recv.close()
+        try:
+            kind, limits = await asyncio.wait_for(asyncio.to_thread(self._res_recv.recv), timeout_s)
+        except (EOFError, OSError, TimeoutError) as e:
+            self._proc.kill()
+            raise EngineDeadError(f"the engine process failed to start: {e!r}") from e
+        assert kind == "ready"
+        self.limits = limits
+        self._dead = False
+        threading.Thread(target=self._read, name="iterserve-engine-reader", daemon=True).start()
+
+    async def stop(self) -> None:
+        """Abort what runs, stop the child and wait for it."""
+        self._send(("stop",))
+        if self._proc is not None:
+            await asyncio.to_thread(self._proc.join, 30)
+            if self._proc.is_alive():
+                self._proc.kill()
+
+    @property
+    def is_running(self) -> bool:
+        return not self._dead and self._proc is not None and self._proc.is_alive()
+
+    # ----------------------------------------------------------------- API
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        priority: int | str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """As :meth:`AsyncEngine.generate`."""
+        if not self.is_running or self.limits is None:
+            raise EngineDeadError("the engine process is not running")
+        self.limits.validate(prompt_token_ids, params)
+        resolved = self.limits.resolve_priority(priority)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            self._send(("add", (request_id, prompt_token_ids, params, prompt, None, resolved)))
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request at the child's next iteration boundary."""
+        with contextlib.suppress(EngineDeadError):
+            self._send(("abort", request_id))
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Call ``LLMEngine.<method>(*args)`` in the child between iterations; its result."""
+        assert self._loop is not None
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._calls[call_id] = future
+        try:
+            self._send(("call", call_id, method, args))
+        except EngineDeadError:
+            self._calls.pop(call_id, None)
+            raise
+        return await future
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            if self._dead:
+                raise EngineDeadError("the engine process is not running")
+            try:
+                self._cmd_send.send(message)
+            except (OSError, EOFError) as e:
+                raise EngineDeadError(f"the engine process is gone: {e}") from e
+
+    def _read(self) -> None:
+        """Reader thread: child messages -> event loop, until the child's pipe closes."""
+        assert self._loop is not None
+        while True:
+            try:
+                message = self._res_recv.recv()
+            except (EOFError, OSError):
+                break
+            with contextlib.suppress(RuntimeError):  # the event loop is closed
+                self._loop.call_soon_threadsafe(self._handle, message)
+        with self._send_lock:
+            self._dead = True
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError("the engine stopped"))
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "outputs":
+            for out in message[1]:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put_nowait(out)
+        elif kind == "failed":
+            for request_id in message[1]:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put_nowait(RequestFailedError(message[2]))
+        elif kind == "request_error":
+            stream = self._streams.get(message[1])
+            if stream is not None:
+                stream.put_nowait(message[2])
+        elif kind == "result":
+            future = self._calls.pop(message[1], None)
+            if future is not None and not future.done():
+                if message[2]:
+                    future.set_result(message[3])
+                else:
+                    future.set_exception(message[3])
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(error)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
