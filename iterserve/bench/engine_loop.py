@@ -7,8 +7,9 @@ it (plus ``--extra-us`` of busy Python, to model a heavier HTTP stack).
 
 - ``thread``: :class:`~iterserve.engine.async_engine.AsyncEngine` (the engine loop on a
   thread of this process, sharing the GIL with the event loop).
-- ``process``: the engine loop in a child process (``multiprocessing``, spawn); commands and
-  each iteration's outputs cross pipes, pickled, as vLLM v1's engine-core process does.
+- ``process``: :class:`~iterserve.engine.process_engine.ProcessEngine` (the engine loop in a
+  child process; commands and each iteration's outputs cross pipes, pickled, as vLLM v1's
+  engine-core process does).
 
 Run: ``iterserve bench engine-loop``.
 """
@@ -18,9 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import statistics
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,64 +122,29 @@ async def _run_thread(args: argparse.Namespace, params: SamplingParams) -> LoopR
     return _result("thread", sum(counts), time.perf_counter() - start, gaps)
 
 
-def _process_main(kwargs: dict[str, Any], commands: Any, outputs: Any) -> None:
-    """Child process: an engine loop fed by a pipe; one message per iteration back."""
-    kwargs = dict(kwargs)
-    concurrency = kwargs.pop("concurrency")
-    engine, tokenizer = _build_engine(kwargs)
-    outputs.send(("ready", _workload(tokenizer, concurrency)))
-    while True:
-        while commands.poll() or not engine.has_unfinished_requests():
-            kind, payload = commands.recv()
-            if kind == "stop":
-                return
-            engine.add_request(*payload)
-        outputs.send(("outputs", engine.step()))
-
-
 async def _run_process(args: argparse.Namespace, params: SamplingParams) -> LoopResult:
-    ctx = mp.get_context("spawn")
-    cmd_recv, cmd_send = ctx.Pipe(duplex=False)
-    out_recv, out_send = ctx.Pipe(duplex=False)
-    kwargs = _engine_kwargs(args) | {"concurrency": args.concurrency}
-    proc = ctx.Process(target=_process_main, args=(kwargs, cmd_recv, out_send), daemon=True)
-    proc.start()
-    kind, prompts = out_recv.recv()
-    assert kind == "ready"
-    loop = asyncio.get_running_loop()
-    queues: dict[str, asyncio.Queue[RequestOutput]] = {
-        str(i): asyncio.Queue() for i in range(len(prompts))
-    }
+    from transformers import AutoTokenizer
 
-    def reader() -> None:  # a thread that moves pickled outputs onto the event loop
-        while True:
-            try:
-                _, outs = out_recv.recv()
-            except (EOFError, OSError):
-                return  # the child process exited
-            for out in outs:
-                loop.call_soon_threadsafe(queues[out.request_id].put_nowait, out)
+    from iterserve.engine.process_engine import ProcessEngine
+    from iterserve.models.loader import resolve_model_dir
 
-    async def stream(request_id: str) -> Any:
-        while True:
-            out = await queues[request_id].get()
-            yield out
-            if out.finished:
-                return
-
+    engine = ProcessEngine(_engine_kwargs(args))
+    await engine.start()
+    prompts = _workload(
+        AutoTokenizer.from_pretrained(str(resolve_model_dir("default"))), args.concurrency
+    )
     gaps: list[float] = []
     start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        cmd_send.send(("add", (str(i), p, params)))
-    reader_thread = threading.Thread(target=reader, daemon=True)
-    reader_thread.start()
-    counts = await asyncio.gather(
-        *[_consume(stream(str(i)), args.extra_us, gaps) for i in range(len(prompts))]
-    )
-    seconds = time.perf_counter() - start
-    cmd_send.send(("stop", None))
-    proc.join(timeout=30)
-    return _result("process", sum(counts), seconds, gaps)
+    try:
+        counts = await asyncio.gather(
+            *[
+                _consume(engine.generate(str(i), p, params), args.extra_us, gaps)
+                for i, p in enumerate(prompts)
+            ]
+        )
+    finally:
+        await engine.stop()
+    return _result("process", sum(counts), time.perf_counter() - start, gaps)
 
 
 def _result(mode: str, tokens: int, seconds: float, gaps: list[float]) -> LoopResult:
