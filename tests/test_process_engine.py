@@ -99,3 +99,38 @@ def test_a_dying_engine_process_ends_every_stream(loaded_f32: Any) -> None:
         assert not engine.is_running
 
     asyncio.run(main())
+
+
+def test_reused_ids_stop_twice_and_pickled_errors(loaded_f32: Any) -> None:
+    import pickle
+
+    from iterserve.engine.llm_engine import IterationError
+
+    # Our exceptions survive the pipe with their fields.
+    err = pickle.loads(pickle.dumps(InvalidRequestError("bad", "top_p")))
+    assert (str(err), err.param) == ("bad", "top_p")
+    it = pickle.loads(pickle.dumps(IterationError(["a"], ValueError("x"))))
+    assert it.request_ids == ["a"] and "x" in str(it)
+
+    async def main() -> None:
+        engine = ProcessEngine(KWARGS)
+        with pytest.raises(EngineDeadError):
+            await engine.call("stats")  # never started
+        await engine.start()
+        try:
+            long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            stream = engine.generate("re", prompts(loaded_f32)[0], long)
+            async for out in stream:
+                if len(out.outputs[0].token_ids) == 5:
+                    break
+            await stream.aclose()
+            # The same id again right away: only the new request's outputs arrive.
+            short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+            outs = [o async for o in engine.generate("re", [9, 9, 9], short)]
+            assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3]
+            assert all(o.request_id == "re" and o.prompt_token_ids == [9, 9, 9] for o in outs)
+        finally:
+            await engine.stop()
+        await engine.stop()  # idempotent
+
+    asyncio.run(main())

@@ -10,3 +10,7 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
+        # Keep ``param`` across processes (the engine process reports errors pickled).
+        return (type(self), (str(self), self.param))

@@ -39,6 +39,11 @@ class IterationError(RuntimeError):
             f"iteration failed ({type(cause).__name__}: {cause}); aborted {request_ids}"
         )
         self.request_ids = request_ids
+        self.cause = cause
+
+    def __reduce__(self) -> tuple[type, tuple[list[str], BaseException]]:
+        # Picklable across processes (the cause travels as a plain RuntimeError).
+        return (type(self), (self.request_ids, RuntimeError(str(self.cause))))
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ class ProcessEngine:
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
+        self._internal_ids = itertools.count()
+        self._live_ids: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: Any = None
         self._send_lock = threading.Lock()
@@ -118,8 +120,9 @@ class ProcessEngine:
         threading.Thread(target=self._read, name="iterserve-engine-reader", daemon=True).start()
 
     async def stop(self) -> None:
-        """Abort what runs, stop the child and wait for it."""
-        self._send(("stop",))
+        """Abort what runs, stop the child and wait for it (a no-op when it is gone)."""
+        with contextlib.suppress(EngineDeadError):
+            self._send(("stop",))
         if self._proc is not None:
             await asyncio.to_thread(self._proc.join, 30)
             if self._proc.is_alive():
@@ -139,40 +142,53 @@ class ProcessEngine:
         prompt: str | None = None,
         priority: int | str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """As :meth:`AsyncEngine.generate`."""
+        """As :meth:`AsyncEngine.generate`.
+
+        In the child the request runs under a unique internal id, so that outputs still in
+        flight for an earlier request with the same id never reach this one.
+        """
         if not self.is_running or self.limits is None:
             raise EngineDeadError("the engine process is not running")
         self.limits.validate(prompt_token_ids, params)
         resolved = self.limits.resolve_priority(priority)
-        if request_id in self._streams:
+        if request_id in self._live_ids:
             raise ValueError(f"request id {request_id!r} is already in use")
+        internal_id = f"{next(self._internal_ids)}:{request_id}"
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = stream
+        self._streams[internal_id] = stream
+        self._live_ids.add(request_id)
         finished = False
         try:
-            self._send(("add", (request_id, prompt_token_ids, params, prompt, None, resolved)))
+            self._send(("add", (internal_id, prompt_token_ids, params, prompt, None, resolved)))
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
                 finished = item.finished
+                item.request_id = request_id
                 yield item
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.pop(internal_id, None)
+            self._live_ids.discard(request_id)
             if not finished:
-                self.abort(request_id)
+                self.abort(internal_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request at the child's next iteration boundary."""
+        """Abort a request (by its internal id) at the child's next iteration boundary."""
         with contextlib.suppress(EngineDeadError):
             self._send(("abort", request_id))
 
     async def call(self, method: str, *args: Any) -> Any:
-        """Call ``LLMEngine.<method>(*args)`` in the child between iterations; its result."""
-        assert self._loop is not None
+        """Call ``LLMEngine.<method>(*args)`` in the child between iterations; its result.
+
+        Raises:
+            EngineDeadError: the child is not running.
+        """
+        if self._loop is None:
+            raise EngineDeadError("the engine process was never started")
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = self._loop.create_future()
         self._calls[call_id] = future
@@ -202,6 +218,9 @@ class ProcessEngine:
                 message = self._res_recv.recv()
             except (EOFError, OSError):
                 break
+            except Exception:  # a message that cannot be unpickled: drop it, keep reading
+                logger.exception("unreadable message from the engine process")
+                continue
             with contextlib.suppress(RuntimeError):  # the event loop is closed
                 self._loop.call_soon_threadsafe(self._handle, message)
         with self._send_lock:
