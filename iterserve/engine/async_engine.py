@@ -14,7 +14,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,34 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The iteration that carried this request raised; the request was aborted."""
+
+
+async def read_stream(
+    stream: asyncio.Queue[RequestOutput | BaseException],
+    cleanup: Callable[[bool], None],
+    request_id: str | None = None,
+) -> AsyncGenerator[RequestOutput, None]:
+    """Yield a request's outputs from its queue until the finished one; raise a queued error.
+
+    ``cleanup(finished)`` runs however the reader leaves (finished, error, or an early exit
+    such as a client disconnect, where the caller aborts the request). ``request_id``, when
+    given, replaces the id on each output (clients that run requests under internal ids).
+    """
+    finished = False
+    try:
+        while True:
+            item = await stream.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            if request_id is not None:
+                item.request_id = request_id
+            yield item
+            if finished:
+                return
+    finally:
+        cleanup(finished)
 
 
 @dataclass
@@ -112,26 +140,27 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        finished = False
+        added = False
         try:
             await self.call(
                 lambda: self.engine.add_request(
                     request_id, prompt_token_ids, params, prompt, priority=resolved
                 )
             )
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            added = True
         finally:
+            if not added:
+                self._streams.pop(request_id, None)
+
+        def cleanup(finished: bool) -> None:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+        # aclosing: an early exit here (a disconnect) closes the reader at once, which aborts.
+        async with contextlib.aclosing(read_stream(stream, cleanup)) as outputs:
+            async for out in outputs:
+                yield out
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the next iteration boundary (no-op if it already ended)."""

@@ -21,7 +21,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from iterserve.engine.async_engine import EngineDeadError, RequestFailedError
+from iterserve.engine.async_engine import EngineDeadError, RequestFailedError, read_stream
 from iterserve.engine.limits import RequestLimits
 from iterserve.engine.llm_engine import IterationError
 from iterserve.engine.outputs import RequestOutput
@@ -157,24 +157,23 @@ class ProcessEngine:
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[internal_id] = stream
         self._live_ids.add(request_id)
-        finished = False
         try:
             self._send(("add", (internal_id, prompt_token_ids, params, prompt, None, resolved)))
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                item.request_id = request_id
-                yield item
-                if finished:
-                    return
-        finally:
+        except EngineDeadError:
+            self._streams.pop(internal_id, None)
+            self._live_ids.discard(request_id)
+            raise
+
+        def cleanup(finished: bool) -> None:
             self._streams.pop(internal_id, None)
             self._live_ids.discard(request_id)
             if not finished:
                 self.abort(internal_id)
+
+        # aclosing: an early exit here (a disconnect) closes the reader at once, which aborts.
+        async with contextlib.aclosing(read_stream(stream, cleanup, request_id)) as outputs:
+            async for out in outputs:
+                yield out
 
     def abort(self, request_id: str) -> None:
         """Abort a request (by its internal id) at the child's next iteration boundary."""
