@@ -101,25 +101,35 @@ def _workload(tokenizer: Any, concurrency: int) -> list[list[int]]:
     return [ids[: 40 + (i % 8) * 4] for i in range(concurrency)]
 
 
-async def _run_thread(args: argparse.Namespace, params: SamplingParams) -> LoopResult:
-    from iterserve.engine.async_engine import AsyncEngine
-
-    engine, tokenizer = _build_engine(_engine_kwargs(args))
-    prompts = _workload(tokenizer, args.concurrency)
-    aengine = AsyncEngine(engine)
-    aengine.start()
+async def _drive(
+    mode: str,
+    client: Any,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    params: SamplingParams,
+) -> LoopResult:
+    """Stream every prompt through a started client at once; stop the client at the end."""
     gaps: list[float] = []
     start = time.perf_counter()
     try:
         counts = await asyncio.gather(
             *[
-                _consume(aengine.generate(str(i), p, params), args.extra_us, gaps)
+                _consume(client.generate(str(i), p, params), args.extra_us, gaps)
                 for i, p in enumerate(prompts)
             ]
         )
     finally:
-        await aengine.stop()
-    return _result("thread", sum(counts), time.perf_counter() - start, gaps)
+        await client.stop()
+    return _result(mode, sum(counts), time.perf_counter() - start, gaps)
+
+
+async def _run_thread(args: argparse.Namespace, params: SamplingParams) -> LoopResult:
+    from iterserve.engine.async_engine import AsyncEngine
+
+    engine, tokenizer = _build_engine(_engine_kwargs(args))
+    client = AsyncEngine(engine)
+    client.start()
+    return await _drive("thread", client, _workload(tokenizer, args.concurrency), args, params)
 
 
 async def _run_process(args: argparse.Namespace, params: SamplingParams) -> LoopResult:
@@ -128,23 +138,10 @@ async def _run_process(args: argparse.Namespace, params: SamplingParams) -> Loop
     from iterserve.engine.process_engine import ProcessEngine
     from iterserve.models.loader import resolve_model_dir
 
-    engine = ProcessEngine(_engine_kwargs(args))
-    await engine.start()
-    prompts = _workload(
-        AutoTokenizer.from_pretrained(str(resolve_model_dir("default"))), args.concurrency
-    )
-    gaps: list[float] = []
-    start = time.perf_counter()
-    try:
-        counts = await asyncio.gather(
-            *[
-                _consume(engine.generate(str(i), p, params), args.extra_us, gaps)
-                for i, p in enumerate(prompts)
-            ]
-        )
-    finally:
-        await engine.stop()
-    return _result("process", sum(counts), time.perf_counter() - start, gaps)
+    client = ProcessEngine(_engine_kwargs(args))
+    await client.start()
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("default")))
+    return await _drive("process", client, _workload(tokenizer, args.concurrency), args, params)
 
 
 def _result(mode: str, tokens: int, seconds: float, gaps: list[float]) -> LoopResult:
