@@ -225,6 +225,10 @@ class SchedulerConfig:
     aging_interval_s: float = field(
         default=5.0, metadata={"help": "seconds waited per step of priority gained"}
     )
+    max_waiting: int = field(
+        default=1024,
+        metadata={"help": "most requests queued before the server answers 429 (server only)"},
+    )
     tiers: tuple[Tier, ...] = field(
         default=DEFAULT_TIERS,
         metadata={"help": "YAML file: list of {name, priority, max_queue_wait_ms, ttft_target_ms}"},
@@ -245,6 +249,7 @@ class SchedulerConfig:
             f"aging_interval_s must be positive, got {self.aging_interval_s}",
         )
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_waiting >= 0, f"max_waiting must be >= 0, got {self.max_waiting}")
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,
             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "

@@ -46,7 +46,7 @@ class KVCacheManager:
         self.num_host_blocks = num_host_blocks
         self._free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self._host_tables: dict[str, list[int]] = {}
-        self.num_watermark_blocks = int(watermark * num_blocks)
+        self.set_watermark(watermark)
         self._tables: dict[str, list[KVBlock]] = {}
         # Per request: how many of its leading blocks are registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
@@ -54,6 +54,10 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    def set_watermark(self, watermark: float) -> None:
+        """Keep ``watermark`` of all blocks free at admission (live settings)."""
+        self.num_watermark_blocks = int(watermark * self.num_blocks)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, ())]

@@ -59,6 +59,10 @@ class IterationStats:
     num_swapped: int
     num_free_blocks: int
     num_preemptions: int
+    num_swap_preemptions: int = 0  # of num_preemptions, those that swapped
+    num_generated_tokens: int = 0  # tokens sampled
+    num_prefix_cache_queries: int = 0  # prompt tokens looked up at admission
+    num_prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 @dataclass
@@ -96,6 +100,7 @@ class LLMEngine:
         eos_token_ids: token ids that end a request unless ``ignore_eos``.
         num_host_blocks: blocks in the host swap pool (from ``swap_space``).
         preemption_costs: measured at start-up, for ``preemption_mode=auto``.
+        model_dir: where the model (and its tokenizer) was loaded from, for clients.
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class LLMEngine:
         eos_token_ids: frozenset[int],
         num_host_blocks: int = 0,
         preemption_costs: PreemptionCosts | None = None,
+        model_dir: str | None = None,
     ) -> None:
         max_model_len = config.model.max_model_len
         if max_model_len is None:
@@ -134,6 +140,9 @@ class LLMEngine:
         self._completions: dict[str, tuple[_Parent, _Completion]] = {}  # child id ->
         self.telemetry: deque[IterationStats] = deque(maxlen=TELEMETRY_LEN)
         self.num_iterations = 0
+        self.model_dir = model_dir
+        # Cumulative counters as of the last telemetry record (records hold differences).
+        self._last_counts = (0, 0, 0)
 
     # ----------------------------------------------------------------- requests
 
@@ -218,10 +227,11 @@ class LLMEngine:
             outputs.append(self._make_output(parent))
         return outputs
 
-    def stats(self) -> dict[str, int]:
-        """Queue and pool counts (what ``/load`` will report)."""
+    def stats(self) -> dict[str, Any]:
+        """Queue and pool counts now (what ``/load`` reports; ``num_*`` count requests)."""
         sched = self.scheduler
         return {
+            "kv_cache_usage": sched.kv.pool.usage,
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting),
             "num_swapped": len(sched.swapped),
@@ -268,7 +278,11 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         if not scheduler_output.is_empty:
             self.num_iterations += 1
-            self._record(scheduler_output, time.perf_counter() - start)
+            self._record(
+                scheduler_output,
+                time.perf_counter() - start,
+                len(runner_output.sampled_token_ids),
+            )
         touched: dict[str, _Parent] = {}
         for request in updated:
             parent = self._completions[request.request_id][0]
@@ -286,13 +300,20 @@ class LLMEngine:
         request.stop_reason = stop
         return True
 
-    def _record(self, out: Any, latency: float) -> None:
+    def _record(self, out: Any, latency: float, num_generated: int) -> None:
         prefill = sum(
             s.num_scheduled_tokens
             for s in out.scheduled
             if not s.sample or s.num_scheduled_tokens > 1
         )
         sched = self.scheduler
+        counts = (
+            sched.num_preemptions_by_mode["swap"],
+            sched.num_prefix_cache_queries,
+            sched.num_prefix_cache_hits,
+        )
+        swaps, queries, hits = (now - last for now, last in zip(counts, self._last_counts))
+        self._last_counts = counts
         self.telemetry.append(
             IterationStats(
                 time=time.monotonic(),
@@ -304,6 +325,10 @@ class LLMEngine:
                 num_swapped=len(sched.swapped),
                 num_free_blocks=sched.kv.pool.num_free_blocks,
                 num_preemptions=len(out.preempted_request_ids),
+                num_swap_preemptions=swaps,
+                num_generated_tokens=num_generated,
+                num_prefix_cache_queries=queries,
+                num_prefix_cache_hits=hits,
             )
         )
 
@@ -336,4 +361,6 @@ class LLMEngine:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=first.num_cached_tokens or 0,
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
         )

@@ -131,3 +131,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # Monotonic seconds (system-wide clock): when the engine got it, when first admitted.
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None

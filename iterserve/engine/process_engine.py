@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import itertools
 import logging
 import multiprocessing as mp
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from iterserve.engine.async_engine import EngineDeadError, RequestFailedError, read_stream
 from iterserve.engine.limits import RequestLimits
-from iterserve.engine.llm_engine import IterationError
+from iterserve.config import SchedulerConfig
+from iterserve.engine.llm_engine import IterationError, IterationStats
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.sampling_params import SamplingParams
 
@@ -33,13 +35,24 @@ DEFAULT_FACTORY = "iterserve.executor.build:build_llm_engine"
 
 
 def _engine_main(factory: str, kwargs: dict[str, Any], commands: Any, results: Any) -> None:
-    """The child: build the engine, then loop: apply commands, step, send outputs."""
+    """The child: build the engine, then loop: apply commands, step, send outputs.
+
+    Each iteration's message carries its outputs, the telemetry records since the previous
+    message and the queue/pool counts after it; an idle engine that applied commands (an
+    abort) sends the counts too, so the parent's view is never stale by more than a message.
+    """
     module, name = factory.split(":")
     engine = getattr(importlib.import_module(module), name)(**kwargs)
-    results.send(("ready", engine.limits))
+    results.send(("ready", engine.limits, engine.model_dir, engine.stats()))
+    num_sent = engine.num_iterations
+    dirty = False
     while True:
         while commands.poll() or not engine.has_unfinished_requests():
+            if dirty and not commands.poll():
+                results.send(("state", [], [], engine.stats()))
+                dirty = False
             message = commands.recv()
+            dirty = True
             kind = message[0]
             if kind == "stop":
                 engine.abort_all()
@@ -62,8 +75,11 @@ def _engine_main(factory: str, kwargs: dict[str, Any], commands: Any, results: A
         except IterationError as e:
             results.send(("failed", e.request_ids, str(e)))
             continue
-        if outputs:
-            results.send(("outputs", outputs))
+        num_new = min(engine.num_iterations - num_sent, len(engine.telemetry))
+        num_sent = engine.num_iterations
+        telemetry = list(itertools.islice(reversed(engine.telemetry), num_new))[::-1]
+        results.send(("outputs", outputs, telemetry, engine.stats()))
+        dirty = False
 
 
 class ProcessEngine:
@@ -78,6 +94,11 @@ class ProcessEngine:
         self.engine_kwargs = engine_kwargs
         self.factory = factory
         self.limits: RequestLimits | None = None
+        self.model_dir: str | None = None
+        # Queue and pool counts as of the child's latest message (LLMEngine.stats()).
+        self.state: dict[str, Any] = {}
+        # Called on the event loop with each batch of per-iteration telemetry records.
+        self.on_iteration: Callable[[list[IterationStats], dict[str, Any]], None] | None = None
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
@@ -110,12 +131,12 @@ class ProcessEngine:
         res_send.close()
         cmd_recv.close()
         try:
-            kind, limits = await asyncio.wait_for(asyncio.to_thread(self._res_recv.recv), timeout_s)
+            message = await asyncio.wait_for(asyncio.to_thread(self._res_recv.recv), timeout_s)
         except (EOFError, OSError, TimeoutError) as e:
             self._proc.kill()
             raise EngineDeadError(f"the engine process failed to start: {e!r}") from e
-        assert kind == "ready"
-        self.limits = limits
+        assert message[0] == "ready"
+        self.limits, self.model_dir, self.state = message[1:]
         self._dead = False
         threading.Thread(target=self._read, name="iterserve-engine-reader", daemon=True).start()
 
@@ -198,6 +219,13 @@ class ProcessEngine:
             raise
         return await future
 
+    async def update_scheduler_config(self, config: SchedulerConfig) -> None:
+        """Apply new scheduler settings at the child's next iteration boundary; returns once
+        applied (new requests are validated against them from then on)."""
+        await self.call("update_scheduler_config", config)
+        if self.limits is not None:
+            self.limits = dataclasses.replace(self.limits, scheduler=config)
+
     # ----------------------------------------------------------------- plumbing
 
     def _send(self, message: tuple[Any, ...]) -> None:
@@ -229,11 +257,17 @@ class ProcessEngine:
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
-        if kind == "outputs":
-            for out in message[1]:
+        if kind in ("outputs", "state"):
+            outputs, telemetry, self.state = message[1:]
+            for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put_nowait(out)
+            if self.on_iteration is not None:
+                try:
+                    self.on_iteration(telemetry, self.state)
+                except Exception:
+                    logger.exception("on_iteration callback failed")
         elif kind == "failed":
             for request_id in message[1]:
                 stream = self._streams.get(request_id)

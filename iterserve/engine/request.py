@@ -66,6 +66,8 @@ class Request:
         # Prompt tokens found in the prefix cache when first admitted (usage reporting).
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
+        # When it was first admitted (monotonic seconds; queue time = this - arrival_time).
+        self.first_scheduled_time: float | None = None
         # Admission order among running requests (set each time it is admitted).
         self.admit_seq = -1
         # Insertion order into the scheduler (ties between equal arrival times).

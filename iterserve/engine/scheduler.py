@@ -89,10 +89,14 @@ class Scheduler:
         self._static_batch_open = True
         self.iteration = 0
         self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
+        # Prompt tokens looked up in the prefix cache at admission, and those found there.
+        self.num_prefix_cache_queries = 0
+        self.num_prefix_cache_hits = 0
 
     def update_config(self, config: SchedulerConfig) -> None:
         """Swap in new settings; call between iterations (they apply to the next one)."""
         self.config = config
+        self.kv.set_watermark(config.kv_watermark)
 
     # ----------------------------------------------------------------- queue changes
 
@@ -243,6 +247,9 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
+            if self.kv.enable_caching:
+                self.num_prefix_cache_queries += request.num_tokens
+                self.num_prefix_cache_hits += num_computed
             self._start_running(request)
             batch.add(request, num_new)
 
@@ -261,6 +268,8 @@ class Scheduler:
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         request.admit_seq = next(self._admit_counter)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock()
         self.running.append(request)
 
     def _finish_capacity(self, request: Request, queued: bool = False) -> None:

@@ -217,4 +217,5 @@ def build_llm_engine(**kwargs: Any) -> Any:
         eos_token_ids=loaded.eos_token_ids,
         num_host_blocks=loaded.num_host_blocks,
         preemption_costs=loaded.preemption_costs,
+        model_dir=str(loaded.model_dir),
     )
