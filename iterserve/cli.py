@@ -22,9 +22,11 @@ _EXAMPLE_PROMPTS = [
 ]
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+def add_engine_flags(
+    parser: argparse.ArgumentParser, classes: tuple[type, ...] = ENGINE_CONFIG_CLASSES
+) -> None:
     """One flag per config field; unset flags stay absent so the dataclass default applies."""
-    for cls in ENGINE_CONFIG_CLASSES:
+    for cls in classes:
         group = parser.add_argument_group(cls.__name__)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
@@ -65,9 +67,14 @@ def _tiers_from_file(path: str) -> list[dict[str, Any]]:
     return data
 
 
-def engine_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """Keywords for ``LLM(...)``: the ``--config`` file's values, overridden by flags given."""
-    known = {f.name for cls in ENGINE_CONFIG_CLASSES for f in dataclasses.fields(cls)}
+def engine_kwargs(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    classes: tuple[type, ...] = ENGINE_CONFIG_CLASSES,
+) -> dict[str, Any]:
+    """Keywords of ``classes`` (default: ``LLM(...)``'s): the ``--config`` file's values,
+    overridden by flags given."""
+    known = {f.name for cls in classes for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     if args.config is not None:
         try:
@@ -127,9 +134,31 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from iterserve import envs
+    from iterserve.config import ServerConfig
+    from iterserve.server.launch import serve
+
+    kwargs = engine_kwargs(args, parser, (*ENGINE_CONFIG_CLASSES, ServerConfig))
+    server_names = {f.name for f in dataclasses.fields(ServerConfig)}
+    server_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in server_names}
+    server_kwargs.setdefault("api_key", envs.ITERSERVE_API_KEY)
+    server_kwargs.setdefault("admin_token", envs.ITERSERVE_ADMIN_TOKEN)
+    try:
+        return serve(kwargs, ServerConfig(**server_kwargs))
+    except (ConfigError, TypeError) as e:
+        print(f"iterserve serve: error: {e}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from iterserve.config import ServerConfig
+
+    srv = sub.add_parser("serve", help="the OpenAI-compatible server of one replica")
+    add_engine_flags(srv, (ServerConfig, *ENGINE_CONFIG_CLASSES))
+    srv.set_defaults(func=_cmd_serve, subparser=srv)
     gen = sub.add_parser("generate", help="offline generation from the command line")
     add_engine_flags(gen)
     gen.add_argument(
@@ -154,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "generate":
+    if args.command in ("generate", "serve"):
         return int(args.func(args, args.subparser))
     return int(args.func(args))
 

@@ -25,6 +25,8 @@ SchedulingPolicy = Literal["priority", "fcfs"]
 BatchingMode = Literal["continuous", "static"]
 
 GiB = 1 << 30
+# The API name of the embedded default model (``--model default``).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 class ConfigError(ValueError):
@@ -249,7 +251,7 @@ class SchedulerConfig:
             f"aging_interval_s must be positive, got {self.aging_interval_s}",
         )
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _require(self.max_waiting >= 0, f"max_waiting must be >= 0, got {self.max_waiting}")
+        _require(self.max_waiting >= 1, f"max_waiting must be >= 1, got {self.max_waiting}")
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,
             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
@@ -292,6 +294,56 @@ class ParallelConfig:
             f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "
             "iterserve runs one device per replica (tensor parallelism is a later release)",
         )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of the HTTP server (``iterserve serve`` only; not ``LLM(...)`` keywords)."""
+
+    host: str = field(default="0.0.0.0", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "TCP port"})
+    api_key: str | None = field(
+        default=None,
+        metadata={"help": "Bearer key for /v1/*, /tokenize, /detokenize (env ITERSERVE_API_KEY)"},
+    )
+    admin_token: str | None = field(
+        default=None,
+        metadata={"help": "Bearer token enabling /admin/* (env ITERSERVE_ADMIN_TOKEN)"},
+    )
+    shutdown_grace_period_s: float = field(
+        default=30.0, metadata={"help": "seconds running requests get to finish after SIGTERM"}
+    )
+    max_request_body_bytes: int = field(
+        default=4 << 20, metadata={"help": "larger request bodies are answered 413"}
+    )
+    log_prompts: bool = field(
+        default=False, metadata={"help": "put prompt text into the access log"}
+    )
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
+        _require(
+            self.shutdown_grace_period_s >= 0,
+            f"shutdown_grace_period_s must be >= 0, got {self.shutdown_grace_period_s}",
+        )
+        _require(
+            self.max_request_body_bytes >= 1024,
+            f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}",
+        )
+
+
+# Scheduler settings that a running server may change (PUT /admin/scheduler_config).
+LIVE_SCHEDULER_KEYS: tuple[str, ...] = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "long_prefill_token_threshold",
+    "kv_watermark",
+    "preemption_mode",
+    "aging_interval_s",
+    "max_waiting",
+    "tiers",
+)
 
 
 ENGINE_CONFIG_CLASSES: tuple[type, ...] = (

@@ -6,3 +6,7 @@ import os
 
 # Directory for converted models (default: the user cache dir, e.g. ~/.cache/iterserve).
 ITERSERVE_CACHE_DIR: str | None = os.environ.get("ITERSERVE_CACHE_DIR") or None
+
+# Secrets for the server, so that they need not appear on a command line (Kubernetes Secrets).
+ITERSERVE_API_KEY: str | None = os.environ.get("ITERSERVE_API_KEY") or None
+ITERSERVE_ADMIN_TOKEN: str | None = os.environ.get("ITERSERVE_ADMIN_TOKEN") or None

@@ -312,7 +312,9 @@ class LLMEngine:
             sched.num_prefix_cache_queries,
             sched.num_prefix_cache_hits,
         )
-        swaps, queries, hits = (now - last for now, last in zip(counts, self._last_counts))
+        swaps, queries, hits = (
+            now - last for now, last in zip(counts, self._last_counts, strict=True)
+        )
         self._last_counts = counts
         self.telemetry.append(
             IterationStats(

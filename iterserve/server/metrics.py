@@ -1,0 +1,160 @@
+"""Prometheus metrics of a server replica (DESIGN.md, "Metrics"), on prometheus-client.
+
+Engine-side numbers (queue gauges, KV usage, token counters, preemptions, prefix-cache
+lookups, iteration histograms) come from the per-iteration telemetry the engine process sends
+with each message. Per-request latencies are measured here, where the client's tokens leave:
+a :class:`RequestTracker` per engine request observes TTFT, inter-token gaps, TPOT, queue time
+and end-to-end latency. A request with ``n > 1`` is one request in every per-request metric.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from iterserve.engine.llm_engine import IterationStats
+from iterserve.engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = tuple(2**i for i in range(14))
+
+
+class ServerMetrics:
+    """Every metric of the replica, in its own registry (several apps may share a process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "iterserve_"
+        self.num_running = Gauge(p + "num_requests_running", "Requests running", registry=r)
+        self.num_waiting = Gauge(p + "num_requests_waiting", "Requests waiting", registry=r)
+        self.num_swapped = Gauge(p + "num_requests_swapped", "Requests swapped out", registry=r)
+        self.kv_usage = Gauge(
+            p + "kv_cache_usage_ratio", "1 - free (incl. cached) / total KV blocks", registry=r
+        )
+        self.config_version = Gauge(
+            p + "scheduler_config_version", "Version of the live scheduler settings", registry=r
+        )
+        self.prompt_tokens = Counter(
+            p + "prompt_tokens", "Prompt tokens computed (prefill)", registry=r
+        )
+        self.generation_tokens = Counter(
+            p + "generation_tokens", "Output tokens sampled", registry=r
+        )
+        self.preemptions = Counter(p + "num_preemptions", "Preemptions", ["mode"], registry=r)
+        self.success = Counter(
+            p + "request_success", "Finished requests", ["finished_reason"], registry=r
+        )
+        self.rejected = Counter(p + "requests_rejected", "Requests refused", ["reason"], registry=r)
+        self.prefix_queries = Counter(
+            p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
+        )
+
+        def histogram(name: str, doc: str, labels: Iterable[str] = (), buckets: Any = None) -> Any:
+            return Histogram(
+                p + name, doc, list(labels), buckets=buckets or _LATENCY_BUCKETS, registry=r
+            )
+
+        self.ttft = histogram("time_to_first_token_seconds", "TTFT", ["tier"])
+        self.tpot = histogram("request_time_per_output_token_seconds", "TPOT per request", ["tier"])
+        self.itl = histogram("inter_token_latency_seconds", "Gap between a request's tokens")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", ["tier"])
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first admission", ["tier"]
+        )
+        self.iteration_latency = histogram("iteration_latency_seconds", "One engine iteration")
+        self.iteration_tokens = histogram(
+            "iteration_tokens", "Tokens of one iteration", ["phase"], _TOKEN_BUCKETS
+        )
+        for mode in ("recompute", "swap"):
+            self.preemptions.labels(mode=mode)
+        for reason in ("stop", "length", "abort", "error"):
+            self.success.labels(finished_reason=reason)
+        for reason in ("invalid", "queue_full", "queue_wait", "shutting_down"):
+            self.rejected.labels(reason=reason)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Queue gauges from the engine's counts (``LLMEngine.stats()``)."""
+        if not state:
+            return
+        self.num_running.set(state["num_running"])
+        self.num_waiting.set(state["num_waiting"])
+        self.num_swapped.set(state["num_swapped"])
+        self.kv_usage.set(state["kv_cache_usage"])
+
+    def observe_iterations(self, telemetry: list[IterationStats], state: dict[str, Any]) -> None:
+        """Per-iteration telemetry records (called with each engine message)."""
+        for it in telemetry:
+            self.iteration_latency.observe(it.latency_s)
+            if it.num_prefill_tokens:
+                self.iteration_tokens.labels(phase="prefill").observe(it.num_prefill_tokens)
+                self.prompt_tokens.inc(it.num_prefill_tokens)
+            if it.num_decode_tokens:
+                self.iteration_tokens.labels(phase="decode").observe(it.num_decode_tokens)
+            self.generation_tokens.inc(it.num_generated_tokens)
+            if it.num_preemptions:
+                self.preemptions.labels(mode="swap").inc(it.num_swap_preemptions)
+                self.preemptions.labels(mode="recompute").inc(
+                    it.num_preemptions - it.num_swap_preemptions
+                )
+            self.prefix_queries.inc(it.num_prefix_cache_queries)
+            self.prefix_hits.inc(it.num_prefix_cache_hits)
+        self.set_state(state)
+
+
+class RequestTracker:
+    """Latency bookkeeping of one engine request, from acceptance to its end.
+
+    Args:
+        metrics: where to observe.
+        tier: the tier label.
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, metrics: ServerMetrics, tier: str, clock: Any = time.monotonic) -> None:
+        self.metrics = metrics
+        self.tier = tier
+        self.clock = clock
+        self.arrival = clock()
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.num_tokens = 0  # of the longest completion
+        self.done = False
+
+    def on_output(self, out: RequestOutput) -> bool:
+        """Observe an output; True when it carried the request's first token."""
+        num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+        if num_tokens <= self.num_tokens:
+            return False
+        now = self.clock()
+        first = self.first_token is None
+        if first:
+            self.first_token = now
+            self.metrics.ttft.labels(tier=self.tier).observe(now - self.arrival)
+            if out.first_scheduled_time is not None and out.arrival_time is not None:
+                queue_s = max(0.0, out.first_scheduled_time - out.arrival_time)
+                self.metrics.queue_time.labels(tier=self.tier).observe(queue_s)
+        elif self.last_token is not None:
+            self.metrics.itl.observe(now - self.last_token)
+        self.last_token = now
+        self.num_tokens = num_tokens
+        return first
+
+    def finish(self, reason: str) -> None:
+        """Count the request as finished with ``reason`` (stop/length/abort/error); once."""
+        if self.done:
+            return
+        self.done = True
+        self.metrics.success.labels(finished_reason=reason).inc()
+        self.metrics.e2e.labels(tier=self.tier).observe(self.clock() - self.arrival)
+        if self.num_tokens >= 2 and self.first_token is not None and self.last_token is not None:
+            tpot = (self.last_token - self.first_token) / (self.num_tokens - 1)
+            self.metrics.tpot.labels(tier=self.tier).observe(tpot)

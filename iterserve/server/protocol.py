@@ -1,0 +1,192 @@
+"""OpenAI request bodies (pydantic) and the OpenAI error shape.
+
+pydantic checks JSON types; value ranges are checked once, by ``SamplingParams`` and the
+engine's ``RequestLimits``, whose ``InvalidRequestError`` becomes a 400 here like any
+validation error. Fields OpenAI defines but iterserve does not implement are declared so
+that a request using them gets 400 "not supported" instead of being silently ignored; any
+other unknown field is ignored (and logged once).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# OpenAI's limits: completions `logprobs` <= 5, chat `top_logprobs` <= 20.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape.
+
+    Args:
+        status: HTTP status code.
+        message: what went wrong and, where possible, how to fix it.
+        type: OpenAI's error type (``invalid_request_error``, ...).
+        param: the offending request field, if any.
+        code: a machine-readable code (``model_not_found``, ``queue_full``, ...).
+        headers: extra response headers (``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def not_supported(feature: str) -> APIError:
+    return APIError(400, f"{feature} is not supported by iterserve", param=feature)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by both endpoints: OpenAI's, then vLLM's extensions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions (vLLM names).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int | str | None = None
+    # Declared only to refuse them clearly.
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    def unsupported(self) -> str | None:
+        """The first requested feature iterserve does not implement, or None."""
+        if self.logit_bias:
+            return "logit_bias"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            return "response_format"
+        if self.tools:
+            return "tools"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice"
+        if self.functions:
+            return "functions"
+        if self.function_call not in (None, "none"):
+            return "function_call"
+        return None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        if self.suffix:
+            return "suffix"
+        if self.echo and self.logprobs is not None:
+            return "echo with logprobs (prompt logprobs)"
+        return super().unsupported()
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # A string or content parts; only text parts are supported.
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text.
+
+        Raises:
+            APIError: a non-text content part (images, audio: 400 not supported).
+        """
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise not_supported(f"message content of type {part.get('type')!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    parallel_tool_calls: bool | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a prompt, or chat messages (templated)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
