@@ -20,7 +20,7 @@ from iterserve.config import (
     ConfigError,
     SchedulerConfig,
     ServerConfig,
-    Tier,
+    parse_tiers,
 )
 
 _RESTART_ONLY = {
@@ -102,10 +102,9 @@ def merge(
         )
     try:
         if "tiers" in changes:
-            tiers = changes["tiers"]
-            if not isinstance(tiers, list) or not all(isinstance(t, dict) for t in tiers):
+            if not isinstance(changes["tiers"], list):
                 raise ConfigError("tiers must be a list of {name, priority, ...} objects")
-            changes["tiers"] = tuple(Tier(**t) for t in tiers)
+            changes["tiers"] = parse_tiers(changes["tiers"])
         config = dataclasses.replace(current.config, **changes)
     except (ConfigError, TypeError) as e:
         raise LiveConfigError(str(e)) from e

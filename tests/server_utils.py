@@ -1,0 +1,71 @@
+"""Start a real ``iterserve serve`` on loopback for tests (the real default model)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+API_KEY = "sk-test-key"
+ADMIN_TOKEN = "admin-test-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+        self.proc = proc
+        self.url = url
+        self.log = log
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextmanager
+def run_server(*flags: str, startup_timeout_s: float = 240.0) -> Iterator[Server]:
+    """``iterserve serve --host 127.0.0.1 --port <free> *flags``, ready; stopped on exit."""
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="iterserve-server-", suffix=".log")[1])
+    cmd = [sys.executable, "-m", "iterserve.cli", "serve", "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), *flags]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    server = Server(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_text()}")
+            try:
+                if httpx.get(server.url + "/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready in time:\n{server.log_text()}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGINT)  # second signal: exit without draining
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.unlink(missing_ok=True)
