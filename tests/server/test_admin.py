@@ -155,7 +155,7 @@ def test_sixteen_streams_survive_two_config_changes(server: Server, restore: Non
             raised = await until(http, lambda s: s["num_running"] > 8, "more admitted")
             return await asyncio.gather(*first, *second), [lowered, raised]
 
-    results, (lowered, raised) = asyncio.run(main())
+    results, (_, raised) = asyncio.run(main())
     expected = [400] * 8 + [48] * 8
     assert [n for n, _ in results] == expected
     assert all(f == ["length"] for _, f in results), results

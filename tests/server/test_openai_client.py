@@ -16,7 +16,9 @@ def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
 
 
-def stream_completion(client: openai.OpenAI, **kwargs: Any) -> tuple[dict[int, str], Any, dict[int, list[str]]]:
+def stream_completion(
+    client: openai.OpenAI, **kwargs: Any
+) -> tuple[dict[int, str], Any, dict[int, list[str]]]:
     """Join a streamed completion: text per choice, the usage chunk, finish reasons per choice."""
     texts: dict[int, str] = {}
     finishes: dict[int, list[str]] = {}
@@ -104,7 +106,9 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
     assert len(lp.tokens) == out.usage.completion_tokens
     assert "".join(lp.tokens) == out.choices[0].text
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs or [], lp.top_logprobs, strict=True):
+    for token, logprob, top in zip(
+        lp.tokens, lp.token_logprobs or [], lp.top_logprobs, strict=True
+    ):
         assert logprob <= 0 and len(top) == 2
         assert max(top.values()) >= logprob - 1e-4  # greedy: the sampled token is the best
         assert token in top
@@ -128,7 +132,11 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_stop_string_cuts_the_text(client: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = {"prompt": "The alphabet begins with", "max_tokens": 24, "temperature": 0}
+    kwargs: dict[str, Any] = {
+        "prompt": "The alphabet begins with",
+        "max_tokens": 24,
+        "temperature": 0,
+    }
     full = client.completions.create(model=MODEL, **kwargs).choices[0].text
     assert len(full) > 12
     stop = full[8:11]
