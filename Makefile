@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine (see README.md):
-#   make run    installs everything into .venv and generates text with the default model
+#   make run    installs everything into .venv and serves the default model on :8000
 #   make test   installs everything (plus dev tools) and runs lint, types, layering and tests
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,7 +21,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
-run generate: install
+run: install
+	$(VENV)/bin/iterserve serve $(ARGS)
+
+generate: install
 	$(VENV)/bin/iterserve generate --chat $(ARGS)
 
 lint: install

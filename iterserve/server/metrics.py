@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from iterserve.engine.llm_engine import IterationStats
 from iterserve.engine.outputs import RequestOutput
@@ -23,6 +23,9 @@ _LATENCY_BUCKETS = (
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 _TOKEN_BUCKETS = tuple(2**i for i in range(14))
+
+# No ``*_created`` series: they double the exposition and no dashboard reads them.
+disable_created_metrics()
 
 
 class ServerMetrics:
