@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -46,9 +46,12 @@ access_logger = logging.getLogger("iterserve.access")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-class BodyTooLarge(APIError):
+class BodyTooLarge(HTTPException):
+    """Raised while the body is read (a fastapi HTTPException: FastAPI re-raises those from
+    its body parsing instead of turning them into a 400)."""
+
     def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body is larger than {limit} bytes", param=None)
+        super().__init__(413, f"the request body is larger than {limit} bytes")
 
 
 class ServerMiddleware:
@@ -95,7 +98,7 @@ class ServerMiddleware:
 
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            error = BodyTooLarge(limit)
+            error = APIError(413, f"the request body is larger than {limit} bytes")
             response = JSONResponse(error.body(), status_code=413)
             if state is not None:
                 state.metrics.rejected.labels(reason="invalid").inc()
@@ -225,8 +228,16 @@ def build_app(engine_kwargs: dict[str, Any], server_config: ServerConfig | None 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        count_invalid(request, 413 if exc.status_code == 413 else 0)
         return _error_response(
             APIError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {}))
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error", exc_info=exc)
+        return _error_response(
+            APIError(500, f"internal error: {type(exc).__name__}", type="internal_error")
         )
 
     # ----------------------------------------------------------------- auth

@@ -128,11 +128,14 @@ class OpenAIServing:
 
     def chat_prompt(self, messages: list[Any], add_generation_prompt: bool = True) -> _Prompt:
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
-        text = str(
-            self.state.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        try:
+            text = str(
+                self.state.tokenizer.apply_chat_template(
+                    conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+                )
             )
-        )
+        except Exception as e:  # the template's own checks (jinja raise_exception, ...)
+            raise APIError(400, f"the chat template rejects these messages: {e}", "messages") from e
         # The template spells out its special tokens: the tokenizer adds none on top.
         return _Prompt(self.encode(text, add_special_tokens=False), text)
 

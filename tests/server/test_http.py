@@ -250,3 +250,21 @@ def test_load_and_metrics_report_requests(server: Server) -> None:
     assert metric(server, "iterserve_kv_cache_usage_ratio") == pytest.approx(
         state["kv_cache_usage"]
     )
+
+
+def test_oversized_chunked_body_is_413(server: Server) -> None:
+    def body() -> Any:
+        yield b'{"prompt": "'
+        for _ in range(6):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=body(),
+        headers={**AUTH, "content-type": "application/json"},
+        timeout=60,
+    )
+    assert "content-length" not in r.request.headers
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["message"].startswith("the request body is larger than")
