@@ -98,3 +98,13 @@ def test_sigterm_drains_running_streams_then_exits_zero() -> None:
         assert server.proc.wait(60) == 0
         log = server.log_text()
         assert "draining 4 running requests" in log and "drained; shutting down" in log
+        # Structured access log, one JSON line per request, without the prompt text.
+        access = [
+            json.loads(line[line.index("{") :])
+            for line in log.splitlines()
+            if "iterserve.access" in line
+        ]
+        generations = [a for a in access if a["path"] == "/v1/completions"]
+        assert len(generations) == 5 and {a["status"] for a in generations} == {200, 503}
+        assert all(a["request_id"] and "duration_ms" in a for a in generations)
+        assert "weather" not in log

@@ -184,3 +184,23 @@ def test_openai_errors_for_bad_parameters(client: openai.OpenAI) -> None:
     assert e.value.body["param"] == "temperature"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-5", prompt="x", max_tokens=1)
+
+
+def test_streamed_logprobs_cover_every_token(client: openai.OpenAI) -> None:
+    entries, usage = [], None
+    for chunk in client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            if choice.logprobs is not None and choice.logprobs.content:
+                entries += choice.logprobs.content
+    assert usage is not None and len(entries) == usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 for e in entries)
