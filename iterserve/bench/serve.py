@@ -1,0 +1,380 @@
+"""``iterserve bench serve``: an online load generator for any OpenAI-compatible server.
+
+Every request is streamed; the client records TTFT, inter-token gaps, TPOT and e2e latency
+per request and reports percentiles, throughput, goodput under an SLO, per tier, with the
+client's own CPU time (it shares the machine's cores with the server). Arrivals are open-loop
+(Poisson at ``--request-rate``, or ``--burst`` groups), closed-loop (``--concurrency``), or
+replayed from a trace. ``--sweep`` runs several rates and reports the highest that meets the
+SLO. Results: a table, JSON and PNG plots under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from iterserve.bench.stats import (
+    SLO,
+    RequestRecord,
+    cost_per_million_tokens,
+    summarize,
+    summarize_by_tier,
+)
+from iterserve.bench.workloads import WORKLOADS, BenchRequest, load_trace, make_workload
+
+
+def _body(req: BenchRequest, model: str, endpoint: str, plain: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": req.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+    }
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    if not plain:
+        body["ignore_eos"] = True
+        body["min_tokens"] = req.output_len
+        if req.priority is not None:
+            body["priority"] = req.priority
+    return body
+
+
+def _chunk_has_text(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or ():
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+async def send(
+    http: httpx.AsyncClient, req: BenchRequest, model: str, endpoint: str, plain: bool
+) -> RequestRecord:
+    """Send one streamed request; what the client saw."""
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    tier = str(req.priority) if req.priority is not None else "default"
+    record = RequestRecord(ok=False, tier=tier)
+    start = time.perf_counter()
+    last: float | None = None
+    num_text_chunks = 0
+    try:
+        async with http.stream("POST", path, json=_body(req, model, endpoint, plain)) as r:
+            record.status = r.status_code
+            if r.status_code != 200:
+                record.error = (await r.aread()).decode(errors="replace")[:200]
+                return record
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    record.error = str(chunk["error"])[:200]
+                    return record
+                if chunk.get("usage"):
+                    record.output_tokens = chunk["usage"]["completion_tokens"]
+                    record.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                if _chunk_has_text(chunk):
+                    now = time.perf_counter()
+                    if last is None:
+                        record.ttft_s = now - start
+                    else:
+                        record.itl_s.append(now - last)
+                    last = now
+                    num_text_chunks += 1
+    except httpx.HTTPError as e:
+        record.error = f"{type(e).__name__}: {e}"
+        return record
+    record.e2e_s = time.perf_counter() - start
+    record.output_tokens = record.output_tokens or num_text_chunks
+    record.ok = record.ttft_s is not None
+    return record
+
+
+def arrival_times(
+    n: int, rate: float, burst: int | None, burst_interval_s: float, seed: int
+) -> list[float]:
+    """Open-loop arrival offsets (seconds): Poisson at ``rate`` (inf: all at once), or groups
+    of ``burst`` every ``burst_interval_s``."""
+    if burst:
+        return [(i // burst) * burst_interval_s for i in range(n)]
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed + 1)
+    t, times = 0.0, []
+    for _ in range(n):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+async def run_load(
+    url: str,
+    requests: list[BenchRequest],
+    model: str,
+    args: argparse.Namespace,
+    rate: float,
+) -> tuple[list[RequestRecord], float, float]:
+    """Drive one run; (records, wall seconds, client CPU seconds)."""
+    from tqdm import tqdm
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.timeout_s)
+    if any(r.arrival_s is not None for r in requests):
+        offsets = [r.arrival_s or 0.0 for r in requests]
+    else:
+        offsets = arrival_times(len(requests), rate, args.burst, args.burst_interval_s, args.seed)
+    semaphore = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+    bar = tqdm(total=len(requests), desc=f"rate {rate:g}/s", unit="req", disable=args.no_progress)
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, limits=limits, timeout=timeout
+    ) as http:
+        cpu0, t0 = time.process_time(), time.perf_counter()
+
+        async def one(req: BenchRequest, offset: float) -> RequestRecord:
+            if semaphore is None:
+                await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
+                record = await send(http, req, model, args.endpoint, args.plain)
+            else:
+                async with semaphore:
+                    record = await send(http, req, model, args.endpoint, args.plain)
+            bar.update(1)
+            return record
+
+        records = await asyncio.gather(*[one(r, o) for r, o in zip(requests, offsets, strict=True)])
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    bar.close()
+    return list(records), wall, cpu
+
+
+def _assign_tiers(requests: list[BenchRequest], mix: str | None, seed: int) -> list[BenchRequest]:
+    """``--tier-mix premium=0.2,standard=0.8``: a seeded priority per request."""
+    if not mix:
+        return requests
+    names, weights = [], []
+    for part in mix.split(","):
+        name, _, weight = part.partition("=")
+        names.append(name.strip())
+        weights.append(float(weight or 1))
+    rng = random.Random(seed + 2)
+    return [
+        BenchRequest(
+            r.prompt, r.prompt_len, r.output_len, r.arrival_s, rng.choices(names, weights)[0]
+        )
+        for r in requests
+    ]
+
+
+def format_summary(label: str, s: dict[str, Any]) -> str:
+    def f(d: dict[str, float], k: str) -> str:
+        return f"{d[k]:8.1f}" if not math.isnan(d[k]) else "       -"
+
+    return (
+        f"{label:>14} {s['num_ok']:4d}/{s['num_requests']:<4d} "
+        f"{s['output_tokens_per_s']:9.1f} {s['requests_per_s']:7.2f} "
+        f"{s['goodput_requests_per_s']:8.2f} "
+        f"{f(s['ttft_ms'], 'p50')} {f(s['ttft_ms'], 'p99')} "
+        f"{f(s['tpot_ms'], 'p50')} {f(s['tpot_ms'], 'p99')} "
+        f"{f(s['itl_ms'], 'p50')} {f(s['itl_ms'], 'p99')} {f(s['e2e_ms'], 'p99')}"
+    )
+
+
+TABLE_HEADER = (
+    f"{'run':>14} {'ok/sent':>9} {'out tok/s':>9} {'req/s':>7} {'goodput':>8} "
+    f"{'TTFT p50':>8} {'TTFT p99':>8} {'TPOT p50':>8} {'TPOT p99':>8} "
+    f"{'ITL p50':>8} {'ITL p99':>8} {'e2e p99':>8}   (ms)"
+)
+
+
+def plot(runs: list[dict[str, Any]], out_dir: Path, stem: str) -> Path:
+    """Latency CDFs of each run, and throughput / p99 TTFT against the rate for sweeps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = len(runs) > 1
+    fig, axes = plt.subplots(1, 5 if sweep else 3, figsize=(22 if sweep else 14, 4))
+    for ax, key, title in zip(
+        axes[:3], ("ttft", "tpot", "itl"), ("TTFT", "TPOT", "ITL"), strict=True
+    ):
+        for run in runs:
+            values = sorted(run["samples_ms"][key])
+            if values:
+                ys = [(i + 1) / len(values) for i in range(len(values))]
+                ax.plot(values, ys, label=run["label"])
+        ax.set_xlabel(f"{title} (ms)")
+        ax.set_ylabel("fraction of requests" if key != "itl" else "fraction of gaps")
+        ax.set_title(f"{title} CDF")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if sweep:
+        rates = [r["rate"] for r in runs]
+        axes[3].plot(rates, [r["summary"]["output_tokens_per_s"] for r in runs], "o-")
+        axes[3].set_xlabel("request rate (req/s)")
+        axes[3].set_ylabel("output tokens/s")
+        axes[3].set_title("throughput vs rate")
+        axes[4].plot(rates, [r["summary"]["ttft_ms"]["p99"] for r in runs], "o-")
+        axes[4].set_xlabel("request rate (req/s)")
+        axes[4].set_ylabel("p99 TTFT (ms)")
+        axes[4].set_title("p99 TTFT vs rate")
+    fig.tight_layout()
+    path = out_dir / f"{stem}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    if path == "default":
+        from iterserve.models.loader import resolve_model_dir
+
+        path = str(resolve_model_dir("default"))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _model_name(url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(url + "/v1/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    return str(r.json()["data"][0]["id"])
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="online load generator against an OpenAI-compatible URL")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--model", default=None, help="model id (default: the server's first)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--workload", choices=WORKLOADS, default="mixed")
+    p.add_argument("--trace", type=Path, default=None, help="JSONL trace to replay instead")
+    p.add_argument("--save-trace", type=Path, default=None, help="write the workload as JSONL")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson req/s")
+    p.add_argument("--burst", type=int, default=None, help="send groups of this many at once")
+    p.add_argument("--burst-interval-s", type=float, default=10.0)
+    p.add_argument("--concurrency", type=int, default=None, help="closed loop: this many at once")
+    p.add_argument("--sweep", default=None, help="comma-separated rates: find the best one")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    p.add_argument(
+        "--slo-attainment", type=float, default=0.9, help="fraction meeting the SLO (sweep)"
+    )
+    p.add_argument("--tier-mix", default=None, help="e.g. premium=0.2,standard=0.5,best-effort=0.3")
+    p.add_argument("--cost-per-hour", type=float, default=None, help="$/hour of the replica")
+    p.add_argument("--plain", action="store_true", help="send only standard OpenAI fields")
+    p.add_argument("--tokenizer", default="default", help="tokenizer dir for cutting prompts")
+    p.add_argument("--label", default=None, help="name of this run in tables and plots")
+    p.add_argument("--timeout-s", type=float, default=1800.0)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="8 short requests: checks the pipeline")
+    p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.smoke:
+        args.num_requests, max_output = 8, 16
+    else:
+        max_output = 512
+    if args.trace is not None:
+        requests = load_trace(args.trace)
+    else:
+        tokenizer = _tokenizer(args.tokenizer)
+        requests = make_workload(
+            args.workload, tokenizer, args.num_requests, args.seed, max_output_len=max_output
+        )
+    requests = _assign_tiers(requests, args.tier_mix, args.seed)
+    if args.save_trace is not None:
+        from iterserve.bench.workloads import save_trace
+
+        save_trace(requests, args.save_trace)
+    url = args.url.rstrip("/")
+    model = args.model or _model_name(url, args.api_key)
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
+    runs = []
+    print(TABLE_HEADER)
+    for rate in rates:
+        records, wall, cpu = asyncio.run(run_load(url, requests, model, args, rate))
+        summary = summarize(records, wall, slo)
+        label = args.label or (f"c={args.concurrency}" if args.concurrency else f"rate {rate:g}")
+        if args.sweep:
+            label = f"rate {rate:g}"
+        run: dict[str, Any] = {
+            "label": label,
+            "rate": rate if not math.isinf(rate) else None,
+            "summary": summary,
+            "by_tier": summarize_by_tier(records, wall, slo),
+            "client_cpu_s": cpu,
+            "client_cpu_fraction": cpu / max(wall, 1e-9),
+            "slo_attainment": sum(slo.met(r) for r in records) / max(1, len(records)),
+            "errors": [r.error for r in records if r.error][:10],
+            "samples_ms": {
+                "ttft": [r.ttft_s * 1000 for r in records if r.ok and r.ttft_s is not None],
+                "tpot": [t * 1000 for r in records if r.ok and (t := r.tpot_s) is not None],
+                "itl": [g * 1000 for r in records if r.ok for g in r.itl_s],
+            },
+        }
+        if args.cost_per_hour is not None:
+            run["cost_per_1m_output_tokens"] = cost_per_million_tokens(
+                args.cost_per_hour, summary["output_tokens_per_s"]
+            )
+        runs.append(run)
+        print(format_summary(label, summary))
+        if len(run["by_tier"]) > 1:
+            for tier, tier_summary in run["by_tier"].items():
+                print(format_summary(f"  {tier}", tier_summary))
+        print(
+            f"{'':>14} client CPU {cpu:.1f} s ({run['client_cpu_fraction']:.0%} of a core), "
+            f"SLO (TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms) met by "
+            f"{run['slo_attainment']:.0%}"
+            + (
+                f", ${run['cost_per_1m_output_tokens']:.2f} per 1M output tokens"
+                if "cost_per_1m_output_tokens" in run
+                else ""
+            )
+        )
+    result: dict[str, Any] = {
+        "url": url,
+        "model": model,
+        "workload": str(args.trace) if args.trace else args.workload,
+        "num_requests": len(requests),
+        "endpoint": args.endpoint,
+        "plain": args.plain,
+        "concurrency": args.concurrency,
+        "slo": asdict(slo),
+        "runs": runs,
+        # The last (or only) run's summary, what ``bench gate`` compares.
+        "summary": runs[-1]["summary"],
+    }
+    if args.sweep:
+        good = [r for r in runs if r["slo_attainment"] >= args.slo_attainment]
+        best = max(good, key=lambda r: r["rate"] or 0.0) if good else None
+        result["best_rate"] = best["rate"] if best else None
+        print(
+            f"highest rate meeting the SLO for {args.slo_attainment:.0%} of requests: "
+            + (f"{best['rate']:g} req/s" if best else "none of the rates tried")
+        )
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"serve-{time.strftime('%Y%m%d-%H%M%S')}"
+    json_path = args.output_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(result, indent=2))
+    png = plot(runs, args.output_dir, stem)
+    print(f"wrote {json_path} and {png}")
+    return 0

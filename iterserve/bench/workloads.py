@@ -1,0 +1,184 @@
+"""Seeded benchmark workloads cut from real English text, and a JSONL trace format.
+
+Prompts are windows of tokens cut from the docstrings of the Python standard library (present
+on every machine, real English prose and code), decoded back to text, so tokenization in the
+server under test is realistic. Output lengths are enforced with ``ignore_eos`` and
+``min_tokens = max_tokens`` (``--plain`` servers get ``max_tokens`` only).
+
+Workloads (``--workload``):
+
+- ``mixed``: prompt lengths log-normal (median 200 tokens, sigma 0.8, clipped to 16-1024);
+  output lengths 50% uniform 8-48, 35% 48-192, 15% 192-512.
+- ``long-prompt``: one request in ten with a 3,000-4,000-token prompt, the rest 100-300.
+- ``shared-prefix``: one 500-token system prompt shared by all, plus 50-200 tokens each.
+
+Trace (JSONL, one request per line): ``{"timestamp": s, "prompt": str, "max_tokens": int}``
+plus optional ``min_tokens``, ``priority`` and ``messages`` (chat); ``timestamp`` is the
+arrival in seconds from the start (replayed as recorded).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+import random
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+WORKLOADS = ("mixed", "long-prompt", "shared-prefix")
+
+# Standard-library modules whose docstrings make the corpus (fixed, for reproducibility).
+_CORPUS_MODULES = (
+    "argparse", "asyncio", "bisect", "calendar", "collections", "contextlib", "csv",
+    "dataclasses", "datetime", "decimal", "difflib", "email.message", "enum", "fractions",
+    "functools", "gettext", "heapq", "http.client", "http.server", "inspect", "ipaddress",
+    "itertools", "json", "logging", "mailbox", "os", "pathlib", "pickle", "pprint", "queue",
+    "random", "re", "shutil", "smtplib", "socket", "sqlite3", "statistics", "string",
+    "subprocess", "tarfile", "tempfile", "textwrap", "threading", "typing", "unittest",
+    "urllib.parse", "urllib.request", "uuid", "zipfile",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request of a workload.
+
+    Attributes:
+        prompt: the prompt text.
+        prompt_len: its length in tokens as cut (the server may count one or two differently).
+        output_len: tokens to generate (``max_tokens``; also ``min_tokens`` unless plain).
+        arrival_s: arrival time from the start (traces); None: set by the arrival process.
+        priority: tier name or integer (None: the server's default tier).
+    """
+
+    prompt: str
+    prompt_len: int
+    output_len: int
+    arrival_s: float | None = None
+    priority: str | int | None = None
+
+
+def corpus_text() -> str:
+    """The docstrings of a fixed list of standard-library modules, in a fixed order."""
+    parts: list[str] = []
+    for name in _CORPUS_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        doc = inspect.getdoc(module)
+        if doc:
+            parts.append(doc)
+        for attr in sorted(vars(module)):
+            if attr.startswith("_"):
+                continue
+            with warnings.catch_warnings():  # deprecated aliases warn on access
+                warnings.simplefilter("ignore")
+                obj = getattr(module, attr)
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ == name:
+                doc = inspect.getdoc(obj)
+                if doc and len(doc) > 80:
+                    parts.append(doc)
+    return "\n\n".join(parts)
+
+
+class PromptCutter:
+    """Cuts prompts of exact token lengths from the corpus.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (``encode``/``decode``).
+        rng: the workload's random generator.
+    """
+
+    def __init__(self, tokenizer: Any, rng: random.Random) -> None:
+        self.tokenizer = tokenizer
+        self.rng = rng
+        self.tokens: list[int] = list(tokenizer(corpus_text(), add_special_tokens=False).input_ids)
+
+    def cut(self, num_tokens: int) -> str:
+        num_tokens = max(1, min(num_tokens, len(self.tokens) - 1))
+        start = self.rng.randrange(0, len(self.tokens) - num_tokens)
+        return str(self.tokenizer.decode(self.tokens[start : start + num_tokens]))
+
+
+def _mixed_output_len(rng: random.Random) -> int:
+    u = rng.random()
+    if u < 0.50:
+        return rng.randint(8, 48)
+    if u < 0.85:
+        return rng.randint(48, 192)
+    return rng.randint(192, 512)
+
+
+def make_workload(
+    name: str, tokenizer: Any, num_requests: int = 64, seed: int = 0, max_output_len: int = 512
+) -> list[BenchRequest]:
+    """The requests of workload ``name`` (see the module docstring), reproducible by ``seed``.
+
+    Args:
+        max_output_len: clip output lengths (``--smoke`` runs use short outputs).
+
+    Raises:
+        ValueError: unknown workload name.
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS} or give a trace")
+    rng = random.Random(seed)
+    cutter = PromptCutter(tokenizer, rng)
+    requests: list[BenchRequest] = []
+    system = cutter.cut(500) if name == "shared-prefix" else ""
+    for i in range(num_requests):
+        if name == "mixed":
+            prompt_len = int(min(1024, max(16, rng.lognormvariate(math.log(200), 0.8))))
+        elif name == "long-prompt":
+            prompt_len = rng.randint(3000, 4000) if i % 10 == 0 else rng.randint(100, 300)
+        else:
+            prompt_len = rng.randint(50, 200)
+        output_len = min(max_output_len, _mixed_output_len(rng))
+        prompt = cutter.cut(prompt_len)
+        if system:
+            prompt = system + "\n\n" + prompt
+            prompt_len += 500
+        requests.append(BenchRequest(prompt, prompt_len, output_len))
+    return requests
+
+
+def load_trace(path: Path) -> list[BenchRequest]:
+    """Requests from a JSONL trace (see the module docstring).
+
+    Raises:
+        ValueError: a line that is not a request object.
+    """
+    requests = []
+    for num, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            requests.append(
+                BenchRequest(
+                    prompt=str(entry["prompt"]),
+                    prompt_len=int(entry.get("prompt_len", 0)),
+                    output_len=int(entry["max_tokens"]),
+                    arrival_s=float(entry["timestamp"]) if "timestamp" in entry else None,
+                    priority=entry.get("priority"),
+                )
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{num}: not a trace entry ({e}): {line[:80]!r}") from e
+    return requests
+
+
+def save_trace(requests: list[BenchRequest], path: Path) -> None:
+    """Write requests as a JSONL trace (``load_trace`` reads it back)."""
+    with path.open("w") as f:
+        for r in requests:
+            entry: dict[str, Any] = {k: v for k, v in asdict(r).items() if v is not None}
+            entry["max_tokens"] = entry.pop("output_len")
+            if "arrival_s" in entry:
+                entry["timestamp"] = entry.pop("arrival_s")
+            f.write(json.dumps(entry, ensure_ascii=False) + "\n")
