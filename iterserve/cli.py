@@ -87,6 +87,11 @@ def engine_kwargs(
             name = str(key).replace("-", "_")
             if name not in known:
                 parser.error(f"{args.config}: unknown setting {key!r}")
+            if name == "tiers" and isinstance(value, str):  # a file, as --tiers takes
+                try:
+                    value = _tiers_from_file(value)
+                except argparse.ArgumentTypeError as e:
+                    parser.error(str(e))
             kwargs[name] = value
     kwargs.update({k: v for k, v in vars(args).items() if k in known})
     return kwargs
@@ -152,7 +157,10 @@ def _cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="iterserve",
+        description="Continuous-batching LLM serving: serve, generate offline, benchmark.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     from iterserve.config import ServerConfig
 

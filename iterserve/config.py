@@ -304,7 +304,9 @@ class ServerConfig:
     port: int = field(default=8000, metadata={"help": "TCP port"})
     api_key: str | None = field(
         default=None,
-        metadata={"help": "Bearer key for /v1/*, /tokenize, /detokenize (env ITERSERVE_API_KEY)"},
+        metadata={
+            "help": "Bearer key for /v1/*, /tokenize, /detokenize, /version (env ITERSERVE_API_KEY)"
+        },
     )
     admin_token: str | None = field(
         default=None,

@@ -365,11 +365,11 @@ def main(args: argparse.Namespace) -> int:
     }
     if args.sweep:
         good = [r for r in runs if r["slo_attainment"] >= args.slo_attainment]
-        best = max(good, key=lambda r: r["rate"] or 0.0) if good else None
+        best = max(good, key=lambda r: r["rate"] or math.inf) if good else None
         result["best_rate"] = best["rate"] if best else None
         print(
             f"highest rate meeting the SLO for {args.slo_attainment:.0%} of requests: "
-            + (f"{best['rate']:g} req/s" if best else "none of the rates tried")
+            + (best["label"] if best else "none of the rates tried")
         )
     args.output_dir.mkdir(parents=True, exist_ok=True)
     stem = f"serve-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -33,6 +33,10 @@ class RequestFailedError(RuntimeError):
     """The iteration that carried this request raised; the request was aborted."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The server aborted this request (for example when its shutdown grace period ended)."""
+
+
 async def read_stream(
     stream: asyncio.Queue[RequestOutput | BaseException],
     cleanup: Callable[[bool], None],

@@ -23,7 +23,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from iterserve.config import SchedulerConfig
-from iterserve.engine.async_engine import EngineDeadError, RequestFailedError, read_stream
+from iterserve.engine.async_engine import (
+    EngineDeadError,
+    RequestAbortedError,
+    RequestFailedError,
+    read_stream,
+)
 from iterserve.engine.limits import RequestLimits
 from iterserve.engine.llm_engine import IterationError, IterationStats
 from iterserve.engine.outputs import RequestOutput
@@ -200,6 +205,14 @@ class ProcessEngine:
         """Abort a request (by its internal id) at the child's next iteration boundary."""
         with contextlib.suppress(EngineDeadError):
             self._send(("abort", request_id))
+
+    def abort_all(self, reason: str) -> int:
+        """End every stream now with :class:`RequestAbortedError` (``reason``) and abort its
+        request in the child; the number of requests aborted."""
+        for internal_id, stream in list(self._streams.items()):
+            stream.put_nowait(RequestAbortedError(reason))
+            self.abort(internal_id)
+        return len(self._streams)
 
     async def call(self, method: str, *args: Any) -> Any:
         """Call ``LLMEngine.<method>(*args)`` in the child between iterations; its result.

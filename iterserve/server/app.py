@@ -222,6 +222,12 @@ def build_app(engine_kwargs: dict[str, Any], server_config: ServerConfig | None 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
+        content_type = request.headers.get("content-type", "")
+        if request.method == "POST" and not content_type.startswith("application/json"):
+            message = (
+                f"the body must be JSON sent with Content-Type: application/json "
+                f"(got {content_type or 'no Content-Type'}); {message}"
+            )
         count_invalid(request, 400)
         return _error_response(APIError(400, message, param=param))
 
@@ -324,7 +330,7 @@ def build_app(engine_kwargs: dict[str, Any], server_config: ServerConfig | None 
         bad = [t for t in req.tokens if not 0 <= t < limits.vocab_size]
         if bad:
             raise APIError(
-                400, f"token ids must be in [0, {limits.vocab_size}), got {bad[:5]}", "tokens"
+                400, f"token ids must be in [0, {limits.vocab_size}), got {bad[:5]}", param="tokens"
             )
         return {"prompt": state.tokenizer.decode(req.tokens)}
 

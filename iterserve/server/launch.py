@@ -24,6 +24,9 @@ from iterserve.server.state import ServerState
 
 logger = logging.getLogger("iterserve.server")
 
+# After the grace period, aborted requests get this long to send their last bytes.
+ABORT_WAIT_S = 5.0
+
 
 class GracefulServer(uvicorn.Server):
     """A uvicorn server whose first exit signal drains instead of closing the listener."""
@@ -33,6 +36,7 @@ class GracefulServer(uvicorn.Server):
         self.app = app
         self.grace_period_s = grace_period_s
         self.drain_deadline: float | None = None
+        self.aborted = False
 
     def _state(self) -> ServerState | None:
         return getattr(self.app.state, "server", None)
@@ -47,7 +51,7 @@ class GracefulServer(uvicorn.Server):
         self.drain_deadline = time.monotonic() + self.grace_period_s
         state.admission.draining = True
         logger.info(
-            "signal %s: draining %d running requests (grace period %.0f s)",
+            "signal %s: draining %d active requests (grace period %.0f s)",
             signal.Signals(sig).name,
             state.num_active,
             self.grace_period_s,
@@ -59,10 +63,13 @@ class GracefulServer(uvicorn.Server):
             if state.num_active == 0:
                 logger.info("drained; shutting down")
                 self.should_exit = True
-            elif time.monotonic() > self.drain_deadline:
-                logger.warning(
-                    "grace period over with %d requests running; shutting down", state.num_active
-                )
+            elif not self.aborted and time.monotonic() > self.drain_deadline:
+                # End what still runs with an error event / 503 rather than cutting streams.
+                num = state.engine.abort_all("the server's shutdown grace period is over")
+                logger.warning("grace period over: aborted %d requests", num)
+                self.aborted = True
+            elif self.aborted and time.monotonic() > self.drain_deadline + ABORT_WAIT_S:
+                logger.warning("%d requests still open; shutting down", state.num_active)
                 self.should_exit = True
         return await super().on_tick(counter)
 

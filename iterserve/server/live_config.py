@@ -28,6 +28,9 @@ _RESTART_ONLY = {
 } - set(LIVE_SCHEDULER_KEYS)
 
 
+_FLOAT_KEYS = {"kv_watermark", "aging_interval_s"}
+
+
 class LiveConfigError(ValueError):
     """A PUT that cannot be applied (answered 422 with this message)."""
 
@@ -39,6 +42,9 @@ def settings_view(config: SchedulerConfig) -> dict[str, Any]:
         value = getattr(config, key)
         if key == "tiers":
             value = [dataclasses.asdict(t) for t in value]
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            # Canonical types, so that 2 and 2.0 hash (and show) alike.
+            value = float(value) if key in _FLOAT_KEYS else int(value)
         view[key] = value
     return view
 

@@ -24,7 +24,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from iterserve.engine.async_engine import EngineDeadError, RequestFailedError
+from iterserve.engine.async_engine import (
+    EngineDeadError,
+    RequestAbortedError,
+    RequestFailedError,
+)
 from iterserve.engine.errors import InvalidRequestError
 from iterserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from iterserve.engine.sampling_params import SamplingParams
@@ -321,7 +325,7 @@ class OpenAIServing:
                 if isinstance(out, BaseException):
                     pending.discard(i)
                     state.admission.left_queue(job.engine_id(i), started=False)
-                    trackers[i].finish("error")
+                    trackers[i].finish("abort" if isinstance(out, RequestAbortedError) else "error")
                     raise _engine_error(out)
                 if trackers[i].on_output(out):
                     state.admission.left_queue(job.engine_id(i))
@@ -506,6 +510,8 @@ def _engine_error(e: BaseException) -> BaseException:
         return _bad_request(e)
     if isinstance(e, RequestFailedError):
         return APIError(500, f"the engine failed this request: {e}", type="internal_error")
+    if isinstance(e, RequestAbortedError):
+        return APIError(503, f"request aborted: {e}", "service_unavailable_error", code="aborted")
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is not running: {e}", type="service_unavailable_error")
     return e

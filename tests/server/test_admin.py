@@ -96,8 +96,21 @@ def test_put_merges_versions_and_noops(server: Server, restore: None) -> None:
 
 
 def test_tier_changes_apply_to_the_next_arrivals(server: Server, restore: None) -> None:
-    tiers = [{"name": "gold", "priority": 0}, {"name": "standard", "priority": 1}]
+    tiers = [{"name": "gold", "priority": 0}, {"name": "bronze", "priority": 3}]
     put_config(server, {"tiers": tiers})
+    # Without a priority a request goes to "standard", or, once there is no such tier, to
+    # the least urgent one.
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 2},
+        headers=AUTH,
+        timeout=60,
+    )
+    assert r.status_code == 200
+    assert (
+        'iterserve_e2e_request_latency_seconds_count{tier="bronze"} 1.0'
+        in httpx.get(server.url + "/metrics").text
+    )
     body = {"prompt": "Hi", "max_tokens": 2, "priority": "gold"}
     r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text

@@ -108,3 +108,22 @@ def test_sigterm_drains_running_streams_then_exits_zero() -> None:
         assert len(generations) == 5 and {a["status"] for a in generations} == {200, 503}
         assert all(a["request_id"] and "duration_ms" in a for a in generations)
         assert "weather" not in log
+
+
+def test_requests_past_the_grace_period_end_with_an_error_event() -> None:
+    with run_server(
+        "--dtype", "bfloat16", "--num-kv-blocks", "256", "--shutdown-grace-period-s", "1"
+    ) as server:  # fmt: skip
+        body = {"prompt": "Go on forever:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        server.proc.send_signal(signal.SIGTERM)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "aborted" and "grace period" in error["message"]
+        assert server.proc.wait(60) == 0
+        assert "grace period over: aborted 1 requests" in server.log_text()
