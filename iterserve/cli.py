@@ -181,9 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate, subparser=gen)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from iterserve.bench import decode, engine_loop, gate, serve
+    from iterserve.bench import decode, engine_loop, gate, offline, serve
 
     decode.add_parser(bench_sub)
+    offline.add_parser(bench_sub)
     engine_loop.add_parser(bench_sub)
     serve.add_parser(bench_sub)
     gate.add_parser(bench_sub)

@@ -185,3 +185,19 @@ def test_bench_serve_smoke_and_gate_end_to_end(tmp_path: Path) -> None:
         str(results[0]),
     ]
     assert subprocess.run(gate, capture_output=True).returncode == 0
+
+
+def test_bench_offline_smoke(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "iterserve.cli", "bench", "offline", "--smoke"]
+    out = subprocess.run(
+        [*cmd, "--output-dir", str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    assert "target row 1 >= 10x row 4" in out.stdout and "x floor" in out.stdout
+    data = json.loads((tmp_path / "offline-smoke.json").read_text())
+    rows = {r["row"]: r for r in data["rows"]}
+    assert sorted(rows) == [1, 2, 3, 4, 5]
+    # Every engine produced exactly the workload's output tokens.
+    assert len({r["output_tokens"] for r in rows.values()}) == 1
+    assert all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert [(r["batch"], r["context"]) for r in data["roofline"]] == [(1, 16), (4, 32)]
+    assert (tmp_path / "offline-smoke.png").stat().st_size > 1000
