@@ -13,6 +13,7 @@ block count is passed to constructors.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +26,9 @@ SchedulingPolicy = Literal["priority", "fcfs"]
 BatchingMode = Literal["continuous", "static"]
 
 GiB = 1 << 30
+# Bounds of aging_interval_s (seconds): below 1 ms aging is meaningless, above a year it is off.
+MIN_AGING_INTERVAL_S = 1e-3
+MAX_AGING_INTERVAL_S = 365 * 86400.0
 # The API name of the embedded default model (``--model default``).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -169,6 +173,12 @@ class Tier:
             isinstance(self.priority, int) and not isinstance(self.priority, bool),
             f"tier {self.name!r}: priority must be an integer, got {self.priority!r}",
         )
+        for name in ("max_queue_wait_ms", "ttft_target_ms"):
+            value = getattr(self, name)
+            _require(
+                value is None or 0 < value < math.inf,
+                f"tier {self.name!r}: {name} must be a positive number of ms, got {value!r}",
+            )
 
 
 DEFAULT_TIERS: tuple[Tier, ...] = (
@@ -247,8 +257,9 @@ class SchedulerConfig:
             f"tier priorities must be unique, got {priorities}",
         )
         _require(
-            self.aging_interval_s > 0,
-            f"aging_interval_s must be positive, got {self.aging_interval_s}",
+            MIN_AGING_INTERVAL_S <= self.aging_interval_s <= MAX_AGING_INTERVAL_S,
+            f"aging_interval_s must be in [{MIN_AGING_INTERVAL_S}, {MAX_AGING_INTERVAL_S:g}] "
+            f"seconds, got {self.aging_interval_s}",
         )
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _require(self.max_waiting >= 1, f"max_waiting must be >= 1, got {self.max_waiting}")

@@ -435,3 +435,23 @@ class Scenario:
             if token_id == EOS:
                 return out, "stop"
         return out, "length"
+
+
+BOMB_PROMPT = [13, 13, 13]
+
+
+def build_fragile_engine(**kwargs: Any) -> LLMEngine:
+    """An engine (fake runner) whose scheduler raises while a request with prompt
+    :data:`BOMB_PROMPT` waits: a stand-in for a bug outside the forward (a
+    ``ProcessEngine`` factory)."""
+    harness = Harness(**kwargs)
+    engine = harness.engine
+    schedule = engine.scheduler.schedule
+
+    def fragile() -> SchedulerOutput:
+        if any(r.prompt_token_ids == BOMB_PROMPT for r in engine.scheduler.waiting):
+            raise RuntimeError("a scheduler bug")
+        return schedule()
+
+    engine.scheduler.schedule = fragile  # type: ignore[method-assign]
+    return engine

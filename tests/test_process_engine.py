@@ -134,3 +134,25 @@ def test_reused_ids_stop_twice_and_pickled_errors(loaded_f32: Any) -> None:
         await engine.stop()  # idempotent
 
     asyncio.run(main())
+
+
+def test_an_error_outside_the_forward_fails_requests_not_the_engine() -> None:
+    from engine_fakes import BOMB_PROMPT
+
+    from iterserve.engine.async_engine import RequestFailedError
+
+    async def main() -> None:
+        engine = ProcessEngine({}, factory="engine_fakes:build_fragile_engine")
+        await engine.start()
+        try:
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            with pytest.raises(RequestFailedError, match="internal engine error"):
+                async for _ in engine.generate("bomb", BOMB_PROMPT, params):
+                    pass
+            outs = [out async for out in engine.generate("fine", [2, 3, 4], params)]
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+            assert engine.is_running
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())

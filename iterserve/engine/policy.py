@@ -31,8 +31,10 @@ def effective_priority(request: Request, now: float, config: SchedulerConfig) ->
         return 0
     floor = min(t.priority for t in config.tiers)
     # The epsilon keeps exact multiples of the interval from rounding down (0.3 / 0.1).
-    aged = math.floor(max(0.0, now - request.arrival_time) / config.aging_interval_s + 1e-9)
-    return max(floor, request.priority - aged)
+    steps = max(0.0, now - request.arrival_time) / config.aging_interval_s + 1e-9
+    if steps >= request.priority - floor:  # aged all the way (also when steps is huge or inf)
+        return floor
+    return max(floor, request.priority - math.floor(steps))
 
 
 def waiting_key(now: float, config: SchedulerConfig) -> Callable[[Request], tuple[int, float, int]]:

@@ -18,6 +18,7 @@ import importlib
 import itertools
 import logging
 import multiprocessing as mp
+import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -78,7 +79,14 @@ def _engine_main(factory: str, kwargs: dict[str, Any], commands: Any, results: A
         try:
             outputs = engine.step()
         except IterationError as e:
-            results.send(("failed", e.request_ids, str(e)))
+            cause = f"{type(e.cause).__name__}: {e.cause}"
+            results.send(("failed", e.request_ids, cause))
+            continue
+        except Exception as e:
+            # A bug outside the forward: end every request rather than the engine process.
+            logger.exception("engine step failed; aborting every request")
+            failed = [o.request_id for o in engine.abort_all()]
+            results.send(("failed", failed, f"internal engine error ({type(e).__name__})"))
             continue
         num_new = min(engine.num_iterations - num_sent, len(engine.telemetry))
         num_sent = engine.num_iterations
@@ -112,6 +120,7 @@ class ProcessEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: Any = None
         self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._dead = True
 
     # ----------------------------------------------------------------- lifecycle
@@ -144,11 +153,13 @@ class ProcessEngine:
         self.limits, self.model_dir, self.state = message[1:]
         self._dead = False
         threading.Thread(target=self._read, name="iterserve-engine-reader", daemon=True).start()
+        threading.Thread(target=self._write, name="iterserve-engine-writer", daemon=True).start()
 
     async def stop(self) -> None:
         """Abort what runs, stop the child and wait for it (a no-op when it is gone)."""
         with contextlib.suppress(EngineDeadError):
             self._send(("stop",))
+            self._send(None)  # then the writer ends
         if self._proc is not None:
             await asyncio.to_thread(self._proc.join, 30)
             if self._proc.is_alive():
@@ -241,14 +252,23 @@ class ProcessEngine:
 
     # ----------------------------------------------------------------- plumbing
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: tuple[Any, ...] | None) -> None:
+        """Queue a command for the writer thread (never blocks the event loop: a pipe write
+        blocks while the child runs a long iteration and the pipe is full)."""
         with self._send_lock:
             if self._dead:
                 raise EngineDeadError("the engine process is not running")
+            self._outbox.put(message)
+
+    def _write(self) -> None:
+        """Writer thread: commands -> child, until ``None`` or the pipe breaks."""
+        while (message := self._outbox.get()) is not None:
             try:
                 self._cmd_send.send(message)
-            except (OSError, EOFError) as e:
-                raise EngineDeadError(f"the engine process is gone: {e}") from e
+            except (OSError, EOFError, ValueError):
+                with self._send_lock:
+                    self._dead = True
+                return
 
     def _read(self) -> None:
         """Reader thread: child messages -> event loop, until the child's pipe closes."""
@@ -265,6 +285,7 @@ class ProcessEngine:
                 self._loop.call_soon_threadsafe(self._handle, message)
         with self._send_lock:
             self._dead = True
+            self._outbox.put(None)
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError("the engine stopped"))
 

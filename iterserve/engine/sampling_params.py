@@ -13,6 +13,8 @@ MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_N = 128
 MAX_STOP_STRINGS = 16
+# Larger values mean "no top-k" anyway; the bound keeps them inside int32 tensors.
+MAX_TOP_K = 2**31 - 1
 
 
 def _is_int(value: Any) -> bool:
@@ -120,9 +122,9 @@ class SamplingParams:
             _is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p
         )
         _check(
-            _is_int(self.top_k) and (self.top_k >= -1),
+            _is_int(self.top_k) and -1 <= self.top_k <= MAX_TOP_K,
             "top_k",
-            "must be -1, 0 (disabled) or a positive integer",
+            f"must be -1, 0 (disabled) or a positive integer <= {MAX_TOP_K}",
             self.top_k,
         )
         _check(

@@ -136,7 +136,9 @@ def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     sorted_probs, order = probs.sort(dim=-1, descending=True)  # [rows, vocab]
     vocab = probs.shape[1]
     ranks = torch.arange(vocab, device=probs.device)[None, :]
-    top_k = torch.tensor([p.top_k if p.uses_top_k else vocab for p in params], device=probs.device)
+    top_k = torch.tensor(
+        [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params], device=probs.device
+    )
     top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     keep = (ranks < top_k[:, None]) & (mass_before < top_p[:, None])

@@ -66,15 +66,28 @@ class Admission:
         rate = self.drain_rate()
         return 1.0 if rate is None else num_requests / rate
 
-    def check(self, config: SchedulerConfig, priority: int) -> None:
-        """Raise :class:`Rejected` when a new request of ``priority`` must not be accepted."""
+    def check(self, config: SchedulerConfig, priority: int, num_requests: int = 1) -> None:
+        """Raise :class:`Rejected` when ``num_requests`` new requests of ``priority`` (the
+        prompts of one HTTP request) must not be accepted.
+
+        Raises:
+            Rejected: 503 draining, 429 queue full or tier wait too long.
+            APIError: 400 when ``num_requests`` alone is more than ``max_waiting``.
+        """
+        if num_requests > config.max_waiting:
+            raise APIError(
+                400,
+                f"{num_requests} prompts in one request are more than max_waiting="
+                f"{config.max_waiting} can ever queue; split the batch",
+                param="prompt",
+            )
         if self.draining:
             raise Rejected(
                 503, "the server is shutting down; retry on another replica", "shutting_down", 1
             )
         num_queued = len(self.queued)
-        if num_queued >= config.max_waiting:
-            excess = num_queued - config.max_waiting + 1
+        if num_queued + num_requests > config.max_waiting:
+            excess = num_queued + num_requests - config.max_waiting
             raise Rejected(
                 429,
                 f"the queue is full ({num_queued} requests waiting, max_waiting="

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -44,6 +44,8 @@ access_logger = logging.getLogger("iterserve.access")
 
 # Requests that hold engine work: the drain on SIGTERM waits for these.
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Behind --api-key (the operational endpoints /health, /ready, /load, /metrics are not).
+API_KEY_PATHS = ("/v1/", "/tokenize", "/detokenize", "/version")
 
 
 class BodyTooLarge(HTTPException):
@@ -58,9 +60,35 @@ class ServerMiddleware:
     """Pure ASGI middleware: request ids, the body-size limit, the drain's count of active
     generation requests, and one structured (JSON) access-log line per request."""
 
-    def __init__(self, app: ASGIApp, get_state: Any) -> None:
+    def __init__(self, app: ASGIApp, get_state: Any, server_config: ServerConfig) -> None:
         self.app = app
         self.get_state = get_state
+        self.server_config = server_config
+
+    def _auth_error(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
+        """Checked before the body is parsed, so a bad key is 401 whatever the body."""
+        given = headers.get(b"authorization", b"")
+        if path.startswith("/admin/"):
+            token = self.server_config.admin_token
+            if token is None:
+                return APIError(
+                    403,
+                    "the admin API is disabled; start the server with --admin-token TOKEN "
+                    "(or ITERSERVE_ADMIN_TOKEN) to enable it",
+                    type="permission_error",
+                )
+            if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+                return APIError(401, "invalid or missing admin token", type="authentication_error")
+        elif path.startswith(API_KEY_PATHS) and self.server_config.api_key is not None:
+            expected = f"Bearer {self.server_config.api_key}".encode()
+            if not hmac.compare_digest(given, expected):
+                return APIError(
+                    401,
+                    "invalid or missing API key",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -96,13 +124,17 @@ class ServerMiddleware:
                 ]
             await send(message)
 
+        auth_error = self._auth_error(scope["path"], headers)
+        if auth_error is not None:
+            await _error_response(auth_error)(scope, receive, send_with_id)
+            self._log(scope, status, start)
+            return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             error = APIError(413, f"the request body is larger than {limit} bytes")
-            response = JSONResponse(error.body(), status_code=413)
             if state is not None:
                 state.metrics.rejected.labels(reason="invalid").inc()
-            await response(scope, receive, send_with_id)
+            await _error_response(error)(scope, receive, send_with_id)
             self._log(scope, status, start)
             return
         generation = scope["path"] in GENERATION_PATHS
@@ -198,7 +230,9 @@ def build_app(engine_kwargs: dict[str, Any], server_config: ServerConfig | None 
             await engine.stop()
 
     app = FastAPI(title="iterserve", version=iterserve.__version__, lifespan=lifespan)
-    app.add_middleware(ServerMiddleware, get_state=lambda: holder.get("state"))
+    app.add_middleware(
+        ServerMiddleware, get_state=lambda: holder.get("state"), server_config=server_config
+    )
 
     def state_of(request: Request) -> ServerState:
         return request.app.state.server
@@ -246,50 +280,19 @@ def build_app(engine_kwargs: dict[str, Any], server_config: ServerConfig | None 
             APIError(500, f"internal error: {type(exc).__name__}", type="internal_error")
         )
 
-    # ----------------------------------------------------------------- auth
-
-    def require_api_key(request: Request) -> None:
-        key = server_config.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise APIError(
-                401,
-                "invalid or missing API key",
-                type="authentication_error",
-                code="invalid_api_key",
-            )
-
-    def require_admin(request: Request) -> None:
-        token = server_config.admin_token
-        if token is None:
-            raise APIError(
-                403,
-                "the admin API is disabled; start the server with --admin-token TOKEN "
-                "(or ITERSERVE_ADMIN_TOKEN) to enable it",
-                type="permission_error",
-            )
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise APIError(401, "invalid or missing admin token", type="authentication_error")
-
-    api = [Depends(require_api_key)]
-    admin = [Depends(require_admin)]
-
     # ----------------------------------------------------------------- OpenAI API
 
-    @app.post("/v1/completions", dependencies=api)
+    @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         _log_extra_fields(req)
         return await serving_of(request).completions(req, request)
 
-    @app.post("/v1/chat/completions", dependencies=api)
+    @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         _log_extra_fields(req)
         return await serving_of(request).chat(req, request)
 
-    @app.get("/v1/models", dependencies=api)
+    @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         state = state_of(request)
         return {
@@ -306,21 +309,22 @@ def build_app(engine_kwargs: dict[str, Any], server_config: ServerConfig | None 
             ],
         }
 
-    @app.post("/tokenize", dependencies=api)
+    @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
         serving = serving_of(request)
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            tokens = serving.chat_prompt(req.messages, req.add_generation_prompt).token_ids
+            prompt = await serving.chat_prompt_async(req.messages, req.add_generation_prompt)
+            tokens = prompt.token_ids
         else:
             assert req.prompt is not None
-            tokens = serving.encode(req.prompt, req.add_special_tokens)
+            tokens = await serving.encode_async(req.prompt, req.add_special_tokens)
         state = state_of(request)
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize", dependencies=api)
+    @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, Any]:
         serving = serving_of(request)
         serving.check_model(req.model)
@@ -334,7 +338,7 @@ def build_app(engine_kwargs: dict[str, Any], server_config: ServerConfig | None 
             )
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
-    @app.get("/version", dependencies=api)
+    @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": iterserve.__version__}
 
@@ -380,17 +384,17 @@ def build_app(engine_kwargs: dict[str, Any], server_config: ServerConfig | None 
 
     # ----------------------------------------------------------------- admin
 
-    @app.get("/admin/scheduler_config", dependencies=admin)
+    @app.get("/admin/scheduler_config")
     async def get_scheduler_config(request: Request) -> dict[str, Any]:
         return state_of(request).settings.view()
 
-    @app.put("/admin/scheduler_config", dependencies=admin)
+    @app.put("/admin/scheduler_config")
     async def put_scheduler_config(request: Request) -> Any:
         state = state_of(request)
         try:
             body = json.loads(await request.body())
-        except ValueError as e:
-            raise APIError(400, f"malformed JSON: {e}") from e
+        except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
+            raise APIError(400, f"malformed JSON: {type(e).__name__}: {e}"[:300]) from e
         async with state.settings_lock:
             try:
                 new = merge(state.settings, body, state.swap_space, state.max_model_len)

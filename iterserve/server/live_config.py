@@ -92,8 +92,12 @@ def merge(
         raise LiveConfigError("the body must be a JSON object of settings")
     changes = dict(changes)
     version = changes.pop("config_version", None)
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-        raise LiveConfigError(f"config_version must be an integer, got {version!r}")
+    if version is not None and (
+        isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**53
+    ):
+        raise LiveConfigError(
+            f"config_version must be an integer in [0, 2**53) (exact in JSON), got {version!r}"
+        )
     changes.pop("config_hash", None)  # echoing a GET back is allowed; the hash is derived
     restart_only = sorted(k for k in changes if k in _RESTART_ONLY)
     if restart_only:

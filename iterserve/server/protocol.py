@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 # OpenAI's limits: completions `logprobs` <= 5, chat `top_logprobs` <= 20.
 MAX_COMPLETION_LOGPROBS = 5
@@ -72,29 +72,29 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    n: int = 1
+    n: StrictInt = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extensions (vLLM names).
-    top_k: int | None = None
+    top_k: StrictInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: StrictInt = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int | str | None = None
+    priority: StrictInt | str | None = None
     # Declared only to refuse them clearly.
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -123,9 +123,9 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -167,10 +167,10 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: StrictInt | None = None
     add_generation_prompt: bool = True
     parallel_tool_calls: bool | None = None
 
@@ -189,4 +189,4 @@ class DetokenizeRequest(BaseModel):
     """``POST /detokenize``."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]

@@ -47,6 +47,8 @@ from iterserve.server.state import ServerState
 logger = logging.getLogger(__name__)
 
 _DISCONNECTED = object()
+# Prompts x n of one HTTP request (each is a sequence in the batch).
+MAX_SEQUENCES_PER_REQUEST = 256
 
 
 @dataclass
@@ -61,6 +63,7 @@ class _Choice:
 
     text: str = ""
     num_tokens: int = 0
+    offset: int = 0  # text_offset of the next logprobs token (completions)
     finished: bool = False
     output: CompletionOutput | None = None
 
@@ -128,7 +131,25 @@ class OpenAIServing:
             )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.state.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        """Token ids of ``text``.
+
+        Raises:
+            APIError: text the tokenizer cannot take (lone surrogates): 400.
+        """
+        try:
+            ids = self.state.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        except Exception as e:
+            raise APIError(400, f"the prompt is not valid text: {e}", param="prompt") from e
+        return list(ids)
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """:meth:`encode` on a worker thread: a long prompt must not stall the event loop."""
+        return await asyncio.to_thread(self.encode, text, add_special_tokens)
+
+    async def chat_prompt_async(
+        self, messages: list[Any], add_generation_prompt: bool = True
+    ) -> _Prompt:
+        return await asyncio.to_thread(self.chat_prompt, messages, add_generation_prompt)
 
     def chat_prompt(self, messages: list[Any], add_generation_prompt: bool = True) -> _Prompt:
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
@@ -143,7 +164,7 @@ class OpenAIServing:
         # The template spells out its special tokens: the tokenizer adds none on top.
         return _Prompt(self.encode(text, add_special_tokens=False), text)
 
-    def _completion_prompts(self, req: CompletionRequest) -> list[_Prompt]:
+    async def _completion_prompts(self, req: CompletionRequest) -> list[_Prompt]:
         prompt = req.prompt
         if isinstance(prompt, str):
             items: list[str | list[int]] = [prompt]
@@ -158,9 +179,17 @@ class OpenAIServing:
             if isinstance(item, str):
                 if not item:
                     raise APIError(400, "the prompt is empty", param="prompt")
-                prompts.append(_Prompt(self.encode(item), item))
+                prompts.append(_Prompt(await self.encode_async(item), item))
             else:
-                prompts.append(_Prompt(list(item), None))
+                text = str(self.state.tokenizer.decode(item)) if req.echo else None
+                prompts.append(_Prompt(list(item), text))
+        if len(prompts) * req.n > MAX_SEQUENCES_PER_REQUEST:
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts x n={req.n} is over {MAX_SEQUENCES_PER_REQUEST} "
+                "sequences per request; split the batch",
+                param="prompt",
+            )
         return prompts
 
     def _sampling_params(self, req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -240,7 +269,8 @@ class OpenAIServing:
         feature = req.unsupported()
         if feature:
             raise not_supported(feature)
-        job = self._job("completion", req, self._completion_prompts(req), req.max_tokens)
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default
+        job = self._job("completion", req, await self._completion_prompts(req), max_tokens)
         return await self._serve(job, raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
@@ -248,17 +278,21 @@ class OpenAIServing:
         feature = req.unsupported()
         if feature:
             raise not_supported(feature)
-        prompt = self.chat_prompt(req.messages, req.add_generation_prompt)
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(req, name)
+            if value is not None and value < 1:
+                raise APIError(400, f"{name} must be an integer >= 1, got {value}", param=name)
+        prompt = await self.chat_prompt_async(req.messages, req.add_generation_prompt)
         if not prompt.token_ids:
             raise APIError(400, "the prompt is empty", param="messages")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else None
+        max_tokens = req.max_completion_tokens
         max_tokens = max_tokens if max_tokens is not None else req.max_tokens
         return await self._serve(self._job("chat", req, [prompt], max_tokens), raw)
 
     async def _serve(self, job: _Job, raw: Request) -> Any:
         state = self.state
         try:
-            state.admission.check(state.settings.config, job.priority)
+            state.admission.check(state.settings.config, job.priority, len(job.prompts))
         except Rejected as e:
             state.metrics.rejected.labels(reason=e.reason).inc()
             raise
@@ -484,7 +518,9 @@ class OpenAIServing:
         if not text and not new_entries and c.finish_reason is None:
             return None
         if job.kind == "completion" and job.echo and sent.num_tokens == 0 and not sent.text:
-            text = (job.prompts[prompt_idx].text or "") + text
+            echo = job.prompts[prompt_idx].text or ""
+            text = echo + text
+            sent.offset = len(echo)
         sent.text = c.text
         sent.num_tokens = len(c.token_ids)
         sent.finished = c.finish_reason is not None
@@ -492,8 +528,12 @@ class OpenAIServing:
         if job.kind == "completion":
             choice["text"] = text
             choice["logprobs"] = (
-                self._completion_logprobs(new_entries, 0) if job.logprobs is not None else None
+                self._completion_logprobs(new_entries, sent.offset)
+                if job.logprobs is not None
+                else None
             )
+            if choice["logprobs"] is not None:
+                sent.offset += sum(len(t) for t in choice["logprobs"]["tokens"])
         else:
             choice["delta"] = {"content": text} if text else {}
             choice["logprobs"] = (

@@ -67,6 +67,9 @@ def test_admin_auth(server: Server) -> None:
         ({"tiers": [{"name": "a", "priority": 0}, {"name": "a", "priority": 1}]}, "unique"),
         ({"tiers": [{"name": "a", "level": 0}]}, "bad tier"),
         ({"config_version": "seven"}, "config_version"),
+        ({"config_version": 10**30}, "config_version"),
+        ({"aging_interval_s": 5e-324}, "aging_interval_s"),
+        ({"tiers": [{"name": "a", "priority": 0, "max_queue_wait_ms": -5}]}, "max_queue_wait_ms"),
         ([1, 2], "JSON object"),
     ],
 )
@@ -177,3 +180,9 @@ def test_sixteen_streams_survive_two_config_changes(server: Server, restore: Non
     assert config["max_num_seqs"] == 16 and config["max_num_batched_tokens"] == 128
     metrics = httpx.get(server.url + "/metrics").text
     assert f"iterserve_scheduler_config_version {float(config['config_version'])}" in metrics
+
+
+def test_absurdly_nested_body_is_400(server: Server) -> None:
+    body = b"[" * 100_000 + b"]" * 100_000
+    r = httpx.put(server.url + "/admin/scheduler_config", content=body, headers=ADMIN)
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]

@@ -162,6 +162,13 @@ BAD_REQUESTS: list[tuple[str, str, Any, int]] = [
     ("/v1/chat/completions", "image part", {"messages": IMAGE}, 400),
     ("/v1/completions", "logit_bias", {"prompt": "hi", "logit_bias": {"1": 5}}, 400),
     ("/v1/completions", "stream_options alone", {"prompt": "hi", "stream_options": {}}, 400),
+    ("/v1/completions", "top_k over int64", {"prompt": "hi", "top_k": 2**63}, 400),
+    ("/v1/completions", "lone surrogate", b'{"prompt": "\\ud800"}', 400),
+    (CHAT, "surrogate in chat", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400),
+    ("/tokenize", "lone surrogate", b'{"prompt": "\\ud800"}', 400),
+    ("/v1/completions", "boolean n", {"prompt": "hi", "n": True}, 400),
+    ("/v1/completions", "batch x n too large", {"prompt": [[1, 2]] * 100, "n": 8}, 400),
+    (CHAT, "bad max_tokens", {"messages": MSG, "max_tokens": -1, "max_completion_tokens": 5}, 400),
     ("/tokenize", "neither prompt nor messages", {}, 400),
     ("/detokenize", "token out of vocab", {"tokens": [-1]}, 400),
 ]  # fmt: skip
@@ -268,3 +275,33 @@ def test_oversized_chunked_body_is_413(server: Server) -> None:
     assert "content-length" not in r.request.headers
     assert r.status_code == 413, r.text
     assert r.json()["error"]["message"].startswith("the request body is larger than")
+
+
+def test_a_bad_key_is_401_before_the_body_is_parsed(server: Server) -> None:
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": ', timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_completion_defaults_and_echo_of_token_prompts(server: Server) -> None:
+    body = {"prompt": "Once", "max_tokens": None, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60).json()
+    assert r["usage"]["completion_tokens"] == 16  # OpenAI's default, not the whole context
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "Hello there"}, headers=AUTH)
+    body = {"prompt": ids.json()["tokens"], "max_tokens": 3, "echo": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60).json()
+    assert r["choices"][0]["text"].startswith("Hello there")
+
+
+def test_streamed_text_offsets_continue_across_chunks(server: Server) -> None:
+    body = {"prompt": "Count: 1, 2,", "max_tokens": 6, "logprobs": 1, "stream": True}
+    tokens, offsets = [], []
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    tokens += choice["logprobs"]["tokens"]
+                    offsets += choice["logprobs"]["text_offset"]
+    assert len(tokens) == 6
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(6)]

@@ -97,7 +97,7 @@ def test_sigterm_drains_running_streams_then_exits_zero() -> None:
         assert [(s, n) for s, n, _ in results] == [(200, 64)] * 4
         assert server.proc.wait(60) == 0
         log = server.log_text()
-        assert "draining 4 running requests" in log and "drained; shutting down" in log
+        assert "draining 4 active requests" in log and "drained; shutting down" in log
         # Structured access log, one JSON line per request, without the prompt text.
         access = [
             json.loads(line[line.index("{") :])
