@@ -13,11 +13,11 @@ from server_utils import run_server
 
 
 async def _stream(
-    http: httpx.AsyncClient, i: int, max_tokens: int
+    http: httpx.AsyncClient, i: int, max_tokens: int, prompt: str = "the weather today is"
 ) -> tuple[int, int, dict[str, str]]:
     """(status, completion tokens streamed, headers) of one streamed completion."""
     body = {
-        "prompt": f"Request {i}: the weather today is",
+        "prompt": f"Request {i}: {prompt}",
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
@@ -44,7 +44,10 @@ def test_overload_beyond_max_waiting_is_429_and_the_rest_complete() -> None:
 
         async def main() -> list[tuple[int, int, dict[str, str]]]:
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
-                return await asyncio.gather(*[_stream(http, i, 24) for i in range(12)])
+                # Long prompts (5 prefill iterations each at a budget of 64) keep the first
+                # requests queued while the rest arrive.
+                prompt = "the weather today is sunny and warm. " * 30
+                return await asyncio.gather(*[_stream(http, i, 24, prompt) for i in range(12)])
 
         results = asyncio.run(main())
         statuses = [s for s, _, _ in results]
