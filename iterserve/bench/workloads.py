@@ -64,6 +64,12 @@ class BenchRequest:
 
 def corpus_text() -> str:
     """The docstrings of a fixed list of standard-library modules, in a fixed order."""
+    with warnings.catch_warnings():  # deprecated aliases warn when touched
+        warnings.simplefilter("ignore")
+        return "\n\n".join(_docstrings())
+
+
+def _docstrings() -> list[str]:
     parts: list[str] = []
     for name in _CORPUS_MODULES:
         try:
@@ -76,14 +82,12 @@ def corpus_text() -> str:
         for attr in sorted(vars(module)):
             if attr.startswith("_"):
                 continue
-            with warnings.catch_warnings():  # deprecated aliases warn on access
-                warnings.simplefilter("ignore")
-                obj = getattr(module, attr)
+            obj = getattr(module, attr)
             if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ == name:
                 doc = inspect.getdoc(obj)
                 if doc and len(doc) > 80:
                     parts.append(doc)
-    return "\n\n".join(parts)
+    return parts
 
 
 class PromptCutter:
