@@ -110,10 +110,53 @@ class KVCache:
             v[:, dst] = blocks[:, layer, 1].transpose(0, 1).to(v.device, non_blocking=True)
 
 
+# A decode joins a length group while its context is at most this factor times the group's
+# shortest (and the group's padding stays bounded by it), or within this many tokens.
+MAX_PAD_FACTOR = 2.0
+MIN_PAD_TOKENS = 256
+
+
+def length_groups(seq_lens: list[int]) -> list[list[int]]:
+    """Split decodes (by batch index) into groups of similar context length.
+
+    Decode attention pads every sequence of a group to the group's longest, so one 4,000-token
+    context in a batch of 300-token ones would make every sequence pay for 4,000. Sorted by
+    length, a new group starts when a context exceeds ``MAX_PAD_FACTOR`` times the group's
+    shortest and ``MIN_PAD_TOKENS`` more than it: padding costs at most 2x (and one group, the
+    common case, when lengths are alike).
+
+    Returns:
+        Lists of batch indices; one list holding every index when all lengths are alike.
+    """
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    groups: list[list[int]] = []
+    shortest = 0
+    for i in order:
+        n = seq_lens[i]
+        if groups and (n <= shortest * MAX_PAD_FACTOR or n - shortest <= MIN_PAD_TOKENS):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            shortest = n
+    if len(groups) == 1:
+        return [list(range(len(seq_lens)))]
+    return groups
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    rows: list[int]
+    index: torch.Tensor | None  # [len(rows)] batch indices; None: all decodes in order
+    blocks: torch.Tensor  # [len(rows) * num_blocks]
+    padded_len: int
+    pad: torch.Tensor  # [1, len(rows), 1, padded_len], True past each sequence's end
+
+
 class TorchAttention:
     """Paged attention in plain torch.
 
-    Decodes are batched: their blocks are gathered into ``[num_kv_heads * num_decodes,
+    Decodes are batched by similar length (:func:`length_groups`): the blocks of a group are
+    gathered into ``[num_kv_heads * group_size,
     padded_len, head_dim]`` and two batched matmuls (grouped-query heads share their KV head)
     attend, masked past each sequence's length, with the softmax in float32. Prefill chunks
     run one request at a time through ``scaled_dot_product_attention`` with a causal mask
@@ -124,17 +167,29 @@ class TorchAttention:
         self.kv_cache = kv_cache
         self.md = metadata
         self.scale = scale
-        num_decodes = metadata.num_decodes
-        if num_decodes:
-            decode_lens = metadata.seq_lens[:num_decodes]
-            max_len = max(metadata.seq_lens_list[:num_decodes])
-            num_blocks = -(-max_len // kv_cache.block_size)
-            # [num_decodes * num_blocks]: the blocks to gather, sequence after sequence.
-            self._decode_blocks = metadata.block_tables[:num_decodes, :num_blocks].flatten()
-            self._decode_len = num_blocks * kv_cache.block_size
-            keys = torch.arange(self._decode_len, device=decode_lens.device)
-            # [1, num_decodes, 1, padded_len]: True past the end of each sequence.
-            self._decode_pad = (keys[None, :] >= decode_lens[:, None])[None, :, None, :]
+        self._decode_groups = [
+            self._decode_group(rows)
+            for rows in length_groups(metadata.seq_lens_list[: metadata.num_decodes])
+        ]
+
+    def _decode_group(self, rows: list[int]) -> _DecodeGroup:
+        """Gather plan of the decodes ``rows`` (indices into the batch), padded to the longest."""
+        md, bs = self.md, self.kv_cache.block_size
+        device = md.seq_lens.device
+        index = torch.tensor(rows, device=device)
+        lens = md.seq_lens[index]
+        num_blocks = -(-max(md.seq_lens_list[r] for r in rows) // bs)
+        padded_len = num_blocks * bs
+        keys = torch.arange(padded_len, device=device)
+        return _DecodeGroup(
+            rows=rows,
+            index=None if rows == list(range(md.num_decodes)) else index,
+            # [len(rows) * num_blocks]: the blocks to gather, sequence after sequence.
+            blocks=md.block_tables[index, :num_blocks].flatten(),
+            padded_len=padded_len,
+            # [1, len(rows), 1, padded_len]: True past the end of each sequence.
+            pad=(keys[None, :] >= lens[:, None])[None, :, None, :],
+        )
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -200,18 +255,30 @@ class TorchAttention:
     def _decode(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
     ) -> torch.Tensor:
-        nd, num_heads, head_dim = q.shape  # q [num_decodes, num_heads, head_dim]
+        # q [num_decodes, num_heads, head_dim]; one gather + two bmm per length group.
+        if len(self._decode_groups) == 1 and self._decode_groups[0].index is None:
+            return self._decode_group_attend(q, self._decode_groups[0], key_cache, value_cache)
+        out = torch.empty_like(q)
+        for g in self._decode_groups:
+            assert g.index is not None
+            out[g.index] = self._decode_group_attend(q[g.index], g, key_cache, value_cache)
+        return out
+
+    def _decode_group_attend(
+        self, q: torch.Tensor, g: _DecodeGroup, key_cache: torch.Tensor, value_cache: torch.Tensor
+    ) -> torch.Tensor:
+        nd, num_heads, head_dim = q.shape  # q [num_decodes in group, num_heads, head_dim]
         num_kv_heads = key_cache.shape[0]
         group = num_heads // num_kv_heads
-        length = self._decode_len
-        # [num_kv_heads * num_decodes, padded_len, head_dim], contiguous after the gather.
-        ks = key_cache.index_select(1, self._decode_blocks).view(-1, length, head_dim)
-        vs = value_cache.index_select(1, self._decode_blocks).view(-1, length, head_dim)
-        # Query heads of one KV head side by side: [num_kv_heads * num_decodes, group, head_dim]
+        length = g.padded_len
+        # [num_kv_heads * nd, padded_len, head_dim], contiguous after the gather.
+        ks = key_cache.index_select(1, g.blocks).view(-1, length, head_dim)
+        vs = value_cache.index_select(1, g.blocks).view(-1, length, head_dim)
+        # Query heads of one KV head side by side: [num_kv_heads * nd, group, head_dim]
         qg = (q * self.scale).view(nd, num_kv_heads, group, head_dim).transpose(0, 1)
         scores = torch.bmm(qg.reshape(-1, group, head_dim), ks.transpose(1, 2))
         scores = scores.float().view(num_kv_heads, nd, group, length)
-        probs = scores.masked_fill(self._decode_pad, float("-inf")).softmax(dim=-1)
+        probs = scores.masked_fill(g.pad, float("-inf")).softmax(dim=-1)
         probs = probs.to(q.dtype).view(-1, group, length)
         o = torch.bmm(probs, vs)  # [num_kv_heads * num_decodes, group, head_dim]
         return (

@@ -7,7 +7,7 @@ import torch
 
 from iterserve.engine.outputs import ScheduledRequest
 from iterserve.engine.sampling_params import SamplingParams
-from iterserve.executor.attention import KVCache, TorchAttention
+from iterserve.executor.attention import KVCache, TorchAttention, length_groups
 from iterserve.executor.model_runner import prepare_inputs
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
@@ -27,13 +27,28 @@ def dense_reference(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+# (num_computed, num_new): decodes, a fresh prefill, and prefill chunks over cached context.
+SHAPES = [(5, 1), (37, 1), (0, 1), (0, 23), (12, 9), (40, 17)]
+# Decodes of very different lengths (several length groups) next to a prefill chunk.
+MIXED_DECODES = [(700, 1), (5, 1), (1500, 1), (300, 1), (40, 1), (12, 9)]
+
+
+def test_length_groups_bound_the_padding() -> None:
+    assert length_groups([5, 37, 1, 200]) == [[0, 1, 2, 3]]  # alike: one group, batch order
+    groups = length_groups([700, 5, 1500, 300, 40, 260])
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert groups == [[1, 4, 5], [3], [0], [2]]  # 5..260 | 300 | 700 | 1500
+    assert length_groups([]) == []
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_paged_attention_matches_dense(block_size: int, seed: int) -> None:
+@pytest.mark.parametrize("shapes", [SHAPES, MIXED_DECODES], ids=["small", "mixed-lengths"])
+def test_paged_attention_matches_dense(
+    block_size: int, seed: int, shapes: list[tuple[int, int]]
+) -> None:
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = 64
-    # (num_computed, num_new): decodes, a fresh prefill, and prefill chunks over cached context.
-    shapes = [(5, 1), (37, 1), (0, 1), (0, 23), (12, 9), (40, 17)]
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in shapes) + 8
     kv = KVCache(
         1, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu")
     )
