@@ -102,6 +102,15 @@ class _Job:
         }
 
 
+@dataclass
+class _Run:
+    """The running engine requests of a job: their outputs queue, tasks and disconnect watcher."""
+
+    queue: asyncio.Queue[Any]
+    tasks: list[asyncio.Task[None]]
+    watcher: asyncio.Task[None] | None
+
+
 def _bad_request(e: InvalidRequestError) -> APIError:
     return APIError(400, str(e), param=e.param)
 
@@ -300,7 +309,7 @@ class OpenAIServing:
         raw.state.tier = state.settings.config.tier_for(job.priority).name
         if state.server_config.log_prompts:
             raw.state.prompts = [p.text for p in job.prompts]
-        outputs = self._outputs(job, raw)
+        outputs = self._outputs(job, self._start(job, raw))
         if job.stream:
             return StreamingResponse(
                 self._sse(job, outputs),
@@ -317,68 +326,76 @@ class OpenAIServing:
 
     # ----------------------------------------------------------------- engine streams
 
-    async def _outputs(
-        self, job: _Job, raw: Request
-    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """Outputs of every engine request of the job, as they come, until all finished or the
-        client disconnects. Raises APIError (in the stream) if the engine fails them."""
+    def _start(self, job: _Job, raw: Request) -> _Run:
+        """Queue the job's engine requests now (the admission count must include them before
+        the next request is checked) and run them on tasks that own their bookkeeping, so that
+        nothing leaks even if the response body is never iterated."""
         state = self.state
         tier = state.settings.config.tier_for(job.priority).name
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        trackers = [RequestTracker(state.metrics, tier) for _ in job.prompts]
+        run = _Run(asyncio.Queue(), [], None)
         for i in range(len(job.prompts)):
             state.admission.enqueue(job.engine_id(i), job.priority)
 
         async def produce(i: int) -> None:
-            prompt = job.prompts[i]
+            prompt, engine_id = job.prompts[i], job.engine_id(i)
+            tracker = RequestTracker(state.metrics, tier)
+            reason = "abort"  # unless it finishes or fails
             try:
                 async for out in state.engine.generate(
-                    job.engine_id(i), prompt.token_ids, job.params, prompt.text, job.priority
+                    engine_id, prompt.token_ids, job.params, prompt.text, job.priority
                 ):
-                    await queue.put((i, out))
+                    if tracker.on_output(out):
+                        state.admission.left_queue(engine_id)
+                    if out.finished:
+                        reason = out.outputs[0].finish_reason or "abort"
+                    await run.queue.put((i, out))
             except Exception as e:
-                await queue.put((i, e))
+                if not isinstance(e, RequestAbortedError):
+                    reason = "error"
+                await run.queue.put((i, e))
+            finally:
+                state.admission.left_queue(engine_id, started=False)
+                tracker.finish(reason)
 
         async def watch_disconnect() -> None:
-            while True:
-                message = await raw.receive()
-                if message["type"] == "http.disconnect":
-                    await queue.put(_DISCONNECTED)
-                    return
+            while (await raw.receive())["type"] != "http.disconnect":
+                pass
+            for task in run.tasks:  # abort the engine requests now, read or not
+                task.cancel()
+            await run.queue.put(_DISCONNECTED)
 
-        tasks = [asyncio.create_task(produce(i)) for i in range(len(job.prompts))]
-        watcher = asyncio.create_task(watch_disconnect())
+        run.tasks.extend(asyncio.create_task(produce(i)) for i in range(len(job.prompts)))
+        run.watcher = asyncio.create_task(watch_disconnect())
+        return run
+
+    async def _outputs(
+        self, job: _Job, run: _Run
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """Outputs of every engine request of the job, as they come, until all finished or the
+        client disconnects. Raises APIError (in the stream) if the engine fails them."""
         pending = set(range(len(job.prompts)))
         try:
             while pending:
-                item = await queue.get()
+                item = await run.queue.get()
                 if item is _DISCONNECTED:
                     job.disconnected = True
                     return
                 i, out = item
                 if isinstance(out, BaseException):
-                    pending.discard(i)
-                    state.admission.left_queue(job.engine_id(i), started=False)
-                    trackers[i].finish("abort" if isinstance(out, RequestAbortedError) else "error")
                     raise _engine_error(out)
-                if trackers[i].on_output(out):
-                    state.admission.left_queue(job.engine_id(i))
                 job.num_cached_tokens[i] = out.num_cached_tokens
                 for c in out.outputs:
                     job.choices.setdefault(self._choice_index(job, i, c), _Choice()).output = c
                 if out.finished:
                     pending.discard(i)
-                    state.admission.left_queue(job.engine_id(i), started=False)
-                    trackers[i].finish(out.outputs[0].finish_reason or "abort")
                 yield i, out
         finally:
-            watcher.cancel()
+            # Disconnected, another prompt failed, or the reader left: abort what still runs.
+            tasks = [*run.tasks, run.watcher]
             for task in tasks:
-                task.cancel()
-            for i in pending:  # disconnected, or another prompt failed: abort the rest
-                state.admission.left_queue(job.engine_id(i), started=False)
-                trackers[i].finish("abort")
-            await asyncio.gather(*tasks, watcher, return_exceptions=True)
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(*[t for t in tasks if t is not None], return_exceptions=True)
 
     # ----------------------------------------------------------------- responses
 
