@@ -27,7 +27,10 @@ def _is_number(value: Any) -> bool:
 
 def _check(ok: bool, name: str, message: str, value: Any) -> None:
     if not ok:
-        raise InvalidRequestError(f"{name} {message}, got {value!r}", name)
+        shown = repr(value)
+        if len(shown) > 200:  # a huge stop list must not come back as a huge error
+            shown = shown[:200] + f"... ({len(shown)} characters)"
+        raise InvalidRequestError(f"{name} {message}, got {shown}", name)
 
 
 @dataclass(frozen=True)

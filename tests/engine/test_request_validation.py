@@ -46,3 +46,9 @@ def test_colliding_completion_ids_queue_nothing() -> None:
     h.engine.abort_request("a#1")
     h.engine.scheduler.check_integrity()
     assert not h.engine.has_unfinished_requests()
+
+
+def test_error_for_a_huge_stop_list_is_short() -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(stop=["x"] * 50_000)
+    assert e.value.param == "stop" and len(str(e.value)) < 400
