@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -11,7 +12,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -69,3 +72,39 @@ def run_server(*flags: str, startup_timeout_s: float = 240.0) -> Iterator[Server
                 proc.kill()
                 proc.wait()
         log.unlink(missing_ok=True)
+
+
+@dataclass
+class Streamed:
+    """What a client saw of one streamed completion."""
+
+    status: int
+    headers: dict[str, str]
+    completion_tokens: int = 0  # from the usage chunk
+    finish_reasons: list[str] = field(default_factory=list)
+    errors: list[Any] = field(default_factory=list)  # error events in the stream
+
+
+async def stream_completion(
+    http: httpx.AsyncClient, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> Streamed:
+    """POST a streamed completion (usage included) and read it to the end."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+        result = Streamed(r.status_code, dict(r.headers))
+        if r.status_code != 200:
+            await r.aread()
+            return result
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                result.errors.append(chunk["error"])
+                continue
+            if chunk.get("usage"):
+                result.completion_tokens = chunk["usage"]["completion_tokens"]
+            result.finish_reasons += [
+                c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]
+            ]
+    return result

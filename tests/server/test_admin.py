@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from server_utils import ADMIN_TOKEN, API_KEY, Server
+from server_utils import ADMIN_TOKEN, API_KEY, Server, stream_completion
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -131,20 +130,10 @@ def test_sixteen_streams_survive_two_config_changes(server: Server, restore: Non
             "prompt": f"Stream {i}: tell me about the sea.",
             "max_tokens": max_tokens,
             "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
         }
-        finishes, usage = [], None
-        async with http.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    assert "error" not in chunk, chunk
-                    usage = chunk.get("usage") or usage
-                    finishes += [c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]]
-        assert usage is not None
-        return usage["completion_tokens"], finishes
+        result = await stream_completion(http, body, headers=AUTH)
+        assert result.status == 200 and not result.errors, result
+        return result.completion_tokens, result.finish_reasons
 
     async def until(http: httpx.AsyncClient, ok: Any, what: str) -> dict[str, Any]:
         deadline = time.monotonic() + 120

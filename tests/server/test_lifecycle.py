@@ -9,31 +9,16 @@ import time
 from typing import Any
 
 import httpx
-from server_utils import run_server
+from server_utils import run_server, stream_completion
 
 
 async def _stream(
     http: httpx.AsyncClient, i: int, max_tokens: int, prompt: str = "the weather today is"
 ) -> tuple[int, int, dict[str, str]]:
     """(status, completion tokens streamed, headers) of one streamed completion."""
-    body = {
-        "prompt": f"Request {i}: {prompt}",
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return r.status_code, 0, dict(r.headers)
-        num_tokens = 0
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                usage = json.loads(line[6:]).get("usage")
-                if usage:
-                    num_tokens = usage["completion_tokens"]
-        return 200, num_tokens, dict(r.headers)
+    body = {"prompt": f"Request {i}: {prompt}", "max_tokens": max_tokens, "ignore_eos": True}
+    result = await stream_completion(http, body)
+    return result.status, result.completion_tokens, result.headers
 
 
 def test_overload_beyond_max_waiting_is_429_and_the_rest_complete() -> None:
