@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
-AttentionBackendName = Literal["auto", "torch", "triton"]
+AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
 PreemptionMode = Literal["auto", "recompute", "swap"]
 SchedulingPolicy = Literal["priority", "fcfs"]
 BatchingMode = Literal["continuous", "static"]
@@ -98,7 +98,10 @@ class ModelConfig:
         default=None, metadata={"help": "tokens per sequence (default: the model's maximum)"}
     )
     attention_backend: AttentionBackendName = field(
-        default="auto", metadata={"help": "auto picks torch on CPU"}
+        default="auto",
+        metadata={
+            "help": "auto: the fused C decode kernel on CPU (cpu) where it builds, else torch"
+        },
     )
 
     def __post_init__(self) -> None:

@@ -18,6 +18,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from iterserve.kernels.paged_decode_attention import (
+    check_block_tables,
+    cpu_kernel_available,
+    paged_decode_attention_cpu,
+)
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -288,12 +294,55 @@ class TorchAttention:
         )
 
 
-def get_attention_backend(name: str) -> type[TorchAttention]:
-    """The attention backend class for ``--attention-backend`` (``auto`` picks torch for now).
+class CpuAttention(TorchAttention):
+    """:class:`TorchAttention` with decodes by the fused C kernel
+    (:func:`~iterserve.kernels.paged_decode_attention.paged_decode_attention_cpu`), which reads
+    every sequence's blocks in place: no gather copy, no padding, no length groups. Prefill
+    chunks run as in :class:`TorchAttention`. float32 and bfloat16 only.
+    """
+
+    def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata, scale: float) -> None:
+        self.kv_cache = kv_cache
+        self.md = metadata
+        self.scale = scale
+        nd = metadata.num_decodes
+        self._block_tables = metadata.block_tables[:nd]
+        self._seq_lens = metadata.seq_lens[:nd]
+        # The kernel follows the tables unchecked: check them once per iteration, not per layer.
+        check_block_tables(
+            self._block_tables, self._seq_lens, kv_cache.num_blocks, kv_cache.block_size
+        )
+
+    def _decode(
+        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype)  # [num_decodes, num_heads, head_dim]
+        return paged_decode_attention_cpu(
+            out, q, key_cache, value_cache, self._block_tables, self._seq_lens, self.scale
+        )
+
+
+def get_attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype
+) -> type[TorchAttention]:
+    """The attention backend class for ``--attention-backend``.
+
+    ``auto`` picks :class:`CpuAttention` on a CPU where its kernel builds for ``dtype`` (see
+    :mod:`iterserve.kernels.cpu_build`), else :class:`TorchAttention`; ``cpu`` insists on the
+    kernel; ``torch`` is plain torch everywhere.
 
     Raises:
-        ValueError: for a backend that is not available.
+        ValueError: for a backend that is not available for this device and dtype.
     """
-    if name in ("auto", "torch"):
+    if name == "torch":
         return TorchAttention
+    if name in ("auto", "cpu"):
+        if device.type == "cpu" and cpu_kernel_available(dtype):
+            return CpuAttention
+        if name == "auto":
+            return TorchAttention
+        raise ValueError(
+            f"attention backend 'cpu' needs a CPU device, float32 or bfloat16 and a C compiler "
+            f"(got {device.type}, {dtype}); use 'torch' or 'auto'"
+        )
     raise ValueError(f"attention backend {name!r} is not available")

@@ -84,7 +84,7 @@ class TorchModelRunner:
         model: the loaded model, in its serving dtype, on ``device``.
         kv_cache: the KV cache tensors (with their host swap pool).
         seed: seed of the sampler's shared generator.
-        attention_backend: ``auto`` or ``torch``.
+        attention_backend: ``auto``, ``cpu`` or ``torch`` (see :func:`get_attention_backend`).
         eos_token_ids: masked until a request's ``min_tokens``.
     """
 
@@ -99,7 +99,9 @@ class TorchModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.embed_tokens.weight.device
-        self.attention_cls = get_attention_backend(attention_backend)
+        self.attention_cls = get_attention_backend(
+            attention_backend, self.device, model.embed_tokens.weight.dtype
+        )
         self.sampler = Sampler(seed, eos_token_ids)
         self.scale = float(model.head_dim) ** -0.5
         self.states: dict[str, SamplingState] = {}

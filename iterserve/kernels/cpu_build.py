@@ -1,0 +1,91 @@
+"""Builds the C kernels in ``kernels/csrc`` for this CPU at first use and loads them.
+
+The shared library is compiled with the system C compiler (``$CC`` or ``cc``; ``-O3
+-march=native -fopenmp``) into the iterserve cache directory, keyed by the source, the flags
+and this CPU's feature flags, so a cache carried to another CPU is rebuilt rather than run
+with instructions that CPU lacks. Compiling takes about a second; nothing is compiled or
+probed at import. Without a compiler the kernels are unavailable and callers fall back to
+plain torch (:func:`load_cpu_kernels` returns ``None``).
+
+The library links ``libgomp.so.1`` by soname. torch (imported first, as this module does)
+already loaded its own copy under that soname, so the kernels run on torch's OpenMP thread
+pool: two runtimes on two cores would spin against each other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (loads torch's libgomp before the kernels' library)
+
+from iterserve import envs
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("paged_decode_attention.c",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+
+
+def _cpu_id() -> str:
+    """This CPU's model and feature flags (what ``-march=native`` compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+def _cache_dir() -> Path:
+    base = Path(envs.ITERSERVE_CACHE_DIR or Path.home() / ".cache" / "iterserve")
+    return base / "kernels"
+
+
+def _compile(compiler: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Compile next to the target and rename: concurrent builders never see half a library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *CFLAGS, *(str(CSRC / s) for s in SOURCES), "-o", tmp, "-lm"]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load_cpu_kernels() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first call; ``None`` where they cannot be built.
+
+    Not thread-safe on first call within one process (the engine calls it when it builds
+    the model runner); concurrent processes are safe.
+    """
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: CPU attention kernels disabled, using plain torch")
+        return None
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((CSRC / name).read_bytes())
+    digest.update(" ".join((compiler, *CFLAGS, _cpu_id())).encode())
+    path = _cache_dir() / f"iterserve_cpu_kernels-{digest.hexdigest()[:16]}.so"
+    if not path.exists():
+        try:
+            _compile(compiler, path)
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or str(e)
+            logger.warning("building the CPU kernels failed, using plain torch: %s", detail)
+            return None
+    return ctypes.CDLL(str(path))

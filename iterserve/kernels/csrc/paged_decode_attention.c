@@ -1,0 +1,327 @@
+/*
+ * Paged decode attention for CPUs: one query token per sequence attends over its context,
+ * read in place from the paged KV cache (no gather copy). Built at first use by
+ * iterserve/kernels/cpu_build.py (cc -O3 -march=native -fopenmp) and called through ctypes.
+ *
+ * Layouts (element strides, C order):
+ *   q, out       [num_seqs, num_heads, head_dim]; rows of q are q_seq_stride apart
+ *                (q is a view into the fused qkv projection), heads and dims contiguous
+ *   key_cache,   [num_kv_heads, num_blocks, block_size, head_dim], contiguous
+ *   value_cache
+ *   block_tables [num_seqs, block_table_stride] int64
+ *   seq_lens     [num_seqs] int64, context length including this iteration's token
+ *
+ * One work item is (sequence, KV head): the group = num_heads / num_kv_heads query heads that
+ * share a KV head (grouped-query attention) read each key and value row once. Three passes
+ * over the context, block by block: scores (q . k * scale), a float32 softmax, then the
+ * probability-weighted sum of values. Accumulation is float32 whatever the storage dtype.
+ * bfloat16 on CPUs with AVX512-BF16 takes the q . k products with vdpbf16ps on the stored
+ * bfloat16 directly; other CPUs and float32 run portable C that the compiler vectorizes.
+ *
+ * The OpenMP runtime is the one torch already loaded (same soname, libgomp.so.1), so the
+ * kernel shares torch's intra-op thread pool instead of competing with it.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+#endif
+
+#define MAX_GROUP 64
+
+typedef struct {
+    const void *q, *key_cache, *value_cache;
+    void *out;
+    const int64_t *block_tables, *seq_lens;
+    int64_t q_seq_stride, block_table_stride, num_heads, num_kv_heads, head_dim, block_size;
+    int64_t kv_head_stride, group, max_len;
+    float scale;
+} params_t;
+
+/* scratch per thread: scores [group, max_len], then q and accumulators [group, head_dim] and a
+ * row [head_dim], all float32 */
+typedef void (*item_fn)(const params_t *p, float *scratch, int64_t seq, int64_t kv_head);
+
+static inline float bf16_to_float(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if (isnan(f)) return 0x7fc0;
+    /* round to nearest even, as torch's float -> bfloat16 conversion does */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* exp(x) for x <= 0 (scores minus their maximum): 2^n * 2^f with a degree-6 polynomial for
+ * 2^f, f in [-0.5, 0.5]; relative error below 2e-7. Written branch-free so the softmax loop
+ * vectorizes without libm's vector variants. */
+static inline float exp_nonpositive(float x) {
+    float t = x * 1.44269504088896341f;
+    t = t < -126.0f ? -126.0f : t;
+    const float n = __builtin_roundf(t);
+    const float f = t - n;
+    float r = 1.5353362e-4f;
+    r = r * f + 1.3398874e-3f;
+    r = r * f + 9.6180346e-3f;
+    r = r * f + 5.5503341e-2f;
+    r = r * f + 2.4022651e-1f;
+    r = r * f + 6.9314718e-1f;
+    r = r * f + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return x < -87.0f ? 0.0f : r * scale.f;
+}
+
+/* Softmax of each of the group rows of scores (row stride max_len) in place, unnormalised;
+ * inv_sum[g] gets 1 / the row's sum. */
+static void softmax_rows(float *scores, const params_t *p, int64_t len, float *inv_sum) {
+    for (int64_t g = 0; g < p->group; g++) {
+        float *row = scores + g * p->max_len, m = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 0; t < len; t++) m = row[t] > m ? row[t] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            row[t] = exp_nonpositive(row[t] - m);
+            sum += row[t];
+        }
+        inv_sum[g] = 1.0f / sum;
+    }
+}
+
+static inline void load_f32(float *dst, const float *src, int64_t n) {
+    memcpy(dst, src, (size_t)n * sizeof(float));
+}
+
+static inline void load_bf16(float *dst, const uint16_t *src, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(src[i]);
+}
+
+static inline void store_f32(float *dst, const float *src, int64_t n, float mul) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) dst[i] = src[i] * mul;
+}
+
+static inline void store_bf16(uint16_t *dst, const float *src, int64_t n, float mul) {
+    for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i] * mul);
+}
+
+/* The portable work item for storage type T. */
+#define DEFINE_ITEM(NAME, T, LOAD, STORE)                                                      \
+    static void NAME(const params_t *p, float *scores, int64_t s, int64_t h) {                 \
+        const int64_t D = p->head_dim, G = p->group, bs = p->block_size;                       \
+        const int64_t len = p->seq_lens[s];                                                    \
+        const int64_t *table = p->block_tables + s * p->block_table_stride;                    \
+        const T *kh = (const T *)p->key_cache + h * p->kv_head_stride;                         \
+        const T *vh = (const T *)p->value_cache + h * p->kv_head_stride;                       \
+        float *qf = scores + G * p->max_len, *acc = qf + G * D, *row = acc + G * D;            \
+        float inv_sum[MAX_GROUP];                                                              \
+        for (int64_t g = 0; g < G; g++)                                                        \
+            LOAD(qf + g * D, (const T *)p->q + s * p->q_seq_stride + (h * G + g) * D, D);      \
+        for (int64_t t0 = 0; t0 < len; t0 += bs) {                                             \
+            const T *kb = kh + table[t0 / bs] * bs * D;                                        \
+            const int64_t n = len - t0 < bs ? len - t0 : bs;                                   \
+            for (int64_t t = 0; t < n; t++) {                                                  \
+                LOAD(row, kb + t * D, D);                                                      \
+                for (int64_t g = 0; g < G; g++) {                                              \
+                    const float *qg = qf + g * D;                                              \
+                    float dot = 0.0f;                                                          \
+                    _Pragma("omp simd reduction(+ : dot)")                                     \
+                    for (int64_t d = 0; d < D; d++) dot += qg[d] * row[d];                     \
+                    scores[g * p->max_len + t0 + t] = dot * p->scale;                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        softmax_rows(scores, p, len, inv_sum);                                                 \
+        memset(acc, 0, (size_t)(G * D) * sizeof(float));                                      \
+        for (int64_t t0 = 0; t0 < len; t0 += bs) {                                             \
+            const T *vb = vh + table[t0 / bs] * bs * D;                                        \
+            const int64_t n = len - t0 < bs ? len - t0 : bs;                                   \
+            for (int64_t t = 0; t < n; t++) {                                                  \
+                LOAD(row, vb + t * D, D);                                                      \
+                for (int64_t g = 0; g < G; g++) {                                              \
+                    float *ag = acc + g * D;                                                   \
+                    const float w = scores[g * p->max_len + t0 + t];                           \
+                    _Pragma("omp simd")                                                        \
+                    for (int64_t d = 0; d < D; d++) ag[d] += w * row[d];                       \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int64_t g = 0; g < G; g++)                                                        \
+            STORE((T *)p->out + (s * p->num_heads + h * G + g) * D, acc + g * D, D, inv_sum[g]); \
+    }
+
+DEFINE_ITEM(item_f32, float, load_f32, store_f32)
+DEFINE_ITEM(item_bf16, uint16_t, load_bf16, store_bf16)
+
+#ifdef HAVE_AVX512_BF16
+/* exp_nonpositive on 16 lanes; vscalefps applies 2^n without building the exponent bits. */
+static inline __m512 exp512_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 r = _mm512_set1_ps(1.5353362e-4f);
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.3398874e-3f));
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(9.6180346e-3f));
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(5.5503341e-2f));
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(2.4022651e-1f));
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(6.9314718e-1f));
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(r, n);
+}
+
+/* Ask for the next block while this one is computed: contexts are read block by block, and
+ * a block (block_size * head_dim * 2 bytes, 2 KiB at 16 x 64) is too short a stream for the
+ * hardware prefetcher to ramp up on. */
+static inline void prefetch_block(const uint16_t *block, int64_t num_elements) {
+    for (int64_t i = 0; i < num_elements; i += 32) _mm_prefetch((const char *)(block + i), _MM_HINT_T0);
+}
+
+/* softmax_rows with 16-lane vectors (masked tail). */
+static void softmax_rows_avx512(float *scores, const params_t *p, int64_t len, float *inv_sum) {
+    for (int64_t g = 0; g < p->group; g++) {
+        float *row = scores + g * p->max_len;
+        __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 k = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
+            m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, row + t));
+        }
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 k = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
+            const __m512 e = exp512_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + t), mx));
+            _mm512_mask_storeu_ps(row + t, k, e);
+            sum = _mm512_mask_add_ps(sum, k, sum, e);
+        }
+        inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* bfloat16 with AVX512-BF16, group <= 8 query heads per KV head, NV = head_dim / 16 float32
+ * vectors per row (head_dim 64 or 128). q . k: vdpbf16ps over pairs of bfloat16 into 16 float32 lanes, then one
+ * horizontal sum per (token, head); p . v: rows widened to float32 once and shared by the
+ * group's heads. */
+static inline __attribute__((always_inline)) void item_bf16_avx512(
+    const params_t *p, float *scores, int64_t s, int64_t h, const int64_t G, const int64_t NV) {
+    const int64_t D = NV * 16, bs = p->block_size;
+    const int64_t len = p->seq_lens[s];
+    const int64_t *table = p->block_tables + s * p->block_table_stride;
+    const uint16_t *kh = (const uint16_t *)p->key_cache + h * p->kv_head_stride;
+    const uint16_t *vh = (const uint16_t *)p->value_cache + h * p->kv_head_stride;
+    const uint16_t *qs = (const uint16_t *)p->q + s * p->q_seq_stride + h * G * D;
+    float inv_sum[MAX_GROUP];
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const uint16_t *kb = kh + table[t0 / bs] * bs * D;
+        if (t0 + bs < len) prefetch_block(kh + table[t0 / bs + 1] * bs * D, bs * D);
+        const int64_t n = len - t0 < bs ? len - t0 : bs;
+        for (int64_t g = 0; g < G; g++) {
+            __m512bh qv[8];
+            for (int64_t c = 0; c < NV / 2; c++)
+                qv[c] = (__m512bh)_mm512_loadu_si512(qs + g * D + 32 * c);
+            float *out_scores = scores + g * p->max_len + t0;
+            for (int64_t t = 0; t < n; t++) {
+                __m512 dot = _mm512_setzero_ps();
+                for (int64_t c = 0; c < NV / 2; c++)
+                    dot = _mm512_dpbf16_ps(dot, qv[c],
+                                           (__m512bh)_mm512_loadu_si512(kb + t * D + 32 * c));
+                out_scores[t] = _mm512_reduce_add_ps(dot) * p->scale;
+            }
+        }
+    }
+    prefetch_block(vh + table[0] * bs * D, bs * D);
+    softmax_rows_avx512(scores, p, len, inv_sum);
+    __m512 acc[MAX_GROUP / 8][16];  /* [group][NV], group <= 8 on this path */
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < NV; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const uint16_t *vb = vh + table[t0 / bs] * bs * D;
+        if (t0 + bs < len) prefetch_block(vh + table[t0 / bs + 1] * bs * D, bs * D);
+        const int64_t n = len - t0 < bs ? len - t0 : bs;
+        for (int64_t t = 0; t < n; t++) {
+            __m512 row[16];
+            for (int64_t c = 0; c < NV; c++) {
+                __m256i half = _mm256_loadu_si256((const __m256i *)(vb + t * D + 16 * c));
+                row[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const __m512 w = _mm512_set1_ps(scores[g * p->max_len + t0 + t]);
+                for (int64_t c = 0; c < NV; c++) acc[g][c] = _mm512_fmadd_ps(w, row[c], acc[g][c]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float tmp[256];
+        for (int64_t c = 0; c < NV; c++) _mm512_storeu_ps(tmp + 16 * c, acc[g][c]);
+        store_bf16((uint16_t *)p->out + (s * p->num_heads + h * G + g) * D, tmp, D, inv_sum[g]);
+    }
+}
+
+/* Specialised for a compile-time group size and head_dim (64 or 128): accumulators stay in
+ * registers and the head loops unroll. */
+#define SPECIALISE(G, NV)                                                                      \
+    static void item_bf16_avx512_##G##_##NV(const params_t *p, float *sc, int64_t s, int64_t h) { \
+        item_bf16_avx512(p, sc, s, h, G, NV);                                                  \
+    }
+#define SPECIALISE_GROUPS(NV)                                                                  \
+    SPECIALISE(1, NV) SPECIALISE(2, NV) SPECIALISE(3, NV) SPECIALISE(4, NV)                    \
+    SPECIALISE(5, NV) SPECIALISE(6, NV) SPECIALISE(7, NV) SPECIALISE(8, NV)
+SPECIALISE_GROUPS(4)
+SPECIALISE_GROUPS(8)
+#define GROUPS(NV)                                                                             \
+    {item_bf16_avx512_1_##NV, item_bf16_avx512_2_##NV, item_bf16_avx512_3_##NV,               \
+     item_bf16_avx512_4_##NV, item_bf16_avx512_5_##NV, item_bf16_avx512_6_##NV,               \
+     item_bf16_avx512_7_##NV, item_bf16_avx512_8_##NV}
+static const item_fn AVX512_ITEMS[2][8] = {GROUPS(4), GROUPS(8)};
+#endif
+
+static int run(params_t *p, item_fn item, int64_t num_seqs, int num_threads) {
+    p->max_len = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        if (p->seq_lens[s] > p->max_len) p->max_len = p->seq_lens[s];
+    const int64_t per_thread = p->group * p->max_len + 2 * p->group * p->head_dim + p->head_dim;
+    float *work = malloc((size_t)(num_threads * per_thread) * sizeof(float));
+    if (!work) return -1;
+    const int64_t num_items = num_seqs * p->num_kv_heads;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; i++)
+        item(p, work + omp_get_thread_num() * per_thread, i / p->num_kv_heads, i % p->num_kv_heads);
+    free(work);
+    return 0;
+}
+
+#define ENTRY_ARGS                                                                             \
+    void *out, const void *q, int64_t q_seq_stride, const void *key_cache,                     \
+        const void *value_cache, const int64_t *block_tables, int64_t block_table_stride,      \
+        const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,    \
+        int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int num_threads
+
+#define PARAMS                                                                                 \
+    {q, key_cache, value_cache, out, block_tables, seq_lens, q_seq_stride, block_table_stride, \
+     num_heads, num_kv_heads, head_dim, block_size, num_blocks * block_size * head_dim,       \
+     num_heads / num_kv_heads, 0, scale}
+
+/* Entry points. Return 0, or -1 when the scratch buffer could not be allocated; the launcher
+ * guarantees num_heads / num_kv_heads <= MAX_GROUP. */
+int paged_decode_attention_f32(ENTRY_ARGS) {
+    params_t p = PARAMS;
+    return run(&p, item_f32, num_seqs, num_threads);
+}
+
+int paged_decode_attention_bf16(ENTRY_ARGS) {
+    params_t p = PARAMS;
+    item_fn item = item_bf16;
+#ifdef HAVE_AVX512_BF16
+    if ((head_dim == 64 || head_dim == 128) && p.group <= 8)
+        item = AVX512_ITEMS[head_dim == 128][p.group - 1];
+#endif
+    return run(&p, item, num_seqs, num_threads);
+}
