@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from iterserve.kernels.layer_ops import layer_ops_available, reshape_and_cache_cpu
 from iterserve.kernels.paged_decode_attention import (
     check_block_tables,
     cpu_kernel_available,
@@ -202,11 +203,7 @@ class TorchAttention:
     ) -> torch.Tensor:
         key_cache = self.kv_cache.key[layer_idx]  # [num_kv_heads, num_blocks, block, head_dim]
         value_cache = self.kv_cache.value[layer_idx]
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        # Write this iteration's keys and values into their slots.
-        slots = self.md.slot_mapping
-        key_cache.view(num_kv_heads, -1, head_dim)[:, slots] = k.transpose(0, 1)
-        value_cache.view(num_kv_heads, -1, head_dim)[:, slots] = v.transpose(0, 1)
+        self._write_kv(k, v, key_cache, value_cache)
         nd = self.md.num_decodes
         if nd == len(self.md.query_lens):
             return self._decode(q, key_cache, value_cache)
@@ -225,6 +222,16 @@ class TorchAttention:
                 ks, vs = self._gather(i, seq_len, key_cache, value_cache)
             out[start:end] = self._prefill(q[start:end], ks, vs, num_computed)
         return out
+
+    def _write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+    ) -> None:
+        """Write this iteration's keys and values ([num_tokens, num_kv_heads, head_dim]) into
+        their slots."""
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        slots = self.md.slot_mapping
+        key_cache.view(num_kv_heads, -1, head_dim)[:, slots] = k.transpose(0, 1)
+        value_cache.view(num_kv_heads, -1, head_dim)[:, slots] = v.transpose(0, 1)
 
     def _gather(
         self, i: int, seq_len: int, key_cache: torch.Tensor, value_cache: torch.Tensor
@@ -297,8 +304,9 @@ class TorchAttention:
 class CpuAttention(TorchAttention):
     """:class:`TorchAttention` with decodes by the fused C kernel
     (:func:`~iterserve.kernels.paged_decode_attention.paged_decode_attention_cpu`), which reads
-    every sequence's blocks in place: no gather copy, no padding, no length groups. Prefill
-    chunks run as in :class:`TorchAttention`. float32 and bfloat16 only.
+    every sequence's blocks in place: no gather copy, no padding, no length groups, and the
+    KV write by :func:`~iterserve.kernels.layer_ops.reshape_and_cache_cpu`. Prefill chunks run
+    as in :class:`TorchAttention`. float32 and bfloat16 only.
     """
 
     def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata, scale: float) -> None:
@@ -312,6 +320,11 @@ class CpuAttention(TorchAttention):
         check_block_tables(
             self._block_tables, self._seq_lens, kv_cache.num_blocks, kv_cache.block_size
         )
+
+    def _write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+    ) -> None:
+        reshape_and_cache_cpu(k, v, key_cache, value_cache, self.md.slot_mapping)
 
     def _decode(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
@@ -337,7 +350,7 @@ def get_attention_backend(
     if name == "torch":
         return TorchAttention
     if name in ("auto", "cpu"):
-        if device.type == "cpu" and cpu_kernel_available(dtype):
+        if cpu_kernel_available(dtype) and layer_ops_available(device, dtype):
             return CpuAttention
         if name == "auto":
             return TorchAttention

@@ -10,7 +10,12 @@ import torch
 from iterserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from iterserve.engine.policy import PreemptionCosts
 from iterserve.engine.sampling_params import SamplingParams
-from iterserve.executor.attention import AttentionMetadata, KVCache, get_attention_backend
+from iterserve.executor.attention import (
+    AttentionMetadata,
+    CpuAttention,
+    KVCache,
+    get_attention_backend,
+)
 from iterserve.executor.sampler import Sampler, SamplingState
 from iterserve.models.llama import LlamaForCausalLM
 
@@ -102,6 +107,8 @@ class TorchModelRunner:
         self.attention_cls = get_attention_backend(
             attention_backend, self.device, model.embed_tokens.weight.dtype
         )
+        # The C kernels come as a set: the layer ops wherever the attention kernel runs.
+        model.use_cpu_kernels(issubclass(self.attention_cls, CpuAttention))
         self.sampler = Sampler(seed, eos_token_ids)
         self.scale = float(model.head_dim) ** -0.5
         self.states: dict[str, SamplingState] = {}

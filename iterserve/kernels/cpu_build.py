@@ -26,14 +26,17 @@ import tempfile
 from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp before the kernels' library)
+from platformdirs import user_cache_dir
 
 from iterserve import envs
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode_attention.c",)
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+SOURCES = ("paged_decode_attention.c", "layer_ops.c")
+HEADERS = ("common.h",)
+# No floating-point contraction: the layer ops round like their torch references (layer_ops.c).
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
 
 def _cpu_id() -> str:
@@ -47,8 +50,8 @@ def _cpu_id() -> str:
 
 
 def _cache_dir() -> Path:
-    base = Path(envs.ITERSERVE_CACHE_DIR or Path.home() / ".cache" / "iterserve")
-    return base / "kernels"
+    """Beside the converted models (``ITERSERVE_CACHE_DIR`` or the user cache dir)."""
+    return Path(envs.ITERSERVE_CACHE_DIR or user_cache_dir("iterserve")) / "kernels"
 
 
 def _compile(compiler: str, out: Path) -> None:
@@ -77,7 +80,7 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
         logger.warning("no C compiler found: CPU attention kernels disabled, using plain torch")
         return None
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         digest.update((CSRC / name).read_bytes())
     digest.update(" ".join((compiler, *CFLAGS, _cpu_id())).encode())
     path = _cache_dir() / f"iterserve_cpu_kernels-{digest.hexdigest()[:16]}.so"

@@ -9,23 +9,48 @@ rank and add the all-reduce.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.kernels.layer_ops import (
+    rms_norm_cpu,
+    rotary_embedding_cpu,
+    silu_and_mul_cpu,
+    silu_and_mul_reference,
+)
+
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich, 2019), accumulated in float32."""
+    """Root-mean-square norm (Zhang & Sennrich, 2019), accumulated in float32.
+
+    ``use_cpu_kernel`` (set by :meth:`LlamaForCausalLM.use_cpu_kernels`) runs the C kernel,
+    which also fuses the residual add of :meth:`forward_residual`.
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.use_cpu_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        if self.use_cpu_kernel:
+            return rms_norm_cpu(x, self.weight, self.eps)
         # torch's fused kernel accumulates in float32 like Hugging Face's three-step version
         # (bit-identical in float32) without materialising float32 copies of x.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; the kernel updates ``residual`` in place."""
+        if self.use_cpu_kernel:
+            return rms_norm_cpu(x, self.weight, self.eps, residual), residual
+        residual = x + residual
+        return self.forward(residual), residual
 
 
 class ColumnParallelLinear(nn.Module):
@@ -145,12 +170,16 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
 
+Rotate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al., 2021, "RoFormer"), Hugging Face's half-split layout.
 
     ``inv_freq`` and ``attention_scaling`` come from transformers' rope functions for the
     model's ``rope_parameters``, so every rope type they implement statically is supported.
-    cos/sin are cached in float32 for ``max_position`` positions and cast to the model dtype.
+    cos/sin are computed in float32 for ``max_position`` positions and cached in the model's
+    dtype (``Module.to`` casts them, as Hugging Face casts them before use).
     """
 
     cos: torch.Tensor  # [max_position, head_dim] float32
@@ -164,6 +193,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
+    def rotate(self, positions: torch.Tensor, dtype: torch.dtype, use_cpu_kernel: bool) -> Rotate:
+        """The function that rotates one layer's ``(q, k)`` at ``positions`` ([num_tokens]
+        int64): q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim]."""
+        if use_cpu_kernel:
+            cos, sin = self.cos.to(dtype), self.sin.to(dtype)  # no-ops: the model's dtype
+
+            def rotate_in_place(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                rotary_embedding_cpu(q, k, positions, cos, sin)
+                return q, k
+
+            return rotate_in_place
+        c, s = self.cos_sin(positions, dtype)
+        return lambda q, k: (apply_rotary(q, c, s), apply_rotary(k, c, s))
+
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,6 +215,11 @@ class RotaryEmbedding(nn.Module):
             self.cos[positions].to(dtype).unsqueeze(1),
             self.sin[positions].to(dtype).unsqueeze(1),
         )
+
+
+def silu_and_mul(gate_up: torch.Tensor, use_cpu_kernel: bool) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up``: [num_tokens, 2 * inter] -> [num_tokens, inter]."""
+    return silu_and_mul_cpu(gate_up) if use_cpu_kernel else silu_and_mul_reference(gate_up)
 
 
 def apply_rotary(

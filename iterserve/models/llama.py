@@ -20,8 +20,9 @@ from iterserve.models.layers import (
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
+    Rotate,
     RowParallelLinear,
-    apply_rotary,
+    silu_and_mul,
 )
 
 
@@ -84,22 +85,42 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias=mlp_bias)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.use_cpu_kernels = False
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotate: Rotate,
+        attention: Attention,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer, with the residual add deferred to the next norm (fused there).
+
+        Args:
+            x: [num_tokens, hidden], the previous layer's MLP output (the embeddings first).
+            residual: [num_tokens, hidden], the residual stream before ``x`` is added; None
+                in the first layer.
+
+        Returns:
+            ``(mlp_output, residual)``: the caller adds them (the next layer's norm does).
+        """
         num_tokens = x.shape[0]
-        h = self.input_layernorm(x)  # [num_tokens, hidden]
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.forward_residual(x, residual)
         qkv = self.qkv_proj(h)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = rotate(
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+        )
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         o = attention(self.layer_idx, q, k, v)  # [num_tokens, num_heads, head_dim]
-        x = x + self.o_proj(o.reshape(num_tokens, self.q_size))
-        h = self.post_attention_layernorm(x)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-        return x + self.down_proj(F.silu(gate) * up)
+        attn_out = self.o_proj(o.reshape(num_tokens, self.q_size))
+        h, residual = self.post_attention_layernorm.forward_residual(attn_out, residual)
+        gate_up = self.gate_up_proj(h)  # [num_tokens, 2 * intermediate]
+        return self.down_proj(silu_and_mul(gate_up, self.use_cpu_kernels)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -122,6 +143,7 @@ class LlamaForCausalLM(nn.Module):
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         self.rotary = build_rotary(config, self.head_dim, max_position)
+        self.cpu_kernels = False
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -132,10 +154,23 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        rotate = self.rotary.rotate(positions, x.dtype, self.cpu_kernels)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attention)
-        return self.norm(x)
+            x, residual = layer(x, residual, rotate, attention)
+        assert residual is not None, "a model without layers"
+        return self.norm.forward_residual(x, residual)[0]
+
+    def use_cpu_kernels(self, enable: bool) -> None:
+        """Run the elementwise ops (norms, SwiGLU, rotary) by the C kernels of
+        :mod:`iterserve.kernels.layer_ops`; the caller checks they are available for the
+        model's device and dtype."""
+        self.cpu_kernels = enable
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.use_cpu_kernel = enable
+            elif isinstance(module, LlamaDecoderLayer):
+                module.use_cpu_kernels = enable
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> float32 logits [num_sampled, vocab_size]."""

@@ -15,17 +15,18 @@
  * share a KV head (grouped-query attention) read each key and value row once. Three passes
  * over the context, block by block: scores (q . k * scale), a float32 softmax, then the
  * probability-weighted sum of values. Accumulation is float32 whatever the storage dtype.
- * bfloat16 on CPUs with AVX512-BF16 takes the q . k products with vdpbf16ps on the stored
- * bfloat16 directly; other CPUs and float32 run portable C that the compiler vectorizes.
+ * bfloat16 on CPUs with AVX512-BF16 computes q . k and p . v with vdpbf16ps on the stored
+ * bfloat16 directly (item_bf16_avx512); other CPUs and float32 run portable C that the
+ * compiler vectorizes.
  *
  * The OpenMP runtime is the one torch already loaded (same soname, libgomp.so.1), so the
  * kernel shares torch's intra-op thread pool instead of competing with it.
  */
-#include <math.h>
 #include <omp.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common.h"
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
@@ -45,40 +46,6 @@ typedef struct {
 /* scratch per thread: scores [group, max_len], then q and accumulators [group, head_dim] and a
  * row [head_dim], all float32 */
 typedef void (*item_fn)(const params_t *p, float *scratch, int64_t seq, int64_t kv_head);
-
-static inline float bf16_to_float(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if (isnan(f)) return 0x7fc0;
-    /* round to nearest even, as torch's float -> bfloat16 conversion does */
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-/* exp(x) for x <= 0 (scores minus their maximum): 2^n * 2^f with a degree-6 polynomial for
- * 2^f, f in [-0.5, 0.5]; relative error below 2e-7. Written branch-free so the softmax loop
- * vectorizes without libm's vector variants. */
-static inline float exp_nonpositive(float x) {
-    float t = x * 1.44269504088896341f;
-    t = t < -126.0f ? -126.0f : t;
-    const float n = __builtin_roundf(t);
-    const float f = t - n;
-    float r = 1.5353362e-4f;
-    r = r * f + 1.3398874e-3f;
-    r = r * f + 9.6180346e-3f;
-    r = r * f + 5.5503341e-2f;
-    r = r * f + 2.4022651e-1f;
-    r = r * f + 6.9314718e-1f;
-    r = r * f + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return x < -87.0f ? 0.0f : r * scale.f;
-}
 
 /* Softmax of each of the group rows of scores (row stride max_len) in place, unnormalised;
  * inv_sum[g] gets 1 / the row's sum. */
@@ -179,13 +146,6 @@ static inline __m512 exp512_nonpositive(__m512 x) {
     return _mm512_scalef_ps(r, n);
 }
 
-/* Ask for the next block while this one is computed: contexts are read block by block, and
- * a block (block_size * head_dim * 2 bytes, 2 KiB at 16 x 64) is too short a stream for the
- * hardware prefetcher to ramp up on. */
-static inline void prefetch_block(const uint16_t *block, int64_t num_elements) {
-    for (int64_t i = 0; i < num_elements; i += 32) _mm_prefetch((const char *)(block + i), _MM_HINT_T0);
-}
-
 /* softmax_rows with 16-lane vectors (masked tail). */
 static void softmax_rows_avx512(float *scores, const params_t *p, int64_t len, float *inv_sum) {
     for (int64_t g = 0; g < p->group; g++) {
@@ -198,7 +158,8 @@ static void softmax_rows_avx512(float *scores, const params_t *p, int64_t len, f
         const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
         for (int64_t t = 0; t < len; t += 16) {
             const __mmask16 k = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
-            const __m512 e = exp512_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + t), mx));
+            const __m512 x = _mm512_maskz_loadu_ps(k, row + t);
+            const __m512 e = exp512_nonpositive(_mm512_sub_ps(x, mx));
             _mm512_mask_storeu_ps(row + t, k, e);
             sum = _mm512_mask_add_ps(sum, k, sum, e);
         }
@@ -206,61 +167,127 @@ static void softmax_rows_avx512(float *scores, const params_t *p, int64_t len, f
     }
 }
 
+/* Sums of 16 vectors: lane j of the result is the sum of the 16 lanes of x[j]. A transposing
+ * tree (unpack, then 128-bit lane shuffles; 45 instructions) instead of 16 horizontal sums. */
+static inline __m512 sum16(const __m512 x[16]) {
+    __m512 y[8], z[4];
+    for (int i = 0; i < 8; i++)  /* lanes: [x0a x1a x0b x1b] per 128 bits */
+        y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]),
+                             _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* [x0 x1 x2 x3] per 128 bits, each a partial sum */
+        const __m512d a = _mm512_castps_pd(y[2 * i]), b = _mm512_castps_pd(y[2 * i + 1]);
+        z[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+static inline __mmask16 first_lanes(int64_t n) {
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+}
+
 /* bfloat16 with AVX512-BF16, group <= 8 query heads per KV head, NV = head_dim / 16 float32
- * vectors per row (head_dim 64 or 128). q . k: vdpbf16ps over pairs of bfloat16 into 16 float32 lanes, then one
- * horizontal sum per (token, head); p . v: rows widened to float32 once and shared by the
- * group's heads. */
+ * vectors per row (head_dim 64 or 128), block_size a power of two.
+ *   q . k: vdpbf16ps over pairs of bfloat16 (q and k as stored) into 16 float32 lanes per
+ *     token, 16 tokens at a time, then one transposing sum (sum16) gives their 16 scores.
+ *   p . v: probabilities rounded to bfloat16 (as the torch backend's probs.to(q.dtype));
+ *     two tokens' value rows interleaved (vpunpck*wd) so that one vdpbf16ps adds
+ *     p[t] v[t][d] + p[t+1] v[t+1][d]. The interleave permutes dims within 128-bit lanes;
+ *     the accumulators are put back in order once at the end. */
 static inline __attribute__((always_inline)) void item_bf16_avx512(
     const params_t *p, float *scores, int64_t s, int64_t h, const int64_t G, const int64_t NV) {
-    const int64_t D = NV * 16, bs = p->block_size;
-    const int64_t len = p->seq_lens[s];
+    const int64_t D = NV * 16, bs = p->block_size, shift = __builtin_ctzll((uint64_t)bs);
+    const int64_t len = p->seq_lens[s], stride = p->max_len;
     const int64_t *table = p->block_tables + s * p->block_table_stride;
     const uint16_t *kh = (const uint16_t *)p->key_cache + h * p->kv_head_stride;
     const uint16_t *vh = (const uint16_t *)p->value_cache + h * p->kv_head_stride;
     const uint16_t *qs = (const uint16_t *)p->q + s * p->q_seq_stride + h * G * D;
-    float inv_sum[MAX_GROUP];
-    for (int64_t t0 = 0; t0 < len; t0 += bs) {
-        const uint16_t *kb = kh + table[t0 / bs] * bs * D;
-        if (t0 + bs < len) prefetch_block(kh + table[t0 / bs + 1] * bs * D, bs * D);
-        const int64_t n = len - t0 < bs ? len - t0 : bs;
-        for (int64_t g = 0; g < G; g++) {
-            __m512bh qv[8];
-            for (int64_t c = 0; c < NV / 2; c++)
-                qv[c] = (__m512bh)_mm512_loadu_si512(qs + g * D + 32 * c);
-            float *out_scores = scores + g * p->max_len + t0;
-            for (int64_t t = 0; t < n; t++) {
-                __m512 dot = _mm512_setzero_ps();
-                for (int64_t c = 0; c < NV / 2; c++)
-                    dot = _mm512_dpbf16_ps(dot, qv[c],
-                                           (__m512bh)_mm512_loadu_si512(kb + t * D + 32 * c));
-                out_scores[t] = _mm512_reduce_add_ps(dot) * p->scale;
-            }
-        }
-    }
-    prefetch_block(vh + table[0] * bs * D, bs * D);
-    softmax_rows_avx512(scores, p, len, inv_sum);
-    __m512 acc[MAX_GROUP / 8][16];  /* [group][NV], group <= 8 on this path */
+    /* probabilities in bfloat16, [group, max_len + 2] (even length, zero padded) */
+    uint16_t *probs = (uint16_t *)(scores + G * stride + 2 * G * D + D);
+    const int64_t probs_stride = stride + 2;
+    float inv_sum[8];
+#define SLOT(t) (table[(t) >> shift] * bs + ((t) & (bs - 1)))
+    /* Rows are asked for 32 tokens ahead of use: a block is too short a stream for the
+     * hardware prefetcher, and a chunk's loads come in one burst. */
+#define PREFETCH(base, first, last)                                                            \
+    for (int64_t j = (first); j < (last) && j < len; j++)                                      \
+        for (int64_t c = 0; c < D * 2; c += 64)                                                \
+            _mm_prefetch((const char *)((base) + SLOT(j) * D) + c, _MM_HINT_T0);
+    PREFETCH(kh, 0, 32);
+    __m512bh qv[8][4];
     for (int64_t g = 0; g < G; g++)
-        for (int64_t c = 0; c < NV; c++) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < len; t0 += bs) {
-        const uint16_t *vb = vh + table[t0 / bs] * bs * D;
-        if (t0 + bs < len) prefetch_block(vh + table[t0 / bs + 1] * bs * D, bs * D);
-        const int64_t n = len - t0 < bs ? len - t0 : bs;
-        for (int64_t t = 0; t < n; t++) {
-            __m512 row[16];
-            for (int64_t c = 0; c < NV; c++) {
-                __m256i half = _mm256_loadu_si256((const __m256i *)(vb + t * D + 16 * c));
-                row[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+        for (int64_t c = 0; c < NV / 2; c++)
+            qv[g][c] = (__m512bh)_mm512_loadu_si512(qs + g * D + 32 * c);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t n = len - t0 < 16 ? len - t0 : 16;
+        const uint16_t *rows[16];
+        for (int64_t j = 0; j < 16; j++) rows[j] = kh + SLOT(t0 + (j < n ? j : 0)) * D;
+        PREFETCH(kh, t0 + 32, t0 + 48);
+        for (int64_t g = 0; g < G; g++) {
+            __m512 dot[16];
+            for (int64_t j = 0; j < 16; j++) {
+                dot[j] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < NV / 2; c++)
+                    dot[j] = _mm512_dpbf16_ps(dot[j], qv[g][c],
+                                              (__m512bh)_mm512_loadu_si512(rows[j] + 32 * c));
             }
-            for (int64_t g = 0; g < G; g++) {
-                const __m512 w = _mm512_set1_ps(scores[g * p->max_len + t0 + t]);
-                for (int64_t c = 0; c < NV; c++) acc[g][c] = _mm512_fmadd_ps(w, row[c], acc[g][c]);
+            const __m512 sc = _mm512_mul_ps(sum16(dot), _mm512_set1_ps(p->scale));
+            _mm512_mask_storeu_ps(scores + g * stride + t0, first_lanes(n), sc);
+        }
+    }
+    PREFETCH(vh, 0, 32);
+    softmax_rows_avx512(scores, p, len, inv_sum);
+    for (int64_t g = 0; g < G; g++) {
+        uint16_t *pg = probs + g * probs_stride;
+        for (int64_t t = 0; t < len; t += 16) {
+            const __m512 v = _mm512_maskz_loadu_ps(first_lanes(len - t), scores + g * stride + t);
+            _mm256_storeu_si256((__m256i *)(pg + t), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+        pg[len] = 0;  /* the odd token's partner */
+    }
+    __m512 acc_lo[8][4], acc_hi[8][4];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < NV / 2; c++)
+            acc_lo[g][c] = acc_hi[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 2) {
+        PREFETCH(vh, t + 32, t + 34);
+        const uint16_t *r0 = vh + SLOT(t) * D;
+        const uint16_t *r1 = t + 1 < len ? vh + SLOT(t + 1) * D : r0;  /* its p is 0 */
+        __m512i lo[4], hi[4];
+        for (int64_t c = 0; c < NV / 2; c++) {
+            const __m512i a = _mm512_loadu_si512(r0 + 32 * c), b = _mm512_loadu_si512(r1 + 32 * c);
+            lo[c] = _mm512_unpacklo_epi16(a, b);
+            hi[c] = _mm512_unpackhi_epi16(a, b);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            int32_t pair;
+            memcpy(&pair, probs + g * probs_stride + t, sizeof(pair));
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+            for (int64_t c = 0; c < NV / 2; c++) {
+                acc_lo[g][c] = _mm512_dpbf16_ps(acc_lo[g][c], (__m512bh)lo[c], pp);
+                acc_hi[g][c] = _mm512_dpbf16_ps(acc_hi[g][c], (__m512bh)hi[c], pp);
             }
         }
     }
+#undef SLOT
+#undef PREFETCH
+    /* lo holds dims 8j + 0..3 of each 128-bit lane j, hi dims 8j + 4..7: interleave back */
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second =
+        _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
     for (int64_t g = 0; g < G; g++) {
-        float tmp[256];
-        for (int64_t c = 0; c < NV; c++) _mm512_storeu_ps(tmp + 16 * c, acc[g][c]);
+        float tmp[128];
+        for (int64_t c = 0; c < NV / 2; c++) {
+            _mm512_storeu_ps(tmp + 32 * c,
+                             _mm512_permutex2var_ps(acc_lo[g][c], first, acc_hi[g][c]));
+            _mm512_storeu_ps(tmp + 32 * c + 16,
+                             _mm512_permutex2var_ps(acc_lo[g][c], second, acc_hi[g][c]));
+        }
         store_bf16((uint16_t *)p->out + (s * p->num_heads + h * G + g) * D, tmp, D, inv_sum[g]);
     }
 }
@@ -287,7 +314,9 @@ static int run(params_t *p, item_fn item, int64_t num_seqs, int num_threads) {
     p->max_len = 0;
     for (int64_t s = 0; s < num_seqs; s++)
         if (p->seq_lens[s] > p->max_len) p->max_len = p->seq_lens[s];
-    const int64_t per_thread = p->group * p->max_len + 2 * p->group * p->head_dim + p->head_dim;
+    /* scores, q, accumulators and a row (float32), then bfloat16 probabilities (AVX path) */
+    const int64_t per_thread = p->group * p->max_len + 2 * p->group * p->head_dim + p->head_dim +
+                               p->group * (p->max_len / 2 + 2);
     float *work = malloc((size_t)(num_threads * per_thread) * sizeof(float));
     if (!work) return -1;
     const int64_t num_items = num_seqs * p->num_kv_heads;

@@ -1,0 +1,122 @@
+/*
+ * Elementwise layer ops of a Llama decoder layer for CPUs, each one pass over its rows instead
+ * of torch's chain of small ops (each a dispatch, a temporary and an OpenMP fork): RMSNorm
+ * with the residual add, SiLU-and-multiply, rotary embedding in place, and the KV-cache write.
+ *
+ * Every op has a float32 and a bfloat16 version. The bfloat16 versions round every
+ * intermediate that Hugging Face's modules keep in bfloat16 (the residual sum, the normalised
+ * row before the weight, SiLU before the multiply, the rotary products), so they compute what
+ * the torch reference computes, not a more precise variant of it. Compiled with
+ * -ffp-contract=off for the same reason. Rows are parallel over torch's OpenMP pool.
+ *
+ * Strides are in elements; a row stride lets q, k and v be views into the fused qkv output.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define F32_LOAD(p, i) ((p)[i])
+#define F32_STORE(x) (x)
+#define F32_ROUND(x) (x)
+#define BF16_LOAD(p, i) bf16_to_float((p)[i])
+#define BF16_STORE(x) float_to_bf16(x)
+#define BF16_ROUND(x) round_bf16(x)
+
+/* out[t] = weight * normalise(x[t] (+ residual[t])), and residual[t] = the sum when given.
+ * x, out: [num_tokens, hidden] (x rows x_stride apart, out contiguous); residual: contiguous
+ * or NULL; weight: [hidden]. */
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                           \
+    void NAME(T *out, const T *x, int64_t x_stride, T *residual, const T *weight,              \
+              int64_t num_tokens, int64_t hidden, float eps, int num_threads) {                \
+        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")               \
+        for (int64_t t = 0; t < num_tokens; t++) {                                             \
+            const T *xr = x + t * x_stride;                                                    \
+            T *res = residual ? residual + t * hidden : NULL;                                  \
+            T *o = out + t * hidden;                                                           \
+            if (res) {                                                                         \
+                _Pragma("omp simd")                                                            \
+                for (int64_t i = 0; i < hidden; i++)                                           \
+                    res[i] = STORE(LOAD(xr, i) + LOAD(res, i));                                \
+            }                                                                                  \
+            const T *src = res ? res : xr;                                                     \
+            float sum_sq = 0.0f;                                                               \
+            _Pragma("omp simd reduction(+ : sum_sq)")                                          \
+            for (int64_t i = 0; i < hidden; i++) sum_sq += LOAD(src, i) * LOAD(src, i);        \
+            const float inv_rms = 1.0f / sqrtf(sum_sq / (float)hidden + eps);                  \
+            _Pragma("omp simd")                                                                \
+            for (int64_t i = 0; i < hidden; i++)                                               \
+                o[i] = STORE(LOAD(weight, i) * ROUND(LOAD(src, i) * inv_rms));                 \
+        }                                                                                      \
+    }
+
+/* out [num_tokens, inter] = silu(gate) * up, gate_up [num_tokens, 2 * inter] (gate first). */
+#define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE, ROUND)                                       \
+    void NAME(T *out, const T *gate_up, int64_t num_tokens, int64_t inter, int num_threads) {  \
+        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens * inter > 16384)")   \
+        for (int64_t t = 0; t < num_tokens; t++) {                                             \
+            const T *g = gate_up + t * 2 * inter, *u = g + inter;                              \
+            T *o = out + t * inter;                                                            \
+            _Pragma("omp simd")                                                                \
+            for (int64_t i = 0; i < inter; i++) {                                              \
+                const float v = LOAD(g, i);                                                    \
+                o[i] = STORE(ROUND(v / (1.0f + exp_any(-v))) * LOAD(u, i));                \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+/* Rotary embedding (half-split layout) of q [num_tokens, num_heads, head_dim] and
+ * k [num_tokens, num_kv_heads, head_dim] in place; cos, sin: [max_position, head_dim] in T. */
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE, ROUND)                                             \
+    static void NAME##_heads(T *x, int64_t num_heads, int64_t head_dim, const T *c,            \
+                             const T *s) {                                                     \
+        const int64_t half = head_dim / 2;                                                     \
+        for (int64_t h = 0; h < num_heads; h++) {                                              \
+            T *xh = x + h * head_dim;                                                          \
+            for (int64_t i = 0; i < half; i++) {                                               \
+                const float x1 = LOAD(xh, i), x2 = LOAD(xh, i + half);                         \
+                const float c1 = LOAD(c, i), s1 = LOAD(s, i);                                  \
+                const float c2 = LOAD(c, i + half), s2 = LOAD(s, i + half);                    \
+                xh[i] = STORE(ROUND(x1 * c1) + ROUND(-x2 * s1));                               \
+                xh[i + half] = STORE(ROUND(x2 * c2) + ROUND(x1 * s2));                         \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    void NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const int64_t *positions,        \
+              const T *cos, const T *sin, int64_t num_tokens, int64_t num_heads,               \
+              int64_t num_kv_heads, int64_t head_dim, int num_threads) {                       \
+        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 4)")               \
+        for (int64_t t = 0; t < num_tokens; t++) {                                             \
+            const T *c = cos + positions[t] * head_dim, *s = sin + positions[t] * head_dim;     \
+            NAME##_heads(q + t * q_stride, num_heads, head_dim, c, s);                         \
+            NAME##_heads(k + t * k_stride, num_kv_heads, head_dim, c, s);                      \
+        }                                                                                      \
+    }
+
+DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, F32_ROUND)
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, BF16_LOAD, BF16_STORE, BF16_ROUND)
+DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, F32_LOAD, F32_STORE, F32_ROUND)
+DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, BF16_LOAD, BF16_STORE, BF16_ROUND)
+DEFINE_ROTARY(rotary_embedding_f32, float, F32_LOAD, F32_STORE, F32_ROUND)
+DEFINE_ROTARY(rotary_embedding_bf16, uint16_t, BF16_LOAD, BF16_STORE, BF16_ROUND)
+
+/* Write each token's key and value rows into its cache slot: key, value [num_tokens,
+ * num_kv_heads, head_dim] (token rows kv_stride apart); caches [num_kv_heads, num_slots,
+ * head_dim] (num_slots = num_blocks * block_size); any dtype of elem_size bytes. A negative
+ * slot skips the token. */
+void reshape_and_cache(const char *key, const char *value, int64_t kv_stride, char *key_cache,
+                       char *value_cache, const int64_t *slot_mapping, int64_t num_tokens,
+                       int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
+                       int64_t elem_size) {
+    const size_t row = (size_t)(head_dim * elem_size);
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const size_t src = (size_t)((t * kv_stride + h * head_dim) * elem_size);
+            const size_t dst = (size_t)((h * num_slots + slot) * head_dim * elem_size);
+            memcpy(key_cache + dst, key + src, row);
+            memcpy(value_cache + dst, value + src, row);
+        }
+    }
+}
