@@ -10,3 +10,6 @@ ITERSERVE_CACHE_DIR: str | None = os.environ.get("ITERSERVE_CACHE_DIR") or None
 # Secrets for the server, so that they need not appear on a command line (Kubernetes Secrets).
 ITERSERVE_API_KEY: str | None = os.environ.get("ITERSERVE_API_KEY") or None
 ITERSERVE_ADMIN_TOKEN: str | None = os.environ.get("ITERSERVE_ADMIN_TOKEN") or None
+
+# Extra C compiler flags for the CPU kernels (tests build them with AddressSanitizer this way).
+ITERSERVE_KERNEL_CFLAGS: str = os.environ.get("ITERSERVE_KERNEL_CFLAGS", "")

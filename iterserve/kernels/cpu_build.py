@@ -1,11 +1,11 @@
 """Builds the C kernels in ``kernels/csrc`` for this CPU at first use and loads them.
 
 The shared library is compiled with the system C compiler (``$CC`` or ``cc``; ``-O3
--march=native -fopenmp``) into the iterserve cache directory, keyed by the source, the flags
-and this CPU's feature flags, so a cache carried to another CPU is rebuilt rather than run
-with instructions that CPU lacks. Compiling takes about a second; nothing is compiled or
-probed at import. Without a compiler the kernels are unavailable and callers fall back to
-plain torch (:func:`load_cpu_kernels` returns ``None``).
+-march=native -fopenmp``, plus ``ITERSERVE_KERNEL_CFLAGS``) into the iterserve cache
+directory, keyed by the sources, the flags and this CPU's feature flags, so a cache carried
+to another CPU is rebuilt rather than run with instructions that CPU lacks. Compiling takes
+about a second; nothing is compiled or probed at import. Without a compiler the kernels are
+unavailable and callers fall back to plain torch (:func:`load_cpu_kernels` returns ``None``).
 
 The library links ``libgomp.so.1`` by soname. torch (imported first, as this module does)
 already loaded its own copy under that soname, so the kernels run on torch's OpenMP thread
@@ -54,13 +54,17 @@ def _cache_dir() -> Path:
     return Path(envs.ITERSERVE_CACHE_DIR or user_cache_dir("iterserve")) / "kernels"
 
 
+def _cflags() -> tuple[str, ...]:
+    return CFLAGS + tuple(envs.ITERSERVE_KERNEL_CFLAGS.split())
+
+
 def _compile(compiler: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Compile next to the target and rename: concurrent builders never see half a library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *CFLAGS, *(str(CSRC / s) for s in SOURCES), "-o", tmp, "-lm"]
+        cmd = [compiler, *_cflags(), *(str(CSRC / s) for s in SOURCES), "-o", tmp, "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, out)
     finally:
@@ -82,7 +86,7 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
         digest.update((CSRC / name).read_bytes())
-    digest.update(" ".join((compiler, *CFLAGS, _cpu_id())).encode())
+    digest.update(" ".join((compiler, *_cflags(), _cpu_id())).encode())
     path = _cache_dir() / f"iterserve_cpu_kernels-{digest.hexdigest()[:16]}.so"
     if not path.exists():
         try:

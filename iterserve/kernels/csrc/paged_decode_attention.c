@@ -246,7 +246,7 @@ static inline __attribute__((always_inline)) void item_bf16_avx512(
         uint16_t *pg = probs + g * probs_stride;
         for (int64_t t = 0; t < len; t += 16) {
             const __m512 v = _mm512_maskz_loadu_ps(first_lanes(len - t), scores + g * stride + t);
-            _mm256_storeu_si256((__m256i *)(pg + t), (__m256i)_mm512_cvtneps_pbh(v));
+            _mm256_mask_storeu_epi16(pg + t, first_lanes(len - t), (__m256i)_mm512_cvtneps_pbh(v));
         }
         pg[len] = 0;  /* the odd token's partner */
     }
