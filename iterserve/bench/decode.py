@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from iterserve.config import EngineConfig
 from iterserve.engine.outputs import ScheduledRequest, SchedulerOutput
@@ -117,7 +116,7 @@ def linears_only(model: Any, batch: int) -> Callable[[], None]:
                 layer.o_proj(o_in)
                 layer.gate_up_proj(x)
                 layer.down_proj(down_in)
-            F.linear(x, model.lm_head_weight)
+            model.compute_logits(x)
 
     return run
 
@@ -135,7 +134,7 @@ def run_decode_bench(
         )
     )
     runner = loaded.runner
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes = runner.model.weight_bytes()
     bandwidth = copy_bandwidth()
     rows = []
     for batch, context in shapes:

@@ -17,6 +17,7 @@ from iterserve.executor.attention import (
     get_attention_backend,
 )
 from iterserve.executor.sampler import Sampler, SamplingState
+from iterserve.models.layers import weight_packing_available
 from iterserve.models.llama import LlamaForCausalLM
 
 
@@ -107,8 +108,12 @@ class TorchModelRunner:
         self.attention_cls = get_attention_backend(
             attention_backend, self.device, model.embed_tokens.weight.dtype
         )
-        # The C kernels come as a set: the layer ops wherever the attention kernel runs.
-        model.use_cpu_kernels(issubclass(self.attention_cls, CpuAttention))
+        # The C kernels come as a set: the layer ops wherever the attention kernel runs, and
+        # with them the linear weights packed for oneDNN (bfloat16).
+        cpu_kernels = issubclass(self.attention_cls, CpuAttention)
+        model.use_cpu_kernels(cpu_kernels)
+        if cpu_kernels and weight_packing_available(self.device, model.embed_tokens.weight.dtype):
+            model.pack_linear_weights()
         self.sampler = Sampler(seed, eos_token_ids)
         self.scale = float(model.head_dim) ** -0.5
         self.states: dict[str, SamplingState] = {}

@@ -1,6 +1,7 @@
 """Elementwise ops of a Llama decoder layer as single C passes for CPUs (``csrc/layer_ops.c``).
 
-RMSNorm with the residual add, SiLU-and-multiply, rotary embedding and the KV-cache write:
+RMSNorm with the residual add, SiLU-and-multiply, rotary embedding, the KV-cache write, and
+the greedy sampler's row argmax:
 at decode batch sizes each torch op costs more in dispatch, temporaries and thread start-up
 than in arithmetic, and a layer chains about fifteen of them. Each launcher checks dtypes,
 shapes and layouts and documents them; each ``*_reference`` is the torch definition (what
@@ -31,6 +32,8 @@ _ARGTYPES: dict[str, list[type]] = {
     # key, value, kv_stride, key_cache, value_cache, slot_mapping, num_tokens, num_kv_heads,
     # head_dim, num_slots, elem_size
     "reshape_and_cache": [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I],
+    # out, x, num_rows, n, row_stride, num_threads
+    "argmax_rows": [_P, _P, _I, _I, _I, _N],
 }
 
 
@@ -225,3 +228,25 @@ def reshape_and_cache_cpu(
         value_cache.data_ptr(), slot_mapping.data_ptr(), num_tokens, num_kv_heads, head_dim,
         num_slots, key.element_size(),
     )  # fmt: skip
+
+
+def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (first index on ties, first NaN wins) in one read of x.
+
+    Args:
+        x: [num_rows, n] float32 or bfloat16, n >= 1, last dim contiguous.
+
+    Returns:
+        [num_rows] int64.
+
+    Raises:
+        ValueError: on a dtype, device, shape or layout the kernel does not take.
+    """
+    _check_rows("x", x, 2)
+    if x.shape[1] == 0:
+        raise ValueError("argmax of empty rows")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _fn("argmax_rows", x.dtype)(
+        out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), torch.get_num_threads()
+    )
+    return out

@@ -17,11 +17,14 @@ from torch import nn
 
 from iterserve.models.layers import (
     MergedColumnParallelLinear,
+    PackableLinear,
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     Rotate,
     RowParallelLinear,
+    pack_weight,
+    packed_linear,
     silu_and_mul,
 )
 
@@ -144,6 +147,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = build_rotary(config, self.head_dim, max_position)
         self.cpu_kernels = False
+        self.packed_lm_head: torch.Tensor | None = None
+        self._weight_bytes: int | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -173,8 +178,28 @@ class LlamaForCausalLM(nn.Module):
                 module.use_cpu_kernels = enable
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_sampled, hidden] -> float32 logits [num_sampled, vocab_size]."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        """[num_sampled, hidden] -> logits [num_sampled, vocab_size] in the model's dtype (the
+        sampler makes a float32 copy only when it needs one)."""
+        if self.packed_lm_head is not None:
+            return packed_linear(hidden, self.packed_lm_head)
+        return F.linear(hidden, self.lm_head_weight)
+
+    def pack_linear_weights(self) -> None:
+        """Pack every linear weight for oneDNN (:func:`~iterserve.models.layers.pack_weight`),
+        the LM head as a copy when it is tied to the embeddings. After loading, once; the
+        caller checks :func:`~iterserve.models.layers.weight_packing_available`."""
+        self._weight_bytes = self.weight_bytes()
+        for module in self.modules():
+            if isinstance(module, PackableLinear):
+                module.pack_weight()
+        self.packed_lm_head = pack_weight(self.lm_head_weight)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights as loaded (tied embeddings once; packing copies not
+        counted): what one forward reads at least."""
+        if self._weight_bytes is not None:
+            return self._weight_bytes
+        return sum(p.numel() * p.element_size() for p in self.parameters())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face Llama checkpoint tensors, fusing q/k/v and gate/up.

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from iterserve.kernels.layer_ops import (
+    argmax_rows_cpu,
     layer_ops_available,
     reshape_and_cache_cpu,
     rms_norm_cpu,
@@ -126,3 +127,20 @@ def test_launchers_reject_bad_layouts() -> None:
         rotary_embedding_cpu(q, k, torch.tensor([0, 1]), cos.bfloat16(), cos.bfloat16())
     with pytest.raises(ValueError, match="positions"):
         rotary_embedding_cpu(q, k, torch.tensor([0, 1], dtype=torch.int32), cos, cos)
+
+
+@DTYPES
+def test_argmax_rows_matches_torch(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 2, 1000, generator=gen).to(dtype)[:, 0]  # strided rows
+    x[1, 10] = x[1, 900] = 50.0  # a tie: the first index wins
+    x[2, 7] = float("nan")  # NaN wins, as in torch
+    x[3] = -float("inf")
+    x[4, :] = 0.0
+    x[5, 999] = 99.0
+    out = argmax_rows_cpu(x)
+    assert out.tolist() == x.argmax(dim=-1).tolist()
+    assert out.tolist()[:3] == [out[0].item(), 10, 7]
+    assert argmax_rows_cpu(torch.randn(1, 1).to(dtype)).tolist() == [0]
+    with pytest.raises(ValueError, match="empty"):
+        argmax_rows_cpu(torch.empty(2, 0, dtype=dtype))

@@ -46,6 +46,8 @@ for dtype in (torch.bfloat16, torch.float32):
         v = qkv[:, 768:].view(num_tokens, 3, 64)
         cache = torch.zeros(3, 4, 8, 64, dtype=dtype)
         ops.reshape_and_cache_cpu(k, v, cache, cache.clone(), torch.arange(num_tokens) * 2 - 1)
+        logits = torch.randn(num_tokens, 2, 1001, generator=gen).to(dtype)[:, 1]
+        assert ops.argmax_rows_cpu(logits).tolist() == logits.argmax(-1).tolist()
 print("clean")
 """
 

@@ -120,3 +120,47 @@ void reshape_and_cache(const char *key, const char *value, int64_t kv_stride, ch
         }
     }
 }
+
+/* out[r] = the index of the largest of the n values of row r (rows row_stride apart): the
+ * first one on ties, the first NaN if any (torch.argmax's rules). Greedy sampling reads the
+ * logits in their own dtype: no float32 copy of [num_seqs, vocab]. Two vectorizable passes:
+ * the row's maximum (and whether it holds a NaN), then the first position holding it, found
+ * 64 values at a time. */
+#define ARGMAX_CHUNK 64
+#define DEFINE_ARGMAX_ROWS(NAME, T, LOAD)                                                      \
+    static int64_t NAME##_first(const T *row, int64_t n, float target, int is_nan) {           \
+        for (int64_t c = 0; c < n; c += ARGMAX_CHUNK) {                                        \
+            const int64_t end = c + ARGMAX_CHUNK < n ? c + ARGMAX_CHUNK : n;                   \
+            int found = 0;                                                                     \
+            _Pragma("omp simd reduction(| : found)")                                           \
+            for (int64_t i = c; i < end; i++) {                                                \
+                const float v = LOAD(row, i);                                                  \
+                found |= is_nan ? v != v : v == target;                                        \
+            }                                                                                  \
+            if (found)                                                                         \
+                for (int64_t i = c; i < end; i++) {                                            \
+                    const float v = LOAD(row, i);                                              \
+                    if (is_nan ? v != v : v == target) return i;                               \
+                }                                                                              \
+        }                                                                                      \
+        return 0; /* unreachable: the target is in the row */                                 \
+    }                                                                                          \
+    void NAME(int64_t *out, const T *x, int64_t num_rows, int64_t n, int64_t row_stride,       \
+              int num_threads) {                                                               \
+        _Pragma("omp parallel for num_threads(num_threads) if (num_rows > 1)")                 \
+        for (int64_t r = 0; r < num_rows; r++) {                                               \
+            const T *row = x + r * row_stride;                                                 \
+            float best = -INFINITY;                                                            \
+            int has_nan = 0;                                                                   \
+            _Pragma("omp simd reduction(max : best) reduction(| : has_nan)")                   \
+            for (int64_t i = 0; i < n; i++) {                                                  \
+                const float v = LOAD(row, i);                                                  \
+                best = v > best ? v : best;                                                    \
+                has_nan |= v != v;                                                             \
+            }                                                                                  \
+            out[r] = NAME##_first(row, n, best, has_nan);                                      \
+        }                                                                                      \
+    }
+
+DEFINE_ARGMAX_ROWS(argmax_rows_f32, float, F32_LOAD)
+DEFINE_ARGMAX_ROWS(argmax_rows_bf16, uint16_t, BF16_LOAD)
