@@ -50,7 +50,8 @@ def _fn(name: str, dtype: torch.dtype | None) -> ctypes._CFuncPtr:  # type: igno
     if dtype is not None and dtype not in _SUFFIX:
         raise ValueError(f"the CPU layer ops take float32 or bfloat16, got {dtype}")
     fn = getattr(lib, name if dtype is None else f"{name}_{_SUFFIX[dtype]}")
-    fn.argtypes, fn.restype = _ARGTYPES[name], None
+    fn.argtypes = _ARGTYPES[name]
+    fn.restype = ctypes.c_int64 if name == "reshape_and_cache" else None
     return fn
 
 
@@ -199,7 +200,8 @@ def reshape_and_cache_cpu(
         key_cache, value_cache: [num_kv_heads, num_blocks, block_size, head_dim] contiguous,
             key's dtype.
         slot_mapping: [num_tokens] int64 contiguous, ``block_id * block_size + offset``, each
-            in ``[0, num_blocks * block_size)``; negative slots are skipped.
+            in ``[0, num_blocks * block_size)``; negative slots are skipped, and so are slots
+            past the cache (then ValueError, after the other tokens are written).
 
     Raises:
         ValueError: on a dtype, shape or layout the kernel does not take, or a slot outside
@@ -221,13 +223,13 @@ def reshape_and_cache_cpu(
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
         raise ValueError("slot_mapping must be int64 [num_tokens]")
     slot_mapping = slot_mapping.contiguous()
-    if num_tokens and int(slot_mapping.max()) >= num_slots:
-        raise ValueError(f"slots must be < {num_slots}")
-    _fn("reshape_and_cache", None)(
+    num_bad = _fn("reshape_and_cache", None)(
         key.data_ptr(), value.data_ptr(), key.stride(0), key_cache.data_ptr(),
         value_cache.data_ptr(), slot_mapping.data_ptr(), num_tokens, num_kv_heads, head_dim,
         num_slots, key.element_size(),
     )  # fmt: skip
+    if num_bad:
+        raise ValueError(f"{num_bad} slots outside the cache: slots must be < {num_slots}")
 
 
 def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor:

@@ -103,15 +103,21 @@ DEFINE_ROTARY(rotary_embedding_bf16, uint16_t, BF16_LOAD, BF16_STORE, BF16_ROUND
 /* Write each token's key and value rows into its cache slot: key, value [num_tokens,
  * num_kv_heads, head_dim] (token rows kv_stride apart); caches [num_kv_heads, num_slots,
  * head_dim] (num_slots = num_blocks * block_size); any dtype of elem_size bytes. A negative
- * slot skips the token. */
-void reshape_and_cache(const char *key, const char *value, int64_t kv_stride, char *key_cache,
-                       char *value_cache, const int64_t *slot_mapping, int64_t num_tokens,
-                       int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
-                       int64_t elem_size) {
+ * slot skips the token. Returns the number of slots >= num_slots (skipped too: the caller
+ * raises). */
+int64_t reshape_and_cache(const char *key, const char *value, int64_t kv_stride, char *key_cache,
+                          char *value_cache, const int64_t *slot_mapping, int64_t num_tokens,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
+                          int64_t elem_size) {
     const size_t row = (size_t)(head_dim * elem_size);
+    int64_t num_bad = 0;
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
+        if (slot >= num_slots) {
+            num_bad++;
+            continue;
+        }
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const size_t src = (size_t)((t * kv_stride + h * head_dim) * elem_size);
             const size_t dst = (size_t)((h * num_slots + slot) * head_dim * elem_size);
@@ -119,6 +125,7 @@ void reshape_and_cache(const char *key, const char *value, int64_t kv_stride, ch
             memcpy(value_cache + dst, value + src, row);
         }
     }
+    return num_bad;
 }
 
 /* out[r] = the index of the largest of the n values of row r (rows row_stride apart): the
