@@ -1,0 +1,63 @@
+"""The serving path of bfloat16 on CPUs (C kernels + oneDNN-packed weights) against the plain
+torch backend on the real default model, and weight packing against ``F.linear``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from iterserve.kernels.layer_ops import layer_ops_available
+from iterserve.models.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    weight_packing_available,
+)
+
+CPU = torch.device("cpu")
+needs_kernels = pytest.mark.skipif(
+    not layer_ops_available(CPU, torch.bfloat16), reason="no C compiler on this machine"
+)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "List three colors:",
+]
+
+
+@pytest.mark.skipif(not weight_packing_available(CPU, torch.bfloat16), reason="no oneDNN")
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
+def test_packed_linear_is_bit_exact(num_tokens: int) -> None:
+    gen = torch.Generator().manual_seed(num_tokens)
+    for layer in (ColumnParallelLinear(576, 960, bias=True), RowParallelLinear(1536, 576)):
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+        layer = layer.to(torch.bfloat16)
+        x = torch.randn(num_tokens, layer.weight.shape[1], generator=gen).bfloat16()
+        expected = F.linear(x, layer.weight, layer.bias)
+        layer.pack_weight()
+        assert layer.weight.numel() == 0  # the plain copy is freed
+        assert torch.equal(layer(x), expected)
+    assert not weight_packing_available(CPU, torch.float32)
+
+
+@needs_kernels
+@pytest.mark.model
+def test_bf16_greedy_matches_the_torch_backend() -> None:
+    """Same first 8 greedy tokens as plain torch. Not longer: bfloat16 roundings differ
+    (the C layer ops round like Hugging Face's modules, torch's fused RMSNorm does not), so
+    long generations may part after a near-tie."""
+    from iterserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    outputs = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM(model="default", dtype="bfloat16", attention_backend=backend, num_kv_blocks=64)
+        if backend == "cpu":  # the kernels and the packed weights are really in use
+            runner = llm.loaded.runner
+            assert runner.model.cpu_kernels and runner.model.packed_lm_head is not None
+        outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert outputs["cpu"] == outputs["torch"]
