@@ -88,11 +88,19 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
         digest.update((CSRC / name).read_bytes())
     digest.update(" ".join((compiler, *_cflags(), _cpu_id())).encode())
     path = _cache_dir() / f"iterserve_cpu_kernels-{digest.hexdigest()[:16]}.so"
-    if not path.exists():
+    for attempt in range(2):
+        if not path.exists():
+            logger.info("building the CPU kernels (once per CPU and version) into %s", path)
+            try:
+                _compile(compiler, path)
+            except (OSError, subprocess.SubprocessError) as e:
+                detail = getattr(e, "stderr", "") or str(e)
+                logger.warning("building the CPU kernels failed, using plain torch: %s", detail)
+                return None
         try:
-            _compile(compiler, path)
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", "") or str(e)
-            logger.warning("building the CPU kernels failed, using plain torch: %s", detail)
-            return None
-    return ctypes.CDLL(str(path))
+            return ctypes.CDLL(str(path))
+        except OSError as e:  # a damaged cache file: rebuild it once
+            logger.warning("cannot load %s (%s)%s", path, e, "; rebuilding" if not attempt else "")
+            path.unlink(missing_ok=True)
+    logger.warning("the CPU kernels cannot be loaded, using plain torch")
+    return None
