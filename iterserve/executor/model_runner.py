@@ -114,7 +114,7 @@ class TorchModelRunner:
         model.use_cpu_kernels(cpu_kernels)
         if cpu_kernels and weight_packing_available(self.device, model.embed_tokens.weight.dtype):
             model.pack_linear_weights()
-        self.sampler = Sampler(seed, eos_token_ids)
+        self.sampler = Sampler(seed, eos_token_ids, use_cpu_kernels=cpu_kernels)
         self.scale = float(model.head_dim) ** -0.5
         self.states: dict[str, SamplingState] = {}
 

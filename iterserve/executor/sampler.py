@@ -40,11 +40,16 @@ class Sampler:
     Args:
         seed: seeds the generator shared by requests that have no seed of their own.
         eos_token_ids: masked (with ``stop_token_ids``) until ``min_tokens`` are out.
+        use_cpu_kernels: greedy batches take the C row argmax (the runner says so where the
+            C kernels are in use; the ``torch`` backend stays plain torch).
     """
 
-    def __init__(self, seed: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, seed: int, eos_token_ids: frozenset[int] = frozenset(), use_cpu_kernels: bool = False
+    ) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_token_ids = sorted(eos_token_ids)
+        self.use_cpu_kernels = use_cpu_kernels
 
     def new_state(self, params: SamplingParams, prompt_token_ids: list[int]) -> SamplingState:
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
@@ -53,9 +58,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         """logits: [num_reqs, vocab_size] in the model's dtype (float32 logits are modified
         in place) -> tokens and logprobs. Everything but a plain greedy batch works on a
-        float32 copy."""
+        float32 copy; a plain greedy batch is one argmax over the logits as they are (the C
+        kernel reads bfloat16 directly: a float32 copy and torch's argmax cost 3-5 ms at
+        128 x 49,152 on the development CPU)."""
         if all(self._plain_greedy(s) for s in states):
-            token_list = _argmax_rows(logits).tolist()
+            if self.use_cpu_kernels and layer_ops_available(logits.device, logits.dtype):
+                tokens = argmax_rows_cpu(logits)
+            else:
+                tokens = logits.argmax(dim=-1)
+            token_list = tokens.tolist()
             for state, token in zip(states, token_list, strict=True):
                 state.output_token_ids.append(token)
             return SamplerOutput(token_list, [None] * len(states))
@@ -150,14 +161,6 @@ class Sampler:
             if s.generator is not None:
                 q[i] = torch.empty(probs.shape[1]).exponential_(generator=s.generator).to(q.device)
         return (probs / q).argmax(dim=-1)
-
-
-def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[num_reqs, vocab] -> [num_reqs] int64: the C kernel reads bfloat16 logits as they are
-    (a float32 copy and torch's argmax cost 3-5 ms at 128 x 49,152 on the development CPU)."""
-    if layer_ops_available(logits.device, logits.dtype):
-        return argmax_rows_cpu(logits)
-    return logits.argmax(dim=-1)
 
 
 def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -58,18 +58,38 @@ def _cflags() -> tuple[str, ...]:
     return CFLAGS + tuple(envs.ITERSERVE_KERNEL_CFLAGS.split())
 
 
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
 def _compile(compiler: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Compile next to the target and rename: concurrent builders never see half a library.
+    # The sha256 sidecar goes in first, so a library is only ever trusted with its checksum.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
+    tmp_sum = tmp + ".sha256"
     try:
         cmd = [compiler, *_cflags(), *(str(CSRC / s) for s in SOURCES), "-o", tmp, "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        Path(tmp_sum).write_text(hashlib.sha256(Path(tmp).read_bytes()).hexdigest())
+        os.replace(tmp_sum, _sidecar(out))
         os.replace(tmp, out)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, tmp_sum):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+
+
+def _intact(path: Path) -> bool:
+    """Whether the cached library is whole: its sha256 matches the one written when it was
+    built. A truncated library can keep a valid ELF header, pass ``dlopen`` and then kill the
+    process with SIGBUS when a missing page is touched, so ``OSError`` is not enough."""
+    try:
+        expected = _sidecar(path).read_text().strip()
+        return hashlib.sha256(path.read_bytes()).hexdigest() == expected
+    except OSError:
+        return False
 
 
 @functools.cache
@@ -89,6 +109,9 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
     digest.update(" ".join((compiler, *_cflags(), _cpu_id())).encode())
     path = _cache_dir() / f"iterserve_cpu_kernels-{digest.hexdigest()[:16]}.so"
     for attempt in range(2):
+        if path.exists() and not _intact(path):
+            logger.warning("%s is damaged or incomplete; rebuilding", path)
+            path.unlink(missing_ok=True)
         if not path.exists():
             logger.info("building the CPU kernels (once per CPU and version) into %s", path)
             try:
@@ -99,7 +122,7 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
                 return None
         try:
             return ctypes.CDLL(str(path))
-        except OSError as e:  # a damaged cache file: rebuild it once
+        except OSError as e:
             logger.warning("cannot load %s (%s)%s", path, e, "; rebuilding" if not attempt else "")
             path.unlink(missing_ok=True)
     logger.warning("the CPU kernels cannot be loaded, using plain torch")
