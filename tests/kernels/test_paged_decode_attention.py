@@ -7,14 +7,11 @@ import torch
 
 from iterserve.kernels.paged_decode_attention import (
     check_block_tables,
-    cpu_kernel_available,
     paged_decode_attention_cpu,
     paged_decode_attention_reference,
 )
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernel_available(torch.float32), reason="no C compiler on this machine"
-)
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
 
