@@ -27,8 +27,9 @@ _ARGTYPES: dict[str, list[type]] = {
     "rms_norm": [_P, _P, _I, _P, _P, _I, _I, _F, _N],
     # out, gate_up, num_tokens, inter, num_threads
     "silu_and_mul": [_P, _P, _I, _I, _N],
-    # q, q_stride, k, k_stride, positions, cos, sin, num_tokens, heads, kv heads, dim, threads
-    "rotary_embedding": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _N],
+    # q, q_stride, k, k_stride, positions, cos, sin, num_tokens, heads, kv heads, dim,
+    # max_position, threads
+    "rotary_embedding": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _N],
     # key, value, kv_stride, key_cache, value_cache, slot_mapping, num_tokens, num_kv_heads,
     # head_dim, num_slots, elem_size
     "reshape_and_cache": [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I],
@@ -51,7 +52,7 @@ def _fn(name: str, dtype: torch.dtype | None) -> ctypes._CFuncPtr:  # type: igno
         raise ValueError(f"the CPU layer ops take float32 or bfloat16, got {dtype}")
     fn = getattr(lib, name if dtype is None else f"{name}_{_SUFFIX[dtype]}")
     fn.argtypes = _ARGTYPES[name]
-    fn.restype = ctypes.c_int64 if name == "reshape_and_cache" else None
+    fn.restype = ctypes.c_int64 if name in ("reshape_and_cache", "rotary_embedding") else None
     return fn
 
 
@@ -158,12 +159,12 @@ def rotary_embedding_cpu(
         q: [num_tokens, num_heads, head_dim], float32 or bfloat16; heads and dims contiguous
             (token rows may be strided, e.g. views into the fused qkv output).
         k: [num_tokens, num_kv_heads, head_dim], the same dtype and layout rules.
-        positions: [num_tokens] int64 contiguous, each in ``[0, max_position)`` (unchecked:
-            the caller's positions come from the scheduler, bounded by ``max_model_len``).
+        positions: [num_tokens] int64, each in ``[0, max_position)``.
         cos, sin: [max_position, head_dim] contiguous, in q's dtype.
 
     Raises:
-        ValueError: on a dtype, device, shape or layout the kernel does not take.
+        ValueError: on a dtype, device, shape or layout the kernel does not take, or a
+            position outside the cache (its token is left unrotated).
     """
     for name, x in (("q", q), ("k", k)):
         _check_rows(name, x, 3)
@@ -178,11 +179,13 @@ def rotary_embedding_cpu(
     if positions.dtype != torch.int64 or positions.shape != (q.shape[0],):
         raise ValueError("positions must be int64 [num_tokens]")
     positions = positions.contiguous()
-    _fn("rotary_embedding", q.dtype)(
+    num_bad = _fn("rotary_embedding", q.dtype)(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
         cos.data_ptr(), sin.data_ptr(), q.shape[0], q.shape[1], k.shape[1], head_dim,
-        torch.get_num_threads(),
+        cos.shape[0], torch.get_num_threads(),
     )  # fmt: skip
+    if num_bad:
+        raise ValueError(f"{num_bad} positions outside [0, {cos.shape[0]})")
 
 
 def reshape_and_cache_cpu(

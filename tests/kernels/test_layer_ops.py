@@ -125,6 +125,10 @@ def test_launchers_reject_bad_layouts() -> None:
         rotary_embedding_cpu(q, k, torch.tensor([0, 1]), cos.bfloat16(), cos.bfloat16())
     with pytest.raises(ValueError, match="positions"):
         rotary_embedding_cpu(q, k, torch.tensor([0, 1], dtype=torch.int32), cos, cos)
+    with pytest.raises(ValueError, match="positions outside"):
+        rotary_embedding_cpu(q, k, torch.tensor([0, 16]), cos, cos)  # cos has 16 positions
+    with pytest.raises(ValueError, match="positions outside"):
+        rotary_embedding_cpu(q, k, torch.tensor([-1, 3]), cos, cos)
 
 
 @DTYPES

@@ -66,7 +66,9 @@
     }
 
 /* Rotary embedding (half-split layout) of q [num_tokens, num_heads, head_dim] and
- * k [num_tokens, num_kv_heads, head_dim] in place; cos, sin: [max_position, head_dim] in T. */
+ * k [num_tokens, num_kv_heads, head_dim] in place; cos, sin: [max_position, head_dim] in T.
+ * Returns the number of positions outside [0, max_position) (those tokens are left as they
+ * are: the caller raises). */
 #define DEFINE_ROTARY(NAME, T, LOAD, STORE, ROUND)                                             \
     static void NAME##_heads(T *x, int64_t num_heads, int64_t head_dim, const T *c,            \
                              const T *s) {                                                     \
@@ -82,15 +84,23 @@
             }                                                                                  \
         }                                                                                      \
     }                                                                                          \
-    void NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const int64_t *positions,        \
-              const T *cos, const T *sin, int64_t num_tokens, int64_t num_heads,               \
-              int64_t num_kv_heads, int64_t head_dim, int num_threads) {                       \
-        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 4)")               \
+    int64_t NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const int64_t *positions,    \
+                 const T *cos, const T *sin, int64_t num_tokens, int64_t num_heads,            \
+                 int64_t num_kv_heads, int64_t head_dim, int64_t max_position,                 \
+                 int num_threads) {                                                            \
+        int64_t bad = 0;                                                                       \
+        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 4) reduction(+:bad)") \
         for (int64_t t = 0; t < num_tokens; t++) {                                             \
-            const T *c = cos + positions[t] * head_dim, *s = sin + positions[t] * head_dim;     \
+            const int64_t pos = positions[t];                                                  \
+            if (pos < 0 || pos >= max_position) {                                              \
+                bad++;                                                                         \
+                continue;                                                                      \
+            }                                                                                  \
+            const T *c = cos + pos * head_dim, *s = sin + pos * head_dim;                      \
             NAME##_heads(q + t * q_stride, num_heads, head_dim, c, s);                         \
             NAME##_heads(k + t * k_stride, num_kv_heads, head_dim, c, s);                      \
         }                                                                                      \
+        return bad;                                                                            \
     }
 
 DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, F32_ROUND)
