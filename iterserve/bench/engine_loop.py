@@ -22,12 +22,11 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from iterserve.bench.decode import output_dir, warn_if_loaded
 from iterserve.config import EngineConfig
-from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.messages import AddRequest, RequestDelta
 from iterserve.engine.sampling_params import SamplingParams
 
 
@@ -64,17 +63,18 @@ def _build_engine(kwargs: dict[str, Any]) -> Any:
     return engine, loaded.tokenizer
 
 
-def _sse_work(out: RequestOutput, extra_us: float) -> int:
+def _sse_work(delta: RequestDelta, extra_us: float) -> int:
     """What an SSE handler does per output; returns bytes produced."""
-    c = out.outputs[0]
+    choices = [
+        {"index": c.index, "delta": {"content": c.new_text}, "finish_reason": c.finish_reason}
+        for c in delta.completions
+    ]
     chunk = {
-        "id": out.request_id,
+        "id": delta.request_id,
         "object": "chat.completion.chunk",
         "created": 0,
         "model": "SmolLM2-135M-Instruct",
-        "choices": [
-            {"index": 0, "delta": {"content": c.text[-8:]}, "finish_reason": c.finish_reason}
-        ],
+        "choices": choices,
     }
     data = f"data: {json.dumps(chunk)}\n\n"
     end = time.perf_counter() + extra_us / 1e6
@@ -86,12 +86,12 @@ def _sse_work(out: RequestOutput, extra_us: float) -> int:
 async def _consume(stream: Any, extra_us: float, gaps: list[float]) -> int:
     last = time.perf_counter()
     num_tokens = 0
-    async for out in stream:
+    async for delta in stream:
         now = time.perf_counter()
         gaps.append(now - last)
         last = now
-        _sse_work(out, extra_us)
-        num_tokens = len(out.outputs[0].token_ids)
+        _sse_work(delta, extra_us)
+        num_tokens += sum(len(c.new_token_ids) for c in delta.completions)
     return num_tokens
 
 
@@ -114,7 +114,11 @@ async def _drive(
     try:
         counts = await asyncio.gather(
             *[
-                _consume(client.generate(str(i), p, params), args.extra_us, gaps)
+                _consume(
+                    client.generate(AddRequest(str(i), p, params, 1, time.monotonic())),
+                    args.extra_us,
+                    gaps,
+                )
                 for i, p in enumerate(prompts)
             ]
         )
@@ -128,7 +132,7 @@ async def _run_thread(args: argparse.Namespace, params: SamplingParams) -> LoopR
 
     engine, tokenizer = _build_engine(_engine_kwargs(args))
     client = AsyncEngine(engine)
-    client.start()
+    await client.start()
     return await _drive("thread", client, _workload(tokenizer, args.concurrency), args, params)
 
 
@@ -148,21 +152,6 @@ def _result(mode: str, tokens: int, seconds: float, gaps: list[float]) -> LoopRe
     gaps_ms = sorted(g * 1e3 for g in gaps)
     p99 = gaps_ms[min(len(gaps_ms) - 1, int(0.99 * len(gaps_ms)))]
     return LoopResult(mode, tokens, seconds, statistics.median(gaps_ms), p99)
-
-
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("engine-loop", help="engine loop on a thread vs in a process")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--extra-us", type=float, default=0.0, help="extra Python work per output")
-    p.add_argument("--num-kv-blocks", type=int, default=1024)
-    p.add_argument(
-        "--output-dir", type=Path, default=None, help="default: bench-results (smoke: .../smoke)"
-    )
-    p.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating order")
-    p.add_argument("--smoke", action="store_true", help="2 streams of 4 tokens (tests)")
-    p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:

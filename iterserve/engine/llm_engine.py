@@ -1,8 +1,13 @@
-"""``LLMEngine``: add requests, abort them, and step the iteration loop (no torch here)."""
+"""``LLMEngine``: add requests, abort them, and step the iteration loop (no torch here).
+
+Each step yields :class:`~iterserve.engine.messages.RequestDelta` s, only what is new per
+request (:meth:`LLMEngine.step_deltas`, what the engine loop sends its clients); offline use
+(:meth:`LLMEngine.step`, ``LLM.generate``) folds them into cumulative ``RequestOutput`` s.
+"""
 
 from __future__ import annotations
 
-import time
+import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -11,10 +16,19 @@ from iterserve.config import EngineConfig
 from iterserve.engine.detokenizer import IncrementalDetokenizer
 from iterserve.engine.kv_cache_manager import KVCacheManager
 from iterserve.engine.limits import RequestLimits
+from iterserve.engine.messages import (
+    AddRequest,
+    Clock,
+    CompletionDelta,
+    EngineLoad,
+    IterationStats,
+    RequestDelta,
+    monotonic_clock,
+)
 from iterserve.engine.outputs import (
-    CompletionOutput,
     ModelRunner,
     ModelRunnerOutput,
+    OutputAccumulator,
     RequestOutput,
     TokenLogprobs,
 )
@@ -46,33 +60,18 @@ class IterationError(RuntimeError):
         return (type(self), (self.request_ids, RuntimeError(str(self.cause))))
 
 
-@dataclass(frozen=True)
-class IterationStats:
-    """One iteration, as recorded for metrics."""
-
-    time: float  # monotonic seconds at its end
-    latency_s: float  # schedule + forward + update
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_free_blocks: int
-    num_preemptions: int
-    num_swap_preemptions: int = 0  # of num_preemptions, those that swapped
-    num_generated_tokens: int = 0  # tokens sampled
-    num_prefix_cache_queries: int = 0  # prompt tokens looked up at admission
-    num_prefix_cache_hits: int = 0  # of those, tokens found cached
-
-
 @dataclass
 class _Completion:
-    """Engine-side bookkeeping of one completion (child request) of a user request."""
+    """Engine-side bookkeeping of one completion (child request) of a user request: what its
+    deltas have sent so far, and the logprobs not sent yet."""
 
     request: Request
     index: int
     detokenizer: IncrementalDetokenizer | None
-    logprobs: list[TokenLogprobs] | None
+    pending_logprobs: list[TokenLogprobs] | None
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    sent_final: bool = False
 
 
 class _Parent:
@@ -101,6 +100,8 @@ class LLMEngine:
         num_host_blocks: blocks in the host swap pool (from ``swap_space``).
         preemption_costs: measured at start-up, for ``preemption_mode=auto``.
         model_dir: where the model (and its tokenizer) was loaded from, for clients.
+        clock: seconds (arrival and admission times, aging, iteration latency); the simulator
+            passes a virtual clock.
     """
 
     def __init__(
@@ -114,6 +115,7 @@ class LLMEngine:
         num_host_blocks: int = 0,
         preemption_costs: PreemptionCosts | None = None,
         model_dir: str | None = None,
+        clock: Clock = monotonic_clock,
     ) -> None:
         max_model_len = config.model.max_model_len
         if max_model_len is None:
@@ -126,6 +128,7 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.clock = clock
         kv = KVCacheManager(
             num_kv_blocks,
             config.cache.block_size,
@@ -134,10 +137,17 @@ class LLMEngine:
             num_host_blocks=num_host_blocks,
         )
         self.scheduler = Scheduler(
-            config.scheduler, kv, max_model_len, self._check_stop_strings, preemption_costs
+            config.scheduler,
+            kv,
+            max_model_len,
+            self._check_stop_strings,
+            preemption_costs,
+            clock=clock,
         )
         self._parents: dict[str, _Parent] = {}
         self._completions: dict[str, tuple[_Parent, _Completion]] = {}  # child id ->
+        # Offline use (step / abort_request): cumulative outputs built from the deltas.
+        self._accumulators: dict[str, OutputAccumulator] = {}
         self.telemetry: deque[IterationStats] = deque(maxlen=TELEMETRY_LEN)
         self.num_iterations = 0
         self.model_dir = model_dir
@@ -148,7 +158,7 @@ class LLMEngine:
 
     @property
     def limits(self) -> RequestLimits:
-        """What a request is checked against (picklable: a client process validates too)."""
+        """What a request is checked against (picklable: a client process validates)."""
         kv = self.scheduler.kv
         return RequestLimits(
             vocab_size=self.vocab_size,
@@ -176,7 +186,8 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int | str | None = None,
     ) -> None:
-        """Validate and queue a request (``params.n`` completions of the prompt).
+        """Validate and queue a request (``params.n`` completions of the prompt); offline use,
+        where this is the edge: :meth:`step` returns its cumulative outputs.
 
         Raises:
             InvalidRequestError: the request can never be served; nothing was queued.
@@ -185,7 +196,32 @@ class LLMEngine:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {request_id!r}")
         self.validate(prompt_token_ids, params)
-        prio = self.resolve_priority(priority)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        message = AddRequest(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            self.resolve_priority(priority),
+            arrival,
+            prompt,
+        )
+        self.add(message)
+        self._accumulators[request_id] = OutputAccumulator(
+            request_id,
+            prompt,
+            message.prompt_token_ids,
+            params.n,
+            params.logprobs is not None,
+            arrival,
+        )
+
+    def add(self, message: AddRequest) -> None:
+        """Queue a request its client has validated (the engine loop's path).
+
+        Raises:
+            ValueError: the request id (or a child id) is already in use.
+        """
+        request_id, params = message.request_id, message.params
         child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         )
@@ -194,55 +230,66 @@ class LLMEngine:
         ]
         if taken:
             raise ValueError(f"request id {taken[0]!r} is already in use")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
         completions: list[_Completion] = []
         for index, child_id in enumerate(child_ids):
             child_params = params.child(index) if params.n > 1 else params
             request = Request(
-                child_id, prompt_token_ids, child_params, self.eos_token_ids, arrival, prio
+                child_id,
+                message.prompt_token_ids,
+                child_params,
+                self.eos_token_ids,
+                message.arrival_time,
+                message.priority,
             )
             if index > 0:
                 request.wait_for = completions[0].request
             detok = None
             if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child_params)
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, message.prompt_token_ids, child_params
+                )
             logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
             completions.append(_Completion(request, index, detok, logprobs))
-        parent = _Parent(request_id, prompt, completions)
+        parent = _Parent(request_id, message.prompt, completions)
         for c in completions:
             self.scheduler.add_request(c.request)
             self._completions[c.request.request_id] = (parent, c)
         self._parents[request_id] = parent
 
-    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
-        """Abort requests now, freeing their KV blocks; returns their final outputs."""
+    def abort(self, request_ids: str | list[str]) -> list[RequestDelta]:
+        """Abort requests now, freeing their KV blocks; their final deltas (unknown or
+        finished ids are ignored)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        outputs = []
+        deltas = []
         for request_id in ids:
             parent = self._parents.get(request_id)
             if parent is None:
                 continue
             child_ids = [c.request.request_id for c in parent.completions]
             self.scheduler.finish_requests(child_ids, Status.FINISHED_ABORTED)
-            outputs.append(self._make_output(parent))
-        return outputs
+            deltas.append(self._make_delta(parent, parent.completions))
+        return deltas
 
-    def stats(self) -> dict[str, Any]:
-        """Queue and pool counts now (what ``/load`` reports; ``num_*`` count requests)."""
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Abort requests now, freeing their KV blocks; returns their final outputs."""
+        return self._accumulate(self.abort(request_ids))
+
+    def abort_all(self) -> list[RequestDelta]:
+        """Abort every request (shutdown); their final deltas."""
+        return self.abort(list(self._parents))
+
+    def load(self) -> EngineLoad:
+        """Queue and pool counts now (what ``/load`` reports; ``num_*`` count sequences)."""
         sched = self.scheduler
-        return {
-            "kv_cache_usage": sched.kv.pool.usage,
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting),
-            "num_swapped": len(sched.swapped),
-            "num_free_blocks": sched.kv.pool.num_free_blocks,
-            "num_cached_blocks": sched.kv.pool.num_cached_blocks,
-            "num_total_blocks": sched.kv.num_blocks,
-        }
-
-    def abort_all(self) -> list[RequestOutput]:
-        """Abort every request (shutdown)."""
-        return self.abort_request(list(self._parents))
+        return EngineLoad(
+            kv_cache_usage=sched.kv.pool.usage,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            num_free_blocks=sched.kv.pool.num_free_blocks,
+            num_cached_blocks=sched.kv.pool.num_cached_blocks,
+            num_total_blocks=sched.kv.num_blocks,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
@@ -251,11 +298,21 @@ class LLMEngine:
         """Apply new scheduler settings from the next iteration on (call between steps)."""
         self.scheduler.update_config(config)
 
+    def telemetry_since(self, num_iterations: int) -> list[IterationStats]:
+        """Records of the iterations after the first ``num_iterations`` (those still kept)."""
+        num_new = min(self.num_iterations - num_iterations, len(self.telemetry))
+        return list(itertools.islice(reversed(self.telemetry), num_new))[::-1]
+
     # ----------------------------------------------------------------- iteration
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the outputs of requests that advanced or finished."""
-        start = time.perf_counter()
+        """Run one iteration; the cumulative outputs of requests added by
+        :meth:`add_request` that advanced or finished (offline use)."""
+        return self._accumulate(self.step_deltas())
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """Run one iteration; what is new for each request that advanced or finished."""
+        start = self.clock()
         scheduler_output = self.scheduler.schedule()
         runner_output = ModelRunnerOutput(sampled_token_ids={})
         if scheduler_output.has_runner_work:
@@ -269,25 +326,28 @@ class LLMEngine:
                 failed = sorted(
                     {self._completions[i][0].request_id for i in ids if i in self._completions}
                 )
-                self.abort_request(failed)
+                self.abort(failed)
+                for request_id in failed:
+                    self._accumulators.pop(request_id, None)
                 raise IterationError(failed, e) from e
         for request_id, logprobs in runner_output.logprobs.items():
             entry = self._completions.get(request_id)
-            if entry is not None and entry[1].logprobs is not None:
-                entry[1].logprobs.append(logprobs)
+            if entry is not None and entry[1].pending_logprobs is not None:
+                entry[1].pending_logprobs.append(logprobs)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         if not scheduler_output.is_empty:
             self.num_iterations += 1
             self._record(
                 scheduler_output,
-                time.perf_counter() - start,
+                self.clock() - start,
                 len(runner_output.sampled_token_ids),
             )
-        touched: dict[str, _Parent] = {}
+        touched: dict[str, tuple[_Parent, list[_Completion]]] = {}
         for request in updated:
-            parent = self._completions[request.request_id][0]
-            touched[parent.request_id] = parent
-        return [self._make_output(p) for p in touched.values()]
+            parent, completion = self._completions[request.request_id]
+            touched.setdefault(parent.request_id, (parent, []))[1].append(completion)
+        deltas = [self._make_delta(parent, changed) for parent, changed in touched.values()]
+        return [d for d in deltas if d.completions or d.finished]
 
     def _check_stop_strings(self, request: Request) -> bool:
         completion = self._completions[request.request_id][1]
@@ -318,7 +378,7 @@ class LLMEngine:
         self._last_counts = counts
         self.telemetry.append(
             IterationStats(
-                time=time.monotonic(),
+                time=self.clock(),
                 latency_s=latency,
                 num_prefill_tokens=prefill,
                 num_decode_tokens=out.num_scheduled_tokens - prefill,
@@ -334,35 +394,60 @@ class LLMEngine:
             )
         )
 
-    def _make_output(self, parent: _Parent) -> RequestOutput:
+    def _make_delta(self, parent: _Parent, changed: list[_Completion]) -> RequestDelta:
+        """What is new in ``changed`` completions since their last delta; forgets a finished
+        parent."""
         finished = parent.finished
         if finished:
             self._parents.pop(parent.request_id, None)
             for c in parent.completions:
                 self._completions.pop(c.request.request_id, None)
-        outputs = []
-        for c in parent.completions:
+        completions = []
+        for c in changed:
+            if c.sent_final:
+                continue
             request = c.request
             done = request.is_finished
-            text = c.detokenizer.visible_text(done) if c.detokenizer is not None else ""
-            outputs.append(
-                CompletionOutput(
-                    index=c.index,
-                    text=text,
-                    token_ids=request.output_token_ids,
-                    finish_reason=FINISH_REASONS.get(request.status),
-                    logprobs=c.logprobs,
-                    stop_reason=request.stop_reason,
+            new_token_ids = request.all_token_ids[request.num_prompt_tokens + c.num_sent_tokens :]
+            new_text = ""
+            if c.detokenizer is not None:
+                new_text = c.detokenizer.visible_text(done)[c.num_sent_chars :]
+            new_logprobs = c.pending_logprobs
+            if not (new_token_ids or new_text or new_logprobs or done):
+                continue
+            if new_logprobs is not None:
+                c.pending_logprobs = []
+            c.num_sent_tokens += len(new_token_ids)
+            c.num_sent_chars += len(new_text)
+            c.sent_final = done
+            completions.append(
+                CompletionDelta(
+                    c.index,
+                    new_token_ids,
+                    new_text,
+                    new_logprobs,
+                    FINISH_REASONS.get(request.status),
+                    request.stop_reason,
                 )
             )
         first = parent.completions[0].request
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            num_cached_tokens=first.num_cached_tokens or 0,
-            arrival_time=first.arrival_time,
-            first_scheduled_time=first.first_scheduled_time,
+        return RequestDelta(
+            parent.request_id,
+            completions,
+            finished,
+            first.num_cached_tokens or 0,
+            first.first_scheduled_time,
         )
+
+    def _accumulate(self, deltas: list[RequestDelta]) -> list[RequestOutput]:
+        """Cumulative snapshots of the offline requests among ``deltas``."""
+        outputs = []
+        for delta in deltas:
+            accumulator = self._accumulators.get(delta.request_id)
+            if accumulator is None:
+                continue
+            accumulator.add(delta)
+            outputs.append(accumulator.snapshot())
+            if delta.finished:
+                del self._accumulators[delta.request_id]
+        return outputs

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from iterserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from iterserve.engine.messages import RequestDelta
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,66 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    # Monotonic seconds (system-wide clock): when the engine got it, when first admitted.
+    # Seconds of the engine's clock: when the request was accepted, when first admitted.
     arrival_time: float | None = None
     first_scheduled_time: float | None = None
+
+
+class OutputAccumulator:
+    """Folds a request's :class:`~iterserve.engine.messages.RequestDelta` s into its
+    cumulative :class:`RequestOutput` (what ``LLM.generate`` returns and a non-streamed HTTP
+    answer needs), on the client's side of the engine boundary.
+
+    Args:
+        request_id, prompt, prompt_token_ids: as the request was added.
+        n: number of completions.
+        logprobs: whether the request asked for logprobs (``CompletionOutput.logprobs`` is a
+            list then, else None).
+        arrival_time: when the request was accepted (seconds).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        n: int,
+        logprobs: bool,
+        arrival_time: float | None = None,
+    ) -> None:
+        completions = [
+            CompletionOutput(i, "", [], logprobs=[] if logprobs else None) for i in range(n)
+        ]
+        self.output = RequestOutput(
+            request_id, prompt, prompt_token_ids, completions, False, arrival_time=arrival_time
+        )
+
+    def add(self, delta: RequestDelta) -> RequestOutput:
+        """Apply ``delta`` in place; the (same, updated) cumulative output."""
+        out = self.output
+        for d in delta.completions:
+            c = out.outputs[d.index]
+            c.text += d.new_text
+            c.token_ids.extend(d.new_token_ids)
+            if d.new_logprobs is not None and c.logprobs is not None:
+                c.logprobs.extend(d.new_logprobs)
+            c.finish_reason = d.finish_reason
+            c.stop_reason = d.stop_reason
+        out.finished = delta.finished
+        out.num_cached_tokens = delta.num_cached_tokens
+        if delta.first_scheduled_time is not None:
+            out.first_scheduled_time = delta.first_scheduled_time
+        return out
+
+    def snapshot(self) -> RequestOutput:
+        """A copy of the output as of now (later deltas do not change it)."""
+        out = self.output
+        completions = [
+            dataclasses.replace(
+                c,
+                token_ids=list(c.token_ids),
+                logprobs=None if c.logprobs is None else list(c.logprobs),
+            )
+            for c in out.outputs
+        ]
+        return dataclasses.replace(out, outputs=completions)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 
 from iterserve.engine.sampling_params import SamplingParams
 
@@ -51,14 +50,14 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_ids: frozenset[int] = frozenset(),
-        arrival_time: float | None = None,
+        arrival_time: float = 0.0,
         priority: int = 1,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_time = arrival_time  # seconds of the engine's clock
         self.priority = priority  # lower is more urgent
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)

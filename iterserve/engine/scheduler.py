@@ -18,12 +18,12 @@ new batch is admitted only when every request of the previous one has finished.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Iterable
 
 from iterserve.config import SchedulerConfig
 from iterserve.engine import policy
 from iterserve.engine.kv_cache_manager import KVCacheManager
+from iterserve.engine.messages import Clock, monotonic_clock
 from iterserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from iterserve.engine.request import Request, RequestStatus
 
@@ -69,7 +69,7 @@ class Scheduler:
         max_model_len: int,
         stop_checker: StopChecker | None = None,
         preemption_costs: policy.PreemptionCosts | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = monotonic_clock,
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager

@@ -18,8 +18,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from iterserve.config import ServerConfig
-from iterserve.engine.process_engine import LOG_FORMAT
+from iterserve.config import EngineConfig, ServerConfig
+from iterserve.engine.process_engine import LOG_FORMAT, ProcessEngine
 from iterserve.server.app import build_app
 from iterserve.server.state import ServerState
 
@@ -82,7 +82,8 @@ def serve(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> int:
         ConfigError, TypeError: invalid engine or server settings.
     """
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    app = build_app(engine_kwargs, server_config)
+    EngineConfig.from_kwargs(**engine_kwargs)  # invalid settings fail here, before any process
+    app = build_app(ProcessEngine(engine_kwargs), server_config)
     config = uvicorn.Config(
         app,
         host=server_config.host,

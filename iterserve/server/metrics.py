@@ -15,8 +15,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from iterserve.engine.llm_engine import IterationStats
-from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.messages import EngineLoad, IterationStats, RequestDelta
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -84,16 +83,14 @@ class ServerMetrics:
         for reason in ("invalid", "queue_full", "queue_wait", "shutting_down"):
             self.rejected.labels(reason=reason)
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        """Queue gauges from the engine's counts (``LLMEngine.stats()``)."""
-        if not state:
-            return
-        self.num_running.set(state["num_running"])
-        self.num_waiting.set(state["num_waiting"])
-        self.num_swapped.set(state["num_swapped"])
-        self.kv_usage.set(state["kv_cache_usage"])
+    def set_load(self, load: EngineLoad) -> None:
+        """Queue gauges from the engine's counts."""
+        self.num_running.set(load.num_running)
+        self.num_waiting.set(load.num_waiting)
+        self.num_swapped.set(load.num_swapped)
+        self.kv_usage.set(load.kv_cache_usage)
 
-    def observe_iterations(self, telemetry: list[IterationStats], state: dict[str, Any]) -> None:
+    def observe_iterations(self, telemetry: list[IterationStats], load: EngineLoad) -> None:
         """Per-iteration telemetry records (called with each engine message)."""
         for it in telemetry:
             self.iteration_latency.observe(it.latency_s)
@@ -110,7 +107,7 @@ class ServerMetrics:
                 )
             self.prefix_queries.inc(it.num_prefix_cache_queries)
             self.prefix_hits.inc(it.num_prefix_cache_hits)
-        self.set_state(state)
+        self.set_load(load)
 
 
 class RequestTracker:
@@ -119,22 +116,29 @@ class RequestTracker:
     Args:
         metrics: where to observe.
         tier: the tier label.
-        clock: monotonic seconds.
+        arrival: when the HTTP request was accepted (seconds of ``clock``).
+        clock: monotonic seconds (the engine's clock too: queue time compares the two).
     """
 
-    def __init__(self, metrics: ServerMetrics, tier: str, clock: Any = time.monotonic) -> None:
+    def __init__(
+        self, metrics: ServerMetrics, tier: str, arrival: float, clock: Any = time.monotonic
+    ) -> None:
         self.metrics = metrics
         self.tier = tier
         self.clock = clock
-        self.arrival = clock()
+        self.arrival = arrival
         self.first_token: float | None = None
         self.last_token: float | None = None
+        self.num_tokens_by_index: dict[int, int] = {}
         self.num_tokens = 0  # of the longest completion
         self.done = False
 
-    def on_output(self, out: RequestOutput) -> bool:
-        """Observe an output; True when it carried the request's first token."""
-        num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+    def on_delta(self, delta: RequestDelta) -> bool:
+        """Observe a delta; True when it carried the request's first token."""
+        counts = self.num_tokens_by_index
+        for d in delta.completions:
+            counts[d.index] = counts.get(d.index, 0) + len(d.new_token_ids)
+        num_tokens = max(counts.values(), default=0)
         if num_tokens <= self.num_tokens:
             return False
         now = self.clock()
@@ -142,8 +146,8 @@ class RequestTracker:
         if first:
             self.first_token = now
             self.metrics.ttft.labels(tier=self.tier).observe(now - self.arrival)
-            if out.first_scheduled_time is not None and out.arrival_time is not None:
-                queue_s = max(0.0, out.first_scheduled_time - out.arrival_time)
+            if delta.first_scheduled_time is not None:
+                queue_s = max(0.0, delta.first_scheduled_time - self.arrival)
                 self.metrics.queue_time.labels(tier=self.tier).observe(queue_s)
         elif self.last_token is not None:
             self.metrics.itl.observe(now - self.last_token)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from iterserve.config import DEFAULT_MODEL_NAME, EngineConfig, ServerConfig
-from iterserve.engine.process_engine import ProcessEngine
+from iterserve.engine.messages import EngineClient
 from iterserve.server.admission import Admission
 from iterserve.server.live_config import VersionedSettings
 from iterserve.server.metrics import ServerMetrics
@@ -29,15 +31,16 @@ class ServerState:
     """The engine client, the tokenizer, the live settings, admission and metrics.
 
     Attributes:
-        engine: the started engine process client.
+        engine: the started engine client.
         tokenizer: a Hugging Face tokenizer of the model (chat template, token texts).
         max_model_len: tokens per sequence.
         swap_space: GiB of host swap the engine started with (live ``swap`` needs some).
         settings: the live scheduler settings in force and their version.
+        clock: seconds, monotonic: arrival times, latencies, admission (injectable for tests).
         num_active: generation requests whose response has not ended (the drain waits).
     """
 
-    engine: ProcessEngine
+    engine: EngineClient
     tokenizer: Any
     model_name: str
     max_model_len: int
@@ -45,6 +48,7 @@ class ServerState:
     server_config: ServerConfig
     settings: VersionedSettings
     metrics: ServerMetrics
+    clock: Callable[[], float] = time.monotonic
     admission: Admission = field(default_factory=Admission)
     settings_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     num_active: int = 0

@@ -1,0 +1,150 @@
+"""ASGI middleware of a replica: auth before the body, request ids, the body-size limit, the
+drain's count of active generation requests, arrival times, and the JSON access log."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import HTTPException
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from iterserve.config import ServerConfig
+from iterserve.server.protocol import APIError
+from iterserve.server.state import ServerState
+
+access_logger = logging.getLogger("iterserve.access")
+
+# Requests that hold engine work: the drain on SIGTERM waits for these.
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Behind --api-key (the operational endpoints /health, /ready, /load, /metrics are not).
+API_KEY_PATHS = ("/v1/", "/tokenize", "/detokenize", "/version")
+
+
+class BodyTooLarge(HTTPException):
+    """Raised while the body is read (a fastapi HTTPException: FastAPI re-raises those from
+    its body parsing instead of turning them into a 400)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than {limit} bytes")
+
+
+class ServerMiddleware:
+    """Pure ASGI middleware: request ids, the body-size limit, the drain's count of active
+    generation requests, and one structured (JSON) access-log line per request."""
+
+    def __init__(self, app: ASGIApp, get_state: Any, server_config: ServerConfig) -> None:
+        self.app = app
+        self.get_state = get_state
+        self.server_config = server_config
+
+    def _auth_error(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
+        """Checked before the body is parsed, so a bad key is 401 whatever the body."""
+        given = headers.get(b"authorization", b"")
+        if path.startswith("/admin/"):
+            token = self.server_config.admin_token
+            if token is None:
+                return APIError(
+                    403,
+                    "the admin API is disabled; start the server with --admin-token TOKEN "
+                    "(or ITERSERVE_ADMIN_TOKEN) to enable it",
+                    type="permission_error",
+                )
+            if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+                return APIError(401, "invalid or missing admin token", type="authentication_error")
+        elif path.startswith(API_KEY_PATHS) and self.server_config.api_key is not None:
+            expected = f"Bearer {self.server_config.api_key}".encode()
+            if not hmac.compare_digest(given, expected):
+                return APIError(
+                    401,
+                    "invalid or missing API key",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state: ServerState | None = self.get_state()
+        limit = state.server_config.max_request_body_bytes if state else 4 << 20
+        headers = dict(scope["headers"])
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128]
+        request_id = request_id or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        start = time.monotonic()
+        # The request counts as arrived now: queue time, TTFT and aging start here.
+        scope["state"]["arrival_time"] = state.clock() if state is not None else start
+        status = 0
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                rid = scope["state"].get("request_id", request_id)
+                message["headers"] = [
+                    *[(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"],
+                    (b"x-request-id", rid.encode("latin-1")),
+                ]
+            await send(message)
+
+        auth_error = self._auth_error(scope["path"], headers)
+        if auth_error is not None:
+            await error_response(auth_error)(scope, receive, send_with_id)
+            self._log(scope, status, start)
+            return
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            error = APIError(413, f"the request body is larger than {limit} bytes")
+            if state is not None:
+                state.metrics.rejected.labels(reason="invalid").inc()
+            await error_response(error)(scope, receive, send_with_id)
+            self._log(scope, status, start)
+            return
+        generation = scope["path"] in GENERATION_PATHS
+        if generation and state is not None:
+            state.num_active += 1
+        try:
+            await self.app(scope, limited_receive, send_with_id)
+        finally:
+            if generation and state is not None:
+                state.num_active -= 1
+            self._log(scope, status, start)
+
+    @staticmethod
+    def _log(scope: Scope, status: int, start: float) -> None:
+        if scope["path"] in ("/metrics", "/health", "/ready", "/load"):
+            return
+        entry = {
+            "request_id": scope["state"].get("request_id"),
+            "method": scope["method"],
+            "path": scope["path"],
+            "status": status,
+            "duration_ms": round((time.monotonic() - start) * 1000, 1),
+            "client": (scope.get("client") or ("-",))[0],
+        }
+        if "tier" in scope["state"]:
+            entry["tier"] = scope["state"]["tier"]
+        if "prompts" in scope["state"]:
+            entry["prompts"] = scope["state"]["prompts"]
+        access_logger.info(json.dumps(entry, ensure_ascii=False))
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
