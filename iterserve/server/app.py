@@ -9,6 +9,7 @@ middleware (auth, request ids, body limit, access log) in :mod:`iterserve.server
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -41,8 +42,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"malformed JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
+    # The field all errors share: a union field fails once per member (prompt.str,
+    # prompt.list[str], ...), and the field is what the client sent wrong.
+    locs = [[str(x) for x in e.get("loc", ()) if x != "body"] for e in errors]
+    param = ".".join(os.path.commonprefix(locs)) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more errors)"

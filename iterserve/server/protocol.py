@@ -58,8 +58,9 @@ class APIError(Exception):
         }
 
 
-def not_supported(feature: str) -> APIError:
-    return APIError(400, f"{feature} is not supported by iterserve", param=feature)
+def not_supported(feature: str, param: str | None = None) -> APIError:
+    """400 for a feature iterserve does not implement; ``param`` defaults to the feature."""
+    return APIError(400, f"{feature} is not supported by iterserve", param=param or feature)
 
 
 class StreamOptions(BaseModel):
@@ -101,22 +102,22 @@ class _SamplingFields(BaseModel):
     functions: list[Any] | None = None
     function_call: Any = None
 
-    def unsupported(self) -> str | None:
-        """The first requested feature iterserve does not implement, or None."""
+    def unsupported(self) -> APIError | None:
+        """400 "not supported" for the first requested feature iterserve does not implement."""
         if self.logit_bias:
-            return "logit_bias"
+            return not_supported("logit_bias")
         if self.best_of is not None and self.best_of != self.n:
-            return "best_of"
+            return not_supported("best_of")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format"
+            return not_supported("response_format")
         if self.tools:
-            return "tools"
+            return not_supported("tools")
         if self.tool_choice not in (None, "none"):
-            return "tool_choice"
+            return not_supported("tool_choice")
         if self.functions:
-            return "functions"
+            return not_supported("functions")
         if self.function_call not in (None, "none"):
-            return "function_call"
+            return not_supported("function_call")
         return None
 
 
@@ -129,11 +130,11 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> APIError | None:
         if self.suffix:
-            return "suffix"
+            return not_supported("suffix")
         if self.echo and self.logprobs is not None:
-            return "echo with logprobs (prompt logprobs)"
+            return not_supported("echo with logprobs (prompt logprobs)", "echo")
         return super().unsupported()
 
 
@@ -158,7 +159,7 @@ class ChatMessage(BaseModel):
         texts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise not_supported(f"message content of type {part.get('type')!r}")
+                raise not_supported(f"message content of type {part.get('type')!r}", "messages")
             texts.append(part["text"])
         return "".join(texts)
 

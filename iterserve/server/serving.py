@@ -35,7 +35,6 @@ from iterserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    not_supported,
 )
 from iterserve.server.state import ServerState
 
@@ -73,7 +72,7 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of ``text``.
 
         Raises:
@@ -82,7 +81,7 @@ class OpenAIServing:
         try:
             ids = self.state.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
         except Exception as e:
-            raise APIError(400, f"the prompt is not valid text: {e}", param="prompt") from e
+            raise APIError(400, f"{param}: not valid text: {e}", param=param) from e
         return list(ids)
 
     async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -105,7 +104,7 @@ class OpenAIServing:
         except Exception as e:  # the template's own checks (jinja raise_exception, ...)
             raise APIError(400, f"the chat template rejects these messages: {e}", "messages") from e
         # The template spells out its special tokens: the tokenizer adds none on top.
-        return Prompt(self.encode(text, add_special_tokens=False), text)
+        return Prompt(self.encode(text, add_special_tokens=False, param="messages"), text)
 
     async def _completion_prompts(self, req: CompletionRequest) -> list[Prompt]:
         prompt = req.prompt
@@ -214,18 +213,16 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
-        feature = req.unsupported()
-        if feature:
-            raise not_supported(feature)
+        if (error := req.unsupported()) is not None:
+            raise error
         max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default
         prompts = await self._completion_prompts(req)
         return await self._serve(self._generation("completion", req, raw, prompts, max_tokens), raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
-        feature = req.unsupported()
-        if feature:
-            raise not_supported(feature)
+        if (error := req.unsupported()) is not None:
+            raise error
         for name in ("max_tokens", "max_completion_tokens"):
             value = getattr(req, name)
             if value is not None and value < 1:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from server_utils import ADMIN_TOKEN, API_KEY, Server, run_server
@@ -8,7 +9,8 @@ from server_utils import ADMIN_TOKEN, API_KEY, Server, run_server
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
-    """One float32 server shared by the API tests (tests that retune it restore it)."""
+    """One float32 server on the real model, shared by the tests that need the model (tests
+    that retune it restore it)."""
     with run_server(
         "--dtype", "float32",
         "--num-kv-blocks", "256",
@@ -17,3 +19,13 @@ def server() -> Iterator[Server]:
         "--admin-token", ADMIN_TOKEN,
     ) as s:  # fmt: skip
         yield s
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    """The default model's tokenizer (the fake engine's outputs are its tokens' texts)."""
+    from transformers import AutoTokenizer
+
+    from iterserve.models.loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir("default")))

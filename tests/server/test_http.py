@@ -1,307 +1,482 @@
-"""Raw HTTP against a real server: SSE framing, disconnects, bad input, metrics, /load."""
+"""The HTTP layer over a fake engine (no model, milliseconds a test): SSE framing, choices and
+their order, logprobs, echo, disconnects (streaming, not, and while queued), bad input with
+OpenAI's error shape, auth, body limits, /load, /metrics and engine failures.
+
+The fake (tests/fake_engine.py) knows every answer, so texts are checked exactly.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import httpx
 import pytest
-from server_utils import API_KEY, Server
+from fake_engine import (
+    BLOCK_SIZE,
+    NUM_KV_BLOCKS,
+    FakeClock,
+    FakeEngineClient,
+    expected_text,
+    fake_logprob,
+    fake_token,
+    run_with_server,
+)
 
+from iterserve.config import SchedulerConfig, ServerConfig
+
+API_KEY = "sk-fake"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CONFIG = ServerConfig(api_key=API_KEY)
 
 
-def load(server: Server) -> dict[str, Any]:
-    return httpx.get(server.url + "/load", timeout=10).json()  # type: ignore[no-any-return]
+def prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text).input_ids)
 
 
-def wait_all_blocks_free(server: Server, within_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + within_s
-    while True:
-        state = load(server)
-        if state["num_free_blocks"] == state["num_total_blocks"] and state["num_running"] == 0:
-            return state
-        assert time.monotonic() < deadline, f"blocks still held: {state}"
-        time.sleep(0.05)
-
-
-def metric(server: Server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
+async def metric(http: httpx.AsyncClient, name: str, missing: float | None = None) -> float:
+    """The sample ``name`` (with labels); ``missing`` if given and the series has none yet."""
+    text = (await http.get("/metrics")).text
     values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
+    if not values and missing is not None:
+        return missing
     assert values, f"{name} not exported"
     return values[0]
 
 
-def test_sse_framing_bytewise(server: Server) -> None:
-    body = {"prompt": "Hello, my name is", "max_tokens": 8, "stream": True, "temperature": 0}
-    with httpx.stream(
-        "POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60
-    ) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        assert r.headers["x-request-id"].startswith("cmpl-")
-        raw = b"".join(r.iter_bytes())
+async def sse_events(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[bytes]:
+    async with http.stream("POST", path, json={**body, "stream": True}, headers=AUTH) as r:
+        assert r.status_code == 200, await r.aread()
+        raw = b"".join([chunk async for chunk in r.aiter_bytes()])
     assert raw.endswith(b"data: [DONE]\n\n")
     events = raw.split(b"\n\n")
     assert events[-1] == b""
-    events = events[:-1]
-    assert all(e.startswith(b"data: ") and b"\n" not in e for e in events)
-    chunks = [json.loads(e[6:]) for e in events[:-1]]
-    assert {c["id"] for c in chunks} == {r.headers["x-request-id"]}
-    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
-    assert sum(c["choices"][0]["finish_reason"] is not None for c in chunks) == 1
-    assert all("usage" not in c for c in chunks)  # only with stream_options.include_usage
+    assert all(e.startswith(b"data: ") and b"\n" not in e for e in events[:-1])
+    return [e[6:] for e in events[:-2]]  # without [DONE]
 
 
-@pytest.mark.parametrize(
-    "content", ["Reply only with emojis: happy birthday", "请用中文介绍一下你自己。"]
-)
-def test_multibyte_stream_has_no_replacement_character(server: Server, content: str) -> None:
-    body = {
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": 24,
-        "temperature": 0,
-        "stream": True,
-    }
-    deltas = []
-    with httpx.stream(
-        "POST", server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60
-    ) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for choice in json.loads(line[6:])["choices"]:
-                    deltas.append(choice["delta"].get("content", ""))
-    text = "".join(deltas)
-    full = httpx.post(
-        server.url + "/v1/chat/completions",
-        json={**body, "stream": False},
-        headers=AUTH,
-        timeout=60,
-    ).json()["choices"][0]["message"]["content"]
-    assert text == full and "\ufffd" not in text
-    assert any(ord(c) > 0x2E80 for c in text), text
+def test_sse_framing_and_text_are_exact(tokenizer: Any) -> None:
+    ids = prompt_ids(tokenizer, "Hello, my name is")
+
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        body = {"prompt": "Hello, my name is", "max_tokens": 8}
+        events = await sse_events(http, "/v1/completions", body)
+        chunks = [json.loads(e) for e in events]
+        assert len(chunks) == 8 and len({c["id"] for c in chunks}) == 1
+        assert chunks[0]["id"].startswith("cmpl-")
+        texts = [c["choices"][0]["text"] for c in chunks]
+        assert texts == [tokenizer.decode([fake_token(ids, 0, k)]) for k in range(8)]
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 7 + ["length"]
+        assert all("usage" not in c for c in chunks)  # only with stream_options.include_usage
+        full = (await http.post("/v1/completions", json=body, headers=AUTH)).json()
+        assert full["choices"][0]["text"] == "".join(texts) == expected_text(tokenizer, ids, 0, 8)
+        assert full["usage"] == {
+            "prompt_tokens": len(ids),
+            "completion_tokens": 8,
+            "total_tokens": len(ids) + 8,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+
+    run_with_server(tokenizer, check, CONFIG)
 
 
-def test_streaming_disconnect_frees_blocks_within_a_second(server: Server) -> None:
-    body = {
-        "prompt": "Tell me a long story.",
-        "max_tokens": 2000,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    with httpx.stream(
-        "POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60
-    ) as r:
-        lines = r.iter_lines()
-        for _ in range(3):
-            next(lines)
-        assert load(server)["num_running"] == 1
-    wait_all_blocks_free(server, within_s=1.0)
-
-
-def test_non_streaming_disconnect_frees_blocks_within_a_second(server: Server) -> None:
-    body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True}
-
-    async def go() -> None:
-        async with httpx.AsyncClient(timeout=60) as http:
-            task = asyncio.create_task(
-                http.post(server.url + "/v1/completions", json=body, headers=AUTH)
+def test_chat_stream_opens_with_the_role_and_ends_with_usage(tokenizer: Any) -> None:
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        body = {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3,
+            "n": 2,
+            "stream_options": {"include_usage": True},
+        }
+        chunks = [json.loads(e) for e in await sse_events(http, "/v1/chat/completions", body)]
+        assert chunks[0]["choices"] == [
+            {"index": i, "delta": {"role": "assistant", "content": ""}}
+            | {"logprobs": None, "finish_reason": None, "stop_reason": None}
+            for i in range(2)
+        ]
+        ids = fake.added[0].prompt_token_ids
+        for index in range(2):
+            text = "".join(
+                ch["delta"].get("content", "")
+                for c in chunks[1:]
+                for ch in c["choices"]
+                if ch["index"] == index
             )
-            deadline = time.monotonic() + 30
-            while (await http.get(server.url + "/load")).json()["num_running"] == 0:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            assert text == expected_text(tokenizer, ids, index, 3)
+        assert chunks[-1]["choices"] == []
+        assert chunks[-1]["usage"]["completion_tokens"] == 6
+        assert all(c["usage"] is None for c in chunks[:-1])  # OpenAI's shape with include_usage
+        del body["stream_options"]
+        full = (await http.post("/v1/chat/completions", json=body, headers=AUTH)).json()
+        assert [c["message"]["content"] for c in full["choices"]] == [
+            expected_text(tokenizer, ids, i, 3) for i in range(2)
+        ]
 
-    asyncio.run(go())
-    wait_all_blocks_free(server, within_s=1.0)
+    run_with_server(tokenizer, check, CONFIG)
+
+
+def test_batch_prompts_and_n_fill_choices_in_order_with_echo(tokenizer: Any) -> None:
+    prompts = ["One", "Two three"]
+
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        body = {"prompt": prompts, "n": 2, "max_tokens": 2, "echo": True}
+        r = (await http.post("/v1/completions", json=body, headers=AUTH)).json()
+        texts = [c["text"] for c in r["choices"]]
+        assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+        assert texts == [
+            p + expected_text(tokenizer, prompt_ids(tokenizer, p), i, 2)
+            for p in prompts
+            for i in range(2)
+        ]
+        assert len(fake.added) == 2 and all(a.params.n == 2 for a in fake.added)
+        # Token prompts echo their decoded text.
+        ids = prompt_ids(tokenizer, "Hello there")
+        body = {"prompt": ids, "max_tokens": 3, "echo": True}
+        r = (await http.post("/v1/completions", json=body, headers=AUTH)).json()
+        assert r["choices"][0]["text"] == "Hello there" + expected_text(tokenizer, ids, 0, 3)
+
+    run_with_server(tokenizer, check, CONFIG)
+
+
+def test_streamed_logprobs_and_text_offsets_continue_across_chunks(tokenizer: Any) -> None:
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        body = {"prompt": "Count: 1, 2,", "max_tokens": 6, "logprobs": 1}
+        events = await sse_events(http, "/v1/completions", body)
+        choices = [json.loads(e)["choices"][0] for e in events]
+        tokens = [t for c in choices for t in c["logprobs"]["tokens"]]
+        offsets = [o for c in choices for o in c["logprobs"]["text_offset"]]
+        logprobs = [lp for c in choices for lp in c["logprobs"]["token_logprobs"]]
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(6)]
+        assert logprobs == [fake_logprob(k) for k in range(6)]
+        full = (await http.post("/v1/completions", json=body, headers=AUTH)).json()
+        assert full["choices"][0]["logprobs"]["text_offset"] == offsets
+        assert full["choices"][0]["logprobs"]["tokens"] == tokens
+
+    run_with_server(tokenizer, check, CONFIG)
+
+
+def test_completion_max_tokens_defaults_to_16_and_chat_to_the_rest(tokenizer: Any) -> None:
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        body = {"prompt": "Once", "max_tokens": None}
+        r = (await http.post("/v1/completions", json=body, headers=AUTH)).json()
+        assert r["usage"]["completion_tokens"] == 16  # OpenAI's default
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "stream": True}
+        async with http.stream("POST", "/v1/chat/completions", json=chat, headers=AUTH) as s:
+            assert s.status_code == 200
+        added = fake.added[-1]
+        assert added.params.max_tokens == fake.limits.max_model_len - len(added.prompt_token_ids)
+
+    run_with_server(tokenizer, check, CONFIG)
+
+
+async def until(condition: Any, what: str, timeout_s: float = 10.0) -> None:
+    """Poll ``condition()`` (every event-loop turn) until true, or fail after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, what
+        await asyncio.sleep(0.001)
+
+
+def test_a_streaming_disconnect_aborts_and_frees_the_blocks(tokenizer: Any) -> None:
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        body = {"prompt": "Tell me a long story.", "max_tokens": 400, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
+            lines = r.aiter_lines()
+            for _ in range(3):
+                await anext(lines)
+            load = (await http.get("/load")).json()
+            assert load["num_running"] == 1 and load["num_free_blocks"] < NUM_KV_BLOCKS
+        await until(lambda: fake.num_live == 0, "the request was not aborted")
+        assert fake.aborted == [fake.added[0].request_id]
+        load = (await http.get("/load")).json()
+        assert load["num_running"] == 0 and load["num_free_blocks"] == NUM_KV_BLOCKS
+        assert await metric(http, 'iterserve_request_success_total{finished_reason="abort"}') == 1
+
+    run_with_server(tokenizer, check, CONFIG, step_interval_s=0.005)
+
+
+def test_a_non_streaming_disconnect_aborts(tokenizer: Any) -> None:
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        body = {"prompt": "Tell me a long story.", "max_tokens": 400}
+        task = asyncio.create_task(http.post("/v1/completions", json=body, headers=AUTH))
+        await until(lambda: fake.load.num_running == 1, "never admitted")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: fake.num_live == 0, "the request was not aborted")
+        assert fake.aborted == [fake.added[0].request_id]
+
+    run_with_server(tokenizer, check, CONFIG, step_interval_s=0.005)
+
+
+def test_a_client_that_leaves_while_queued_is_aborted_and_leaves_the_queue(tokenizer: Any) -> None:
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        body = {"prompt": "Wait for me", "max_tokens": 4, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
+            assert r.status_code == 200
+            assert (await http.get("/load")).json()["num_waiting"] == 1  # never admitted
+        await until(lambda: fake.num_live == 0, "the queued request was not aborted")
+        assert fake.aborted == [fake.added[0].request_id]
+        assert (await http.get("/load")).json()["num_waiting"] == 0
+        # It no longer holds a place in the queue: with max_waiting=1 the next one is accepted.
+        fake.max_running = 32
+        task = asyncio.create_task(
+            http.post("/v1/completions", json={**body, "stream": False}, headers=AUTH)
+        )
+        await until(lambda: fake.num_live == 1, "the next request was not queued")
+        for _ in range(4):
+            fake.step()
+        assert (await task).status_code == 200
+
+    scheduler = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_waiting=1)
+    fake = run_with_server(
+        tokenizer, check, CONFIG, auto_step=False, max_running=0, scheduler=scheduler
+    )
+    assert len(fake.added) == 2
 
 
 MSG = [{"role": "user", "content": "x"}]
 TOOL = {"type": "function", "function": {"name": "f"}}
 CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
 JSON_MODE = {"type": "json_object"}
 IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
-BAD_REQUESTS: list[tuple[str, str, Any, int]] = [
-    ("/v1/completions", "empty prompt", {"prompt": ""}, 400),
-    ("/v1/completions", "empty list", {"prompt": []}, 400),
-    ("/v1/completions", "list of empty", {"prompt": [""]}, 400),
-    ("/v1/completions", "prompt over max_model_len", {"prompt": [1] * 9000}, 400),
-    ("/v1/completions", "prompt + max_tokens over", {"prompt": "hi", "max_tokens": 8192}, 400),
-    ("/v1/completions", "prompt over the KV pool", {"prompt": [1] * 5000, "max_tokens": 1}, 400),
-    ("/v1/completions", "negative max_tokens", {"prompt": "hi", "max_tokens": -5}, 400),
-    ("/v1/completions", "huge max_tokens", {"prompt": "hi", "max_tokens": 10**30}, 400),
-    ("/v1/completions", "temperature", {"prompt": "hi", "temperature": 101}, 400),
-    ("/v1/completions", "top_p", {"prompt": "hi", "top_p": 0}, 400),
-    ("/v1/completions", "top_k", {"prompt": "hi", "top_k": -2}, 400),
-    ("/v1/completions", "min_p", {"prompt": "hi", "min_p": 1.5}, 400),
-    ("/v1/completions", "presence", {"prompt": "hi", "presence_penalty": 3}, 400),
-    ("/v1/completions", "frequency", {"prompt": "hi", "frequency_penalty": -3}, 400),
-    ("/v1/completions", "repetition", {"prompt": "hi", "repetition_penalty": 0}, 400),
-    ("/v1/completions", "n zero", {"prompt": "hi", "n": 0}, 400),
-    ("/v1/completions", "logprobs over limit", {"prompt": "hi", "logprobs": 6}, 400),
-    (CHAT, "top_logprobs", {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400),
-    ("/v1/completions", "unknown model", {"prompt": "hi", "model": "nope"}, 404),
-    ("/v1/completions", "wrong type", {"prompt": "hi", "max_tokens": "many"}, 400),
-    ("/v1/completions", "wrong prompt type", {"prompt": {"a": 1}}, 400),
-    ("/v1/completions", "token id out of vocab", {"prompt": [10**9]}, 400),
-    ("/v1/completions", "unknown tier", {"prompt": "hi", "priority": "gold"}, 400),
-    ("/v1/completions", "bad seed", {"prompt": "hi", "seed": 2**70}, 400),
-    ("/v1/completions", "malformed JSON", b'{"prompt": "hi",', 400),
-    ("/v1/completions", "not an object", b"[1, 2]", 400),
-    ("/v1/completions", "oversized body", {"prompt": "x" * (5 << 20)}, 413),
-    ("/v1/chat/completions", "no messages", {"messages": []}, 400),
-    ("/v1/chat/completions", "bad role", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
-    ("/v1/chat/completions", "tools", {"messages": MSG, "tools": [TOOL]}, 400),
-    (CHAT, "json mode", {"messages": MSG, "response_format": JSON_MODE}, 400),
-    ("/v1/chat/completions", "image part", {"messages": IMAGE}, 400),
-    ("/v1/completions", "logit_bias", {"prompt": "hi", "logit_bias": {"1": 5}}, 400),
-    ("/v1/completions", "stream_options alone", {"prompt": "hi", "stream_options": {}}, 400),
-    ("/v1/completions", "top_k over int64", {"prompt": "hi", "top_k": 2**63}, 400),
-    ("/v1/completions", "lone surrogate", b'{"prompt": "\\ud800"}', 400),
-    (CHAT, "surrogate in chat", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400),
-    ("/tokenize", "lone surrogate", b'{"prompt": "\\ud800"}', 400),
-    ("/v1/completions", "boolean n", {"prompt": "hi", "n": True}, 400),
-    ("/v1/completions", "batch x n too large", {"prompt": [[1, 2]] * 100, "n": 8}, 400),
-    (CHAT, "bad max_tokens", {"messages": MSG, "max_tokens": -1, "max_completion_tokens": 5}, 400),
-    ("/tokenize", "neither prompt nor messages", {}, 400),
-    ("/detokenize", "token out of vocab", {"tokens": [-1]}, 400),
+# (path, what, body, status, param); the fake engine: max_model_len 1024, 32 blocks of 16.
+BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
+    (CMPL, "empty prompt", {"prompt": ""}, 400, "prompt"),
+    (CMPL, "empty list", {"prompt": []}, 400, "prompt"),
+    (CMPL, "list of empty", {"prompt": [""]}, 400, "prompt"),
+    (CMPL, "prompt over max_model_len", {"prompt": [1] * 2000}, 400, "prompt"),
+    (CMPL, "prompt + max_tokens over", {"prompt": "hi", "max_tokens": 2000}, 400, "max_tokens"),
+    (CMPL, "prompt over the KV pool", {"prompt": [1] * 600, "max_tokens": 1}, 400, "prompt"),
+    (CMPL, "negative max_tokens", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    (CMPL, "huge max_tokens", {"prompt": "hi", "max_tokens": 10**30}, 400, "max_tokens"),
+    (CMPL, "temperature", {"prompt": "hi", "temperature": 101}, 400, "temperature"),
+    (CMPL, "top_p", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    (CMPL, "top_k", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    (CMPL, "min_p", {"prompt": "hi", "min_p": 1.5}, 400, "min_p"),
+    (CMPL, "presence", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    (CMPL, "frequency", {"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    (CMPL, "repetition", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (CMPL, "n zero", {"prompt": "hi", "n": 0}, 400, "n"),
+    (CMPL, "logprobs over limit", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    (CHAT, "top_logprobs", {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
+    (CMPL, "unknown model", {"prompt": "hi", "model": "nope"}, 404, "model"),
+    (CMPL, "wrong type", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    (CMPL, "wrong prompt type", {"prompt": {"a": 1}}, 400, "prompt"),
+    (CMPL, "token id out of vocab", {"prompt": [10**9]}, 400, "prompt"),
+    (CMPL, "unknown tier", {"prompt": "hi", "priority": "gold"}, 400, "priority"),
+    (CMPL, "bad seed", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    (CMPL, "malformed JSON", b'{"prompt": "hi",', 400, None),
+    (CMPL, "not an object", b"[1, 2]", 400, None),
+    (CMPL, "oversized body", {"prompt": "x" * (5 << 20)}, 413, None),
+    (CHAT, "no messages", {"messages": []}, 400, "messages"),
+    (CHAT, "bad role", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    (CHAT, "tools", {"messages": MSG, "tools": [TOOL]}, 400, "tools"),
+    (CHAT, "json mode", {"messages": MSG, "response_format": JSON_MODE}, 400, "response_format"),
+    (CHAT, "image part", {"messages": IMAGE}, 400, "messages"),
+    (CMPL, "logit_bias", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    (CMPL, "stream_options alone", {"prompt": "hi", "stream_options": {}}, 400, "stream_options"),
+    (CMPL, "echo with logprobs", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    (CMPL, "top_k over int64", {"prompt": "hi", "top_k": 2**63}, 400, "top_k"),
+    (CMPL, "lone surrogate", b'{"prompt": "\\ud800"}', 400, "prompt"),
+    (CHAT, "surrogate in chat", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     "messages"),
+    ("/tokenize", "lone surrogate", b'{"prompt": "\\ud800"}', 400, "prompt"),
+    (CMPL, "boolean n", {"prompt": "hi", "n": True}, 400, "n"),
+    (CMPL, "batch x n too large", {"prompt": [[1, 2]] * 100, "n": 8}, 400, "prompt"),
+    (CHAT, "bad max_tokens", {"messages": MSG, "max_tokens": -1, "max_completion_tokens": 5}, 400,
+     "max_tokens"),
+    ("/tokenize", "neither prompt nor messages", {}, 400, "prompt"),
+    ("/detokenize", "token out of vocab", {"tokens": [-1]}, 400, "tokens"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("path", "what", "body", "status"), BAD_REQUESTS, ids=[b[1] for b in BAD_REQUESTS]
-)
-def test_bad_input_is_a_clear_4xx(
-    server: Server, path: str, what: str, body: Any, status: int
-) -> None:
+async def post_bad(http: httpx.AsyncClient, path: str, body: Any) -> httpx.Response:
     kwargs: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
     headers = {**AUTH, "content-type": "application/json"}
-    r = httpx.post(server.url + path, headers=headers, timeout=60, **kwargs)
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return await http.post(path, headers=headers, **kwargs)
 
 
-def test_server_serves_normally_after_bad_input(server: Server) -> None:
-    for path, _, body, _ in BAD_REQUESTS[:8]:
-        httpx.post(server.url + path, json=body, headers=AUTH, timeout=60)
-    r = httpx.post(
-        server.url + "/v1/completions",
-        json={"prompt": "The capital of France is", "max_tokens": 4},
-        headers=AUTH,
-        timeout=60,
-    )
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    assert httpx.get(server.url + "/health").status_code == 200
-    assert metric(server, 'iterserve_requests_rejected_total{reason="invalid"}') >= 8
+def test_bad_input_is_a_clear_4xx_in_openais_shape_and_loses_nothing(tokenizer: Any) -> None:
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        before = await metric(http, 'iterserve_requests_rejected_total{reason="invalid"}')
+        for path, what, body, status, param in BAD_REQUESTS:
+            r = await post_bad(http, path, body)
+            assert r.status_code == status, (what, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], what
+            assert error["type"] == "invalid_request_error", (what, error)
+            assert error["param"] == param, (what, error)
+        rejected = await metric(http, 'iterserve_requests_rejected_total{reason="invalid"}')
+        assert rejected - before == len(BAD_REQUESTS)
+        assert fake.added == []  # nothing reached the engine
+        r = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers=AUTH)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert (await http.get("/health")).status_code == 200
+
+    run_with_server(tokenizer, check, CONFIG)
 
 
-def test_operational_endpoints_need_no_key(server: Server) -> None:
-    for path in ("/health", "/ready", "/load", "/metrics"):
-        assert httpx.get(server.url + path).status_code == 200
-    assert httpx.get(server.url + "/version").status_code == 401
-    assert httpx.get(server.url + "/version", headers=AUTH).json()["version"]
+def test_auth_operational_endpoints_and_body_limits(tokenizer: Any) -> None:
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        for path in ("/health", "/ready", "/load", "/metrics"):
+            assert (await http.get(path)).status_code == 200
+        assert (await http.get("/version")).status_code == 401
+        assert (await http.get("/version", headers=AUTH)).json()["version"]
+        r = await http.post("/v1/completions", content=b'{"prompt": ')  # no key, broken body
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert r.json()["error"]["code"] == "invalid_api_key"
+
+        async def body() -> Any:
+            yield b'{"prompt": "'
+            for _ in range(6):
+                yield b"x" * (1 << 20)
+            yield b'"}'
+
+        headers = {**AUTH, "content-type": "application/json"}
+        r = await http.post("/v1/completions", content=body(), headers=headers)
+        assert "content-length" not in r.request.headers
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["message"] == "the request body is larger than 4194304 bytes"
+        assert fake.added == []
+
+    run_with_server(tokenizer, check, CONFIG)
 
 
-def test_tokenize_round_trip(server: Server) -> None:
-    tokens = httpx.post(
-        server.url + "/tokenize", json={"prompt": "Hello world"}, headers=AUTH
-    ).json()
-    assert tokens["count"] == len(tokens["tokens"]) > 0
-    text = httpx.post(
-        server.url + "/detokenize", json={"tokens": tokens["tokens"]}, headers=AUTH
-    ).json()["prompt"]
-    assert text == "Hello world"
-    chat = httpx.post(
-        server.url + "/tokenize",
-        json={"messages": [{"role": "user", "content": "Hi"}]},
-        headers=AUTH,
-    ).json()
-    assert chat["count"] > tokens["count"]
+def test_tokenize_round_trip(tokenizer: Any) -> None:
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        r = (await http.post("/tokenize", json={"prompt": "Hello world"}, headers=AUTH)).json()
+        assert r == {"count": 2, "max_model_len": 1024, "tokens": prompt_ids(tokenizer, "Hello world")}
+        back = await http.post("/detokenize", json={"tokens": r["tokens"]}, headers=AUTH)
+        assert back.json() == {"prompt": "Hello world"}
+        messages = [{"role": "user", "content": "Hi"}]
+        chat = (await http.post("/tokenize", json={"messages": messages}, headers=AUTH)).json()
+        templated = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert chat["tokens"] == list(tokenizer(templated, add_special_tokens=False).input_ids)
+
+    run_with_server(tokenizer, check, CONFIG)
 
 
-def test_load_and_metrics_report_requests(server: Server) -> None:
-    before = metric(server, 'iterserve_request_success_total{finished_reason="length"}')
-    r = httpx.post(
-        server.url + "/v1/completions",
-        json={"prompt": "Hi there", "max_tokens": 5, "ignore_eos": True, "priority": "premium"},
-        headers={**AUTH, "X-Request-Id": "my-request-7"},
-        timeout=60,
-    )
-    assert r.headers["x-request-id"].startswith("cmpl-")
-    assert metric(server, 'iterserve_request_success_total{finished_reason="length"}') == before + 1
-    assert metric(server, 'iterserve_time_to_first_token_seconds_count{tier="premium"}') >= 1
-    assert (
-        metric(server, 'iterserve_request_time_per_output_token_seconds_count{tier="premium"}') >= 1
-    )
-    assert metric(server, 'iterserve_request_queue_time_seconds_count{tier="premium"}') >= 1
-    assert metric(server, "iterserve_inter_token_latency_seconds_count") >= 4
-    assert metric(server, "iterserve_iteration_latency_seconds_count") >= 5
-    assert metric(server, 'iterserve_iteration_tokens_count{phase="decode"}') >= 4
-    assert metric(server, "iterserve_generation_tokens_total") >= 5
-    assert metric(server, "iterserve_prompt_tokens_total") >= 2
-    assert metric(server, "iterserve_prefix_cache_queries_total") >= 2
-    state = load(server)
-    assert set(state) == {
-        "kv_cache_usage", "num_running", "num_waiting", "num_swapped", "max_num_seqs",
-        "num_free_blocks", "num_cached_blocks", "num_total_blocks", "config_version",
-        "config_hash",
-    }  # fmt: skip
-    assert state["num_total_blocks"] == 256
-    assert metric(server, "iterserve_kv_cache_usage_ratio") == pytest.approx(
-        state["kv_cache_usage"]
-    )
+def test_load_and_metrics_change_by_exactly_one_request(tokenizer: Any) -> None:
+    names = {
+        "success": 'iterserve_request_success_total{finished_reason="length"}',
+        "ttft": 'iterserve_time_to_first_token_seconds_count{tier="premium"}',
+        "tpot": 'iterserve_request_time_per_output_token_seconds_count{tier="premium"}',
+        "queue": 'iterserve_request_queue_time_seconds_count{tier="premium"}',
+        "e2e": 'iterserve_e2e_request_latency_seconds_count{tier="premium"}',
+        "itl": "iterserve_inter_token_latency_seconds_count",
+        "iterations": "iterserve_iteration_latency_seconds_count",
+        "decode": 'iterserve_iteration_tokens_count{phase="decode"}',
+        "generated": "iterserve_generation_tokens_total",
+    }
+
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        before = {k: await metric(http, name, missing=0.0) for k, name in names.items()}
+        body = {"prompt": "Hi there", "max_tokens": 5, "priority": "premium"}
+        r = await http.post("/v1/completions", json=body, headers={**AUTH, "X-Request-Id": "x"})
+        assert r.status_code == 200 and r.headers["x-request-id"].startswith("cmpl-")
+        after = {k: await metric(http, name) for k, name in names.items()}
+        change = {k: after[k] - before[k] for k in names}
+        assert change == {
+            "success": 1, "ttft": 1, "tpot": 1, "queue": 1, "e2e": 1, "itl": 4,
+            "iterations": 5, "decode": 5, "generated": 5,
+        }  # fmt: skip
+        load = (await http.get("/load")).json()
+        assert load == {
+            "kv_cache_usage": 0.0, "num_running": 0, "num_waiting": 0, "num_swapped": 0,
+            "max_num_seqs": 32, "num_free_blocks": NUM_KV_BLOCKS, "num_cached_blocks": 0,
+            "num_total_blocks": NUM_KV_BLOCKS, "config_version": 1,
+            "config_hash": load["config_hash"],
+        }  # fmt: skip
+        # While a request runs, /load and the gauges show its blocks (the same numbers).
+        fake.auto_step = False
+        long_body = {"prompt": [1] * 40, "max_tokens": 100, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=long_body, headers=AUTH) as s:
+            assert s.status_code == 200
+            fake.step()
+            load = (await http.get("/load")).json()
+            assert load["num_running"] == 1 and load["num_free_blocks"] == NUM_KV_BLOCKS - 3
+            assert load["kv_cache_usage"] == 3 / NUM_KV_BLOCKS == pytest.approx(
+                await metric(http, "iterserve_kv_cache_usage_ratio")
+            )
+            assert await metric(http, "iterserve_num_requests_running") == 1
+        assert BLOCK_SIZE == 16  # 41 tokens: 3 blocks
+
+    run_with_server(tokenizer, check, CONFIG, step_interval_s=0.001)
 
 
-def test_oversized_chunked_body_is_413(server: Server) -> None:
-    def body() -> Any:
-        yield b'{"prompt": "'
-        for _ in range(6):
-            yield b"x" * (1 << 20)
-        yield b'"}'
+@pytest.mark.parametrize(
+    ("priority", "queued_as", "tier"),
+    [("premium", 0, "premium"), (None, 1, "standard"), (0, 0, "premium"), (7, 7, "best-effort"),
+     ("best-effort", 2, "best-effort")],
+)  # fmt: skip
+def test_priority_by_name_or_integer_is_queued_and_labelled_by_its_tier(
+    tokenizer: Any, priority: Any, queued_as: int, tier: str
+) -> None:
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        name = f'iterserve_e2e_request_latency_seconds_count{{tier="{tier}"}}'
+        before = await metric(http, name, missing=0.0)
+        body = {"prompt": "Hi", "max_tokens": 2, "priority": priority}
+        assert (await http.post("/v1/completions", json=body, headers=AUTH)).status_code == 200
+        assert [a.priority for a in fake.added] == [queued_as]
+        assert await metric(http, name) == before + 1
 
-    r = httpx.post(
-        server.url + "/v1/completions",
-        content=body(),
-        headers={**AUTH, "content-type": "application/json"},
-        timeout=60,
-    )
-    assert "content-length" not in r.request.headers
-    assert r.status_code == 413, r.text
-    assert r.json()["error"]["message"].startswith("the request body is larger than")
-
-
-def test_a_bad_key_is_401_before_the_body_is_parsed(server: Server) -> None:
-    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": ', timeout=30)
-    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    run_with_server(tokenizer, check, CONFIG)
 
 
-def test_completion_defaults_and_echo_of_token_prompts(server: Server) -> None:
-    body = {"prompt": "Once", "max_tokens": None, "ignore_eos": True}
-    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60).json()
-    assert r["usage"]["completion_tokens"] == 16  # OpenAI's default, not the whole context
-    ids = httpx.post(server.url + "/tokenize", json={"prompt": "Hello there"}, headers=AUTH)
-    body = {"prompt": ids.json()["tokens"], "max_tokens": 3, "echo": True}
-    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60).json()
-    assert r["choices"][0]["text"].startswith("Hello there")
+def test_arrival_time_is_when_the_http_request_was_accepted(tokenizer: Any) -> None:
+    clock = FakeClock(500.0)
+
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        body = {"prompt": "Hi", "max_tokens": 3, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body, headers=AUTH) as s:
+            assert s.status_code == 200
+            clock.advance(2.5)  # it waits 2.5 s before the engine admits it
+            for _ in range(3):
+                fake.step()
+            await s.aread()
+        assert fake.added[0].arrival_time == 500.0
+        queue = await metric(http, 'iterserve_request_queue_time_seconds_sum{tier="standard"}')
+        ttft = await metric(http, 'iterserve_time_to_first_token_seconds_sum{tier="standard"}')
+        assert queue == ttft == 2.5
+
+    run_with_server(tokenizer, check, CONFIG, clock=clock, auto_step=False)
 
 
-def test_streamed_text_offsets_continue_across_chunks(server: Server) -> None:
-    body = {"prompt": "Count: 1, 2,", "max_tokens": 6, "logprobs": 1, "stream": True}
-    tokens, offsets = [], []
-    with httpx.stream(
-        "POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60
-    ) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                for choice in json.loads(line[6:])["choices"]:
-                    tokens += choice["logprobs"]["tokens"]
-                    offsets += choice["logprobs"]["text_offset"]
-    assert len(tokens) == 6
-    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(6)]
+def test_a_failed_iteration_is_a_500_or_an_error_event_and_the_server_goes_on(
+    tokenizer: Any,
+) -> None:
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        body = {"prompt": "Hi", "max_tokens": 3}
+        fake.fail_next_step = True
+        r = await http.post("/v1/completions", json=body, headers=AUTH)
+        assert r.status_code == 500
+        assert r.json()["error"]["type"] == "internal_error"
+        assert "fake forward failed" in r.json()["error"]["message"]
+        fake.fail_next_step = True
+        events = await sse_events(http, "/v1/completions", body)
+        assert json.loads(events[-1])["error"]["type"] == "internal_error"
+        assert await metric(http, 'iterserve_request_success_total{finished_reason="error"}') == 2
+        assert (await http.post("/v1/completions", json=body, headers=AUTH)).status_code == 200
+
+    run_with_server(tokenizer, check, CONFIG)
+
+
+def test_a_dead_engine_fails_health_and_requests_with_503(tokenizer: Any) -> None:
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        body = {"prompt": "Hi", "max_tokens": 300}
+        task = asyncio.create_task(http.post("/v1/completions", json=body, headers=AUTH))
+        await until(lambda: fake.load.num_running == 1, "never admitted")
+        fake.kill()
+        r = await task
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+        assert (await http.get("/health")).status_code == 503
+        assert (await http.get("/ready")).status_code == 503
+        r = await http.post("/v1/completions", json=body, headers=AUTH)
+        assert r.status_code == 503
+
+    run_with_server(tokenizer, check, CONFIG, step_interval_s=0.005)
