@@ -233,9 +233,7 @@ class FakeEngineClient:
             deltas = [self._advance(r, c) for c in r.completions if c.finish_reason is None]
             num_tokens += len(deltas)
             r.stream.put_nowait(
-                RequestDelta(
-                    r.message.request_id, deltas, r.finished, 0, r.first_scheduled_time
-                )
+                RequestDelta(r.message.request_id, deltas, r.finished, 0, r.first_scheduled_time)
             )
         self._publish(num_tokens)
 

@@ -8,8 +8,8 @@ middleware (auth, request ids, body limit, access log) in :mod:`iterserve.server
 
 from __future__ import annotations
 
+import itertools
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -45,7 +45,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     # The field all errors share: a union field fails once per member (prompt.str,
     # prompt.list[str], ...), and the field is what the client sent wrong.
     locs = [[str(x) for x in e.get("loc", ()) if x != "body"] for e in errors]
-    param = ".".join(os.path.commonprefix(locs)) or None
+    shared = locs[0]
+    for loc in locs[1:]:
+        pairs = itertools.takewhile(lambda p: p[0] == p[1], zip(shared, loc, strict=False))
+        shared = [a for a, _ in pairs]
+    param = ".".join(shared) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more errors)"

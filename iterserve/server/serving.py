@@ -72,7 +72,9 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
         """Token ids of ``text``.
 
         Raises:

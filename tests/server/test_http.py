@@ -350,12 +350,15 @@ def test_auth_operational_endpoints_and_body_limits(tokenizer: Any) -> None:
 def test_tokenize_round_trip(tokenizer: Any) -> None:
     async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
         r = (await http.post("/tokenize", json={"prompt": "Hello world"}, headers=AUTH)).json()
-        assert r == {"count": 2, "max_model_len": 1024, "tokens": prompt_ids(tokenizer, "Hello world")}
+        ids = prompt_ids(tokenizer, "Hello world")
+        assert r == {"count": 2, "max_model_len": 1024, "tokens": ids}
         back = await http.post("/detokenize", json={"tokens": r["tokens"]}, headers=AUTH)
         assert back.json() == {"prompt": "Hello world"}
         messages = [{"role": "user", "content": "Hi"}]
         chat = (await http.post("/tokenize", json={"messages": messages}, headers=AUTH)).json()
-        templated = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        templated = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
         assert chat["tokens"] == list(tokenizer(templated, add_special_tokens=False).input_ids)
 
     run_with_server(tokenizer, check, CONFIG)
@@ -400,8 +403,10 @@ def test_load_and_metrics_change_by_exactly_one_request(tokenizer: Any) -> None:
             fake.step()
             load = (await http.get("/load")).json()
             assert load["num_running"] == 1 and load["num_free_blocks"] == NUM_KV_BLOCKS - 3
-            assert load["kv_cache_usage"] == 3 / NUM_KV_BLOCKS == pytest.approx(
-                await metric(http, "iterserve_kv_cache_usage_ratio")
+            assert (
+                load["kv_cache_usage"]
+                == 3 / NUM_KV_BLOCKS
+                == pytest.approx(await metric(http, "iterserve_kv_cache_usage_ratio"))
             )
             assert await metric(http, "iterserve_num_requests_running") == 1
         assert BLOCK_SIZE == 16  # 41 tokens: 3 blocks
