@@ -1,4 +1,7 @@
-"""The ``iterserve`` command. Engine flags derive from the config dataclasses' fields."""
+"""The ``iterserve`` command. Engine flags derive from the config dataclasses' fields.
+
+Building the parser imports no torch, numpy or server stack (``iterserve --help`` is quick):
+each subcommand imports what it needs when it runs."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from iterserve.config import ENGINE_CONFIG_CLASSES, ConfigError, field_type
+from iterserve.bench.cli_args import add_bench_parsers
+from iterserve.config import ENGINE_CONFIG_CLASSES, ConfigError, ServerConfig, field_type
 
 _EXAMPLE_PROMPTS = [
     "What is the capital of France?",
@@ -141,7 +145,6 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 def _cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from iterserve import envs
-    from iterserve.config import ServerConfig
     from iterserve.server.launch import serve
 
     kwargs = engine_kwargs(args, parser, (*ENGINE_CONFIG_CLASSES, ServerConfig))
@@ -162,8 +165,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Continuous-batching LLM serving: serve, generate offline, benchmark.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    from iterserve.config import ServerConfig
-
     srv = sub.add_parser("serve", help="the OpenAI-compatible server of one replica")
     add_engine_flags(srv, (ServerConfig, *ENGINE_CONFIG_CLASSES))
     srv.set_defaults(func=_cmd_serve, subparser=srv)
@@ -180,14 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(func=_cmd_generate, subparser=gen)
     bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from iterserve.bench import decode, engine_loop, gate, offline, serve
-
-    decode.add_parser(bench_sub)
-    offline.add_parser(bench_sub)
-    engine_loop.add_parser(bench_sub)
-    serve.add_parser(bench_sub)
-    gate.add_parser(bench_sub)
+    add_bench_parsers(bench.add_subparsers(dest="bench_command", required=True))
     return parser
 
 

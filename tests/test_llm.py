@@ -29,6 +29,7 @@ def _run_alone(loaded: Any, prompt: list[int], params: SamplingParams) -> list[i
     return result
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("abort_at", [0, 1, 3, 6, 10])
 def test_abort_at_any_point_returns_every_block(loaded_f32: Any, abort_at: int) -> None:
     """Aborts while waiting, mid chunked prefill and while decoding all free their blocks."""
@@ -60,6 +61,7 @@ def test_abort_at_any_point_returns_every_block(loaded_f32: Any, abort_at: int) 
         assert finished[request_id] in ("stop", "length")
 
 
+@pytest.mark.model
 def test_abort_frees_blocks_immediately(loaded_f32: Any) -> None:
     engine = make_engine(loaded_f32)
     engine.add_request("a", _encode(loaded_f32, "hello " * 100), GREEDY)
@@ -72,6 +74,7 @@ def test_abort_frees_blocks_immediately(loaded_f32: Any) -> None:
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.model
 def test_impossible_requests_are_rejected_while_others_run(loaded_f32: Any) -> None:
     prompts = [_encode(loaded_f32, t) for t in ("The sky is", "Numbers: 1, 2, 3,", "Hello")]
     expected = [_run_alone(loaded_f32, p, GREEDY) for p in prompts]
@@ -98,6 +101,7 @@ def test_impossible_requests_are_rejected_while_others_run(loaded_f32: Any) -> N
     assert [outputs[str(i)] for i in range(3)] == expected
 
 
+@pytest.mark.model
 def test_sequence_longer_than_the_pool_ends_with_length(loaded_f32: Any) -> None:
     """A prompt that fits but whose output outgrows the whole pool stops with 'length'."""
     engine = make_engine(
@@ -117,6 +121,7 @@ def test_sequence_longer_than_the_pool_ends_with_length(loaded_f32: Any) -> None
     assert len(prompt) + len(final.outputs[0].token_ids) == 4 * 16 + 1
 
 
+@pytest.mark.model
 def test_llm_generate_mixed_prompt_forms_in_input_order(loaded_f32: Any) -> None:
     from iterserve import LLM
     from iterserve import SamplingParams as TopLevelSamplingParams
@@ -155,6 +160,7 @@ def test_llm_generate_mixed_prompt_forms_in_input_order(loaded_f32: Any) -> None
         LLM(model="default", no_such_option=1)
 
 
+@pytest.mark.model
 def test_cli_generate_prints_text() -> None:
     proc = subprocess.run(
         [

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from helpers import make_engine
 
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.model
 
 
 def encode(loaded: Any, text: str) -> list[int]:

@@ -207,30 +207,6 @@ def save(rows: list[DecodeRow], meta: dict[str, Any], out_dir: Path) -> tuple[Pa
     return json_path, png_path
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "decode", help="decode-iteration micro-benchmark vs linears and memory floor"
-    )
-    p.add_argument("--model", default="default", help="model to load (as `generate --model`)")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float16", "float32"],
-        help="serving dtype (auto = bfloat16)",
-    )
-    p.add_argument("--iters", type=int, default=10, help="timed repetitions per row (median)")
-    p.add_argument(
-        "--shapes",
-        default="1x128,32x128,128x128,64x512",
-        help="comma-separated BATCHxCONTEXT rows, e.g. 32x128,64x512",
-    )
-    p.add_argument(
-        "--output-dir", type=Path, default=None, help="default: bench-results (smoke: .../smoke)"
-    )
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, 2 iterations (tests)")
-    p.set_defaults(func=main)
-
-
 def main(args: argparse.Namespace) -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     iters = args.iters

@@ -23,15 +23,6 @@ def _summary(path: Path) -> dict[str, Any]:
     return summary
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("gate", help="exit 1 when a candidate run regresses latency")
-    p.add_argument("baseline", type=Path, help="JSON of `bench serve` (the reference)")
-    p.add_argument("candidate", type=Path, help="JSON of `bench serve` (the change)")
-    p.add_argument("--max-ttft-p99-regression", type=float, default=0.20)
-    p.add_argument("--max-tpot-p50-regression", type=float, default=0.15)
-    p.set_defaults(func=main)
-
-
 def main(args: argparse.Namespace) -> int:
     results = gate(
         _summary(args.baseline),

@@ -176,19 +176,6 @@ def format_targets(rows: list[OfflineRow]) -> str:
     return "\n".join(lines)
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("offline", help="iterserve vs Hugging Face baselines, one table")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-num-seqs", type=int, default=32, help="batch size of every row")
-    p.add_argument("--rows", default="1,2,3,4,5", help="which rows to run, e.g. 1,3,4")
-    p.add_argument("--no-roofline", action="store_true")
-    p.add_argument("--smoke", action="store_true", help="8 short requests (tests)")
-    p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
-    p.set_defaults(func=main)
-
-
 def main(args: argparse.Namespace) -> int:
     from iterserve.bench.decode import format_table as roofline_table
     from iterserve.bench.decode import run_decode_bench, warn_if_loaded

@@ -29,7 +29,7 @@ from iterserve.bench.stats import (
     summarize,
     summarize_by_tier,
 )
-from iterserve.bench.workloads import WORKLOADS, BenchRequest, load_trace, make_workload
+from iterserve.bench.workloads import BenchRequest, load_trace, make_workload
 
 
 def _body(req: BenchRequest, model: str, endpoint: str, plain: bool) -> dict[str, Any]:
@@ -252,39 +252,6 @@ def _model_name(url: str, api_key: str | None) -> str:
     r = httpx.get(url + "/v1/models", headers=headers, timeout=30)
     r.raise_for_status()
     return str(r.json()["data"][0]["id"])
-
-
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="online load generator against an OpenAI-compatible URL")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    p.add_argument("--model", default=None, help="model id (default: the server's first)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    p.add_argument("--workload", choices=WORKLOADS, default="mixed")
-    p.add_argument("--trace", type=Path, default=None, help="JSONL trace to replay instead")
-    p.add_argument("--save-trace", type=Path, default=None, help="write the workload as JSONL")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson req/s")
-    p.add_argument("--burst", type=int, default=None, help="send groups of this many at once")
-    p.add_argument("--burst-interval-s", type=float, default=10.0)
-    p.add_argument("--concurrency", type=int, default=None, help="closed loop: this many at once")
-    p.add_argument("--sweep", default=None, help="comma-separated rates: find the best one")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    p.add_argument(
-        "--slo-attainment", type=float, default=0.9, help="fraction meeting the SLO (sweep)"
-    )
-    p.add_argument("--tier-mix", default=None, help="e.g. premium=0.2,standard=0.5,best-effort=0.3")
-    p.add_argument("--cost-per-hour", type=float, default=None, help="$/hour of the replica")
-    p.add_argument("--plain", action="store_true", help="send only standard OpenAI fields")
-    p.add_argument("--tokenizer", default="default", help="tokenizer dir for cutting prompts")
-    p.add_argument("--label", default=None, help="name of this run in tables and plots")
-    p.add_argument("--timeout-s", type=float, default=1800.0)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--smoke", action="store_true", help="8 short requests: checks the pipeline")
-    p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
-    p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:

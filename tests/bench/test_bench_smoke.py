@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from iterserve.bench.decode import DecodeRow, format_table
 
 
+@pytest.mark.model
 def test_smoke_run_writes_json_and_plot(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
@@ -44,6 +47,7 @@ def test_table_ratios() -> None:
     assert "1.50" in format_table([row]) and "3.00" in format_table([row])
 
 
+@pytest.mark.model
 def test_engine_loop_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(
         [

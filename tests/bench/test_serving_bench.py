@@ -152,6 +152,7 @@ def test_arrivals_and_plain_bodies(tokenizer: Any) -> None:
     assert ours["ignore_eos"] and ours["min_tokens"] == ours["max_tokens"] == req.output_len
 
 
+@pytest.mark.model
 def test_bench_serve_smoke_and_gate_end_to_end(tmp_path: Path) -> None:
     with run_server("--num-kv-blocks", "256", "--max-num-seqs", "8") as server:
         cmd = [sys.executable, "-m", "iterserve.cli", "bench", "serve", "--url", server.url]
@@ -175,18 +176,31 @@ def test_bench_serve_smoke_and_gate_end_to_end(tmp_path: Path) -> None:
     assert run["summary"]["ttft_ms"]["p50"] > 0 and run["client_cpu_s"] >= 0
     second = json.loads(results[1].read_text())
     assert [r["rate"] for r in second["runs"]] == [2.0, None]
-    gate = [
-        sys.executable,
-        "-m",
-        "iterserve.cli",
-        "bench",
-        "gate",
-        str(results[0]),
-        str(results[0]),
-    ]
-    assert subprocess.run(gate, capture_output=True).returncode == 0
+    # The gate reads the recorded result's summary: candidates derived from it by a known
+    # factor pass within the limits (+20% p99 TTFT, +15% p50 TPOT) and fail beyond.
+    assert first["summary"]["ttft_ms"]["p99"] > 0 and first["summary"]["tpot_ms"]["p50"] > 0
+
+    def candidate(name: str, ttft_factor: float, tpot_factor: float) -> Path:
+        data = json.loads(results[0].read_text())
+        data["summary"]["ttft_ms"]["p99"] *= ttft_factor
+        data["summary"]["tpot_ms"]["p50"] *= tpot_factor
+        path = tmp_path / name
+        path.write_text(json.dumps(data))
+        return path
+
+    gate = [sys.executable, "-m", "iterserve.cli", "bench", "gate", str(results[0])]
+    within = subprocess.run(
+        [*gate, str(candidate("within.json", 1.1, 1.1))], capture_output=True, text=True
+    )
+    assert within.returncode == 0 and "gate: passed" in within.stdout
+    regressed = subprocess.run(
+        [*gate, str(candidate("regressed.json", 1.5, 1.0))], capture_output=True, text=True
+    )
+    assert regressed.returncode == 1
+    assert "gate: FAILED (ttft_ms.p99)" in regressed.stdout
 
 
+@pytest.mark.model
 def test_bench_offline_smoke(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "iterserve.cli", "bench", "offline", "--smoke"]
     out = subprocess.run(

@@ -11,6 +11,7 @@ output is known in advance: a swap may neither lose nor duplicate a token.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from engine_fakes import (
     prompt,
     token_for,
 )
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from iterserve.config import SchedulerConfig
@@ -423,7 +424,10 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     )
 
 
-def run_scenario(scenario: Scenario) -> None:
+def run_scenario(scenario: Scenario) -> set[str]:
+    """Run the scenario to the end, checking every step; returns what it exercised:
+    ``swapped`` (out to the host pool), ``swapped in`` (back), ``recomputed`` (a recompute
+    preemption), ``aborted while swapped`` and ``prefix hit``."""
     h = Harness(
         num_host_blocks=scenario.num_host_blocks,
         preemption_costs=scenario.costs,
@@ -479,9 +483,6 @@ def run_scenario(scenario: Scenario) -> None:
     else:
         raise AssertionError(f"requests left after {MAX_STEPS} steps: {h.scheduler.requests}")
 
-    event(f"swapped: {swapped_ever}")
-    event(f"recomputed: {h.scheduler.num_preemptions_by_mode['recompute'] > 0}")
-    event(f"aborted while swapped: {aborted_swapped}")
     assert set(h.finished) == {spec.request_id for spec in scenario.requests}
     for spec in scenario.requests:
         c = h.finished[spec.request_id].outputs[0]
@@ -493,9 +494,28 @@ def run_scenario(scenario: Scenario) -> None:
     assert h.kv.num_free_host_blocks == h.kv.num_host_blocks
     assert not h.scheduler.requests
     assert not h.scheduler.swapped
+    exercised = {
+        "swapped": swapped_ever,
+        "swapped in": any(out.blocks_to_swap_in for out in h.runner.outputs),
+        "recomputed": h.scheduler.num_preemptions_by_mode["recompute"] > 0,
+        "aborted while swapped": aborted_swapped,
+        "prefix hit": h.scheduler.num_prefix_cache_hits > 0,
+    }
+    return {name for name, happened in exercised.items() if happened}
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios())
-def test_swap_under_pressure_keeps_invariants_and_exact_outputs(scenario: Scenario) -> None:
-    run_scenario(scenario)
+def test_swap_under_pressure_keeps_invariants_and_exact_outputs() -> None:
+    counts: Counter[str] = Counter()
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(scenarios())
+    def check(scenario: Scenario) -> None:
+        counts.update(run_scenario(scenario))
+
+    check()
+    # Counted over the examples (hypothesis draws differently each run): the minimums are a
+    # quarter or less of the fewest seen in repeated runs, so only a generator that stops
+    # reaching a feature fails. Aborts of swapped requests are too rare here to require
+    # (test_abort_of_a_swapped_request_frees_its_host_blocks covers them).
+    assert counts["swapped"] >= 30 and counts["swapped in"] >= 30, counts
+    assert counts["recomputed"] >= 30 and counts["prefix hit"] >= 20, counts

@@ -23,6 +23,8 @@ from helpers import make_engine
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.model
+
 MAX_TOKENS = 20
 # Logit gap (float32) below which two tokens count as tied. Our logits differ from the
 # reference by ~1e-4 (test_prefill_logits_match_hf); a wrong kernel moves them by >> 0.1.
@@ -88,9 +90,15 @@ def assert_greedy_equal(ours: list[int], ref: Reference, label: str) -> None:
 
 
 def run_staggered(
-    engine: LLMEngine, prompts: list[list[int]], arrival_steps: list[int]
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    arrival_steps: list[int],
+    num_cached_tokens: dict[str, int] | None = None,
 ) -> dict[str, list[int]]:
-    """Add prompt i at iteration arrival_steps[i]; step until all finish; check blocks each step."""
+    """Add prompt i at iteration arrival_steps[i]; step until all finish; check blocks each step.
+
+    Returns each request's output token ids; fills ``num_cached_tokens`` (if given) with each
+    request's prompt tokens found in the prefix cache."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     outputs: dict[str, list[int]] = {}
     step = 0
@@ -101,6 +109,8 @@ def run_staggered(
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
+                if num_cached_tokens is not None:
+                    num_cached_tokens[out.request_id] = out.num_cached_tokens
         engine.scheduler.check_integrity()
         step += 1
         assert step < 5000, "engine made no progress"
@@ -179,6 +189,13 @@ def test_tiny_pool_forces_recompute_preemption(
         assert_greedy_equal(outputs[str(i)], ref, f"prompt {i}")
 
 
+def _num_common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def test_prefix_caching_on_shared_system_prompt(loaded_f32: Any, hf_model: Any) -> None:
     tokenizer = loaded_f32.tokenizer
     system = inspect.getdoc(json) or ""
@@ -197,9 +214,23 @@ def test_prefix_caching_on_shared_system_prompt(loaded_f32: Any, hf_model: Any) 
         for q in questions
     ]
     engine = make_engine(loaded_f32)
-    # The first request computes the shared prefix; the others arrive after it is cached.
-    outputs = run_staggered(engine, prompts, arrival_steps=[0, 2, 3, 4])
-    assert engine.scheduler.kv.pool.num_cached_blocks > 0
+    # The first request computes the shared prefix; the others arrive once its prefill (one
+    # budget of tokens per iteration) is done and its full blocks are cached.
+    budget = engine.config.scheduler.max_num_batched_tokens
+    num_prefill_steps = -(-len(prompts[0]) // budget)
+    arrival_steps = [0] + [num_prefill_steps + i for i in range(len(prompts) - 1)]
+    cached: dict[str, int] = {}
+    outputs = run_staggered(engine, prompts, arrival_steps, num_cached_tokens=cached)
+    # Each later request finds the full blocks of the longest prefix it shares with an earlier
+    # prompt (the system prompt and the chat template around it) cached, and no more.
+    block_size = engine.config.cache.block_size
+    expected = {"0": 0}
+    for i in range(1, len(prompts)):
+        num_shared = max(_num_common_prefix(prompts[i], earlier) for earlier in prompts[:i])
+        assert num_shared >= 4 * block_size  # the system prompt alone is many blocks long
+        expected[str(i)] = num_shared // block_size * block_size
+    assert cached == expected
+    assert engine.scheduler.num_prefix_cache_hits == sum(expected.values())
     for i, p in enumerate(prompts):
         assert_greedy_equal(outputs[str(i)], hf_reference(hf_model, p, MAX_TOKENS), f"chat {i}")
 

@@ -1,0 +1,126 @@
+"""Flags of the ``iterserve bench`` subcommands, importable without torch or numpy.
+
+Building the parser (``iterserve --help``) only imports this module; each subcommand imports
+its own module (``iterserve.bench.decode`` loads torch) when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from iterserve.bench.workloads import WORKLOADS
+
+_SMOKE_DIR_HELP = "default: bench-results (smoke: .../smoke)"
+
+
+def _main_of(module: str) -> Callable[[argparse.Namespace], int]:
+    """``iterserve.bench.<module>.main``, imported when the subcommand runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        return int(importlib.import_module(f"iterserve.bench.{module}").main(args))
+
+    return run
+
+
+def add_bench_parsers(sub: Any) -> None:
+    """One subparser per benchmark on ``sub`` (the subparsers action of ``iterserve bench``)."""
+    _add_decode(sub)
+    _add_offline(sub)
+    _add_engine_loop(sub)
+    _add_serve(sub)
+    _add_gate(sub)
+
+
+def _add_decode(sub: Any) -> None:
+    p = sub.add_parser(
+        "decode", help="decode-iteration micro-benchmark vs linears and memory floor"
+    )
+    p.add_argument("--model", default="default", help="model to load (as `generate --model`)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="serving dtype (auto = bfloat16)",
+    )
+    p.add_argument("--iters", type=int, default=10, help="timed repetitions per row (median)")
+    p.add_argument(
+        "--shapes",
+        default="1x128,32x128,128x128,64x512",
+        help="comma-separated BATCHxCONTEXT rows, e.g. 32x128,64x512",
+    )
+    p.add_argument("--output-dir", type=Path, default=None, help=_SMOKE_DIR_HELP)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, 2 iterations (tests)")
+    p.set_defaults(func=_main_of("decode"))
+
+
+def _add_offline(sub: Any) -> None:
+    p = sub.add_parser("offline", help="iterserve vs Hugging Face baselines, one table")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=32, help="batch size of every row")
+    p.add_argument("--rows", default="1,2,3,4,5", help="which rows to run, e.g. 1,3,4")
+    p.add_argument("--no-roofline", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="8 short requests (tests)")
+    p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    p.set_defaults(func=_main_of("offline"))
+
+
+def _add_engine_loop(sub: Any) -> None:
+    p = sub.add_parser("engine-loop", help="engine loop on a thread vs in a process")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--extra-us", type=float, default=0.0, help="extra Python work per output")
+    p.add_argument("--num-kv-blocks", type=int, default=1024)
+    p.add_argument("--output-dir", type=Path, default=None, help=_SMOKE_DIR_HELP)
+    p.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating order")
+    p.add_argument("--smoke", action="store_true", help="2 streams of 4 tokens (tests)")
+    p.set_defaults(func=_main_of("engine_loop"))
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="online load generator against an OpenAI-compatible URL")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--model", default=None, help="model id (default: the server's first)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--workload", choices=WORKLOADS, default="mixed")
+    p.add_argument("--trace", type=Path, default=None, help="JSONL trace to replay instead")
+    p.add_argument("--save-trace", type=Path, default=None, help="write the workload as JSONL")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson req/s")
+    p.add_argument("--burst", type=int, default=None, help="send groups of this many at once")
+    p.add_argument("--burst-interval-s", type=float, default=10.0)
+    p.add_argument("--concurrency", type=int, default=None, help="closed loop: this many at once")
+    p.add_argument("--sweep", default=None, help="comma-separated rates: find the best one")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    p.add_argument(
+        "--slo-attainment", type=float, default=0.9, help="fraction meeting the SLO (sweep)"
+    )
+    p.add_argument("--tier-mix", default=None, help="e.g. premium=0.2,standard=0.5,best-effort=0.3")
+    p.add_argument("--cost-per-hour", type=float, default=None, help="$/hour of the replica")
+    p.add_argument("--plain", action="store_true", help="send only standard OpenAI fields")
+    p.add_argument("--tokenizer", default="default", help="tokenizer dir for cutting prompts")
+    p.add_argument("--label", default=None, help="name of this run in tables and plots")
+    p.add_argument("--timeout-s", type=float, default=1800.0)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="8 short requests: checks the pipeline")
+    p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    p.set_defaults(func=_main_of("serve"))
+
+
+def _add_gate(sub: Any) -> None:
+    p = sub.add_parser("gate", help="exit 1 when a candidate run regresses latency")
+    p.add_argument("baseline", type=Path, help="JSON of `bench serve` (the reference)")
+    p.add_argument("candidate", type=Path, help="JSON of `bench serve` (the change)")
+    p.add_argument("--max-ttft-p99-regression", type=float, default=0.20)
+    p.add_argument("--max-tpot-p50-regression", type=float, default=0.15)
+    p.set_defaults(func=_main_of("gate"))

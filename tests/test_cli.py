@@ -1,0 +1,82 @@
+"""The ``iterserve`` command builds its parser, and prints every --help, without heavy imports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from iterserve.cli import build_parser, main
+
+# Nothing of these may load before a subcommand runs (torch alone takes ~1.5 s to import).
+HEAVY_MODULES = (
+    "torch",
+    "transformers",
+    "numpy",
+    "matplotlib",
+    "fastapi",
+    "uvicorn",
+    "pytest",
+    "hypothesis",
+)
+
+# In a fresh interpreter: build the parser, format the help of every (sub)command, and report
+# the commands seen and which heavy modules got imported.
+_PROBE = f"""
+import argparse, json, sys
+from iterserve.cli import build_parser
+
+def walk(parser, path):
+    parser.format_help()
+    yield " ".join(path)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from walk(sub, [*path, name])
+
+commands = list(walk(build_parser(), []))
+heavy = [m for m in {HEAVY_MODULES!r} if m in sys.modules]
+print(json.dumps({{"commands": commands, "heavy": heavy}}))
+"""
+
+COMMANDS = [
+    "",
+    "serve",
+    "generate",
+    "bench",
+    "bench decode",
+    "bench offline",
+    "bench engine-loop",
+    "bench serve",
+    "bench gate",
+]
+
+
+def test_parser_and_help_import_nothing_heavy() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True
+    )
+    report = json.loads(proc.stdout)
+    assert report["commands"] == COMMANDS  # every subcommand was built and formatted
+    assert report["heavy"] == []
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_help_exits_zero(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command.split(), "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: iterserve {command}".rstrip())
+
+
+def test_bench_flags_keep_their_defaults() -> None:
+    """Spot checks: the flags moved out of the bench modules with their defaults."""
+    args = build_parser().parse_args(["bench", "decode"])
+    assert (args.model, args.dtype, args.iters, args.output_dir) == ("default", "auto", 10, None)
+    assert args.shapes == "1x128,32x128,128x128,64x512"
+    args = build_parser().parse_args(["bench", "gate", "a.json", "b.json"])
+    assert (args.max_ttft_p99_regression, args.max_tpot_p50_regression) == (0.20, 0.15)
+    args = build_parser().parse_args(["bench", "serve"])
+    assert (args.workload, args.request_rate, args.timeout_s) == ("mixed", float("inf"), 1800.0)
