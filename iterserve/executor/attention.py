@@ -1,4 +1,4 @@
-"""Attention metadata of one iteration and the torch paged-attention backend.
+"""Attention metadata of one iteration, the paged KV cache, and paged attention on a platform.
 
 The batch is flattened: request ``i`` owns query rows ``query_start_loc[i] ..
 query_start_loc[i + 1]`` and, after this iteration's KV is written, has ``seq_lens[i]`` tokens of
@@ -18,12 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from iterserve.kernels.layer_ops import layer_ops_available, reshape_and_cache_cpu
-from iterserve.kernels.paged_decode_attention import (
-    check_block_tables,
-    cpu_kernel_available,
-    paged_decode_attention_cpu,
-)
+from iterserve.kernels.platform import Platform
 
 
 @dataclass(frozen=True)
@@ -117,85 +112,34 @@ class KVCache:
             v[:, dst] = blocks[:, layer, 1].transpose(0, 1).to(v.device, non_blocking=True)
 
 
-# A decode joins a length group while its context is at most this factor times the group's
-# shortest (and the group's padding stays bounded by it), or within this many tokens.
-MAX_PAD_FACTOR = 2.0
-MIN_PAD_TOKENS = 256
+class PagedAttention:
+    """Paged attention of one iteration (the model's ``Attention``), on the ops of ``platform``.
 
+    The KV write and the decodes run by the platform (:meth:`Platform.write_kv`,
+    :meth:`Platform.decode_attention`, prepared here once per iteration: plain torch batches
+    decodes by similar length, the C kernel reads every sequence's blocks in place). Prefill
+    chunks run one request at a time through ``scaled_dot_product_attention`` with a causal
+    mask shifted by the tokens already in the cache.
 
-def length_groups(seq_lens: list[int]) -> list[list[int]]:
-    """Split decodes (by batch index) into groups of similar context length.
-
-    Decode attention pads every sequence of a group to the group's longest, so one 4,000-token
-    context in a batch of 300-token ones would make every sequence pay for 4,000. Sorted by
-    length, a new group starts when a context exceeds ``MAX_PAD_FACTOR`` times the group's
-    shortest and ``MIN_PAD_TOKENS`` more than it: padding costs at most 2x (and one group, the
-    common case, when lengths are alike).
-
-    Returns:
-        Lists of batch indices; one list holding every index when all lengths are alike.
-    """
-    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
-    groups: list[list[int]] = []
-    shortest = 0
-    for i in order:
-        n = seq_lens[i]
-        if groups and (n <= shortest * MAX_PAD_FACTOR or n - shortest <= MIN_PAD_TOKENS):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-            shortest = n
-    if len(groups) == 1:
-        return [list(range(len(seq_lens)))]
-    return groups
-
-
-@dataclass(frozen=True)
-class _DecodeGroup:
-    rows: list[int]
-    index: torch.Tensor | None  # [len(rows)] batch indices; None: all decodes in order
-    blocks: torch.Tensor  # [len(rows) * num_blocks]
-    padded_len: int
-    pad: torch.Tensor  # [1, len(rows), 1, padded_len], True past each sequence's end
-
-
-class TorchAttention:
-    """Paged attention in plain torch.
-
-    Decodes are batched by similar length (:func:`length_groups`): the blocks of a group are
-    gathered into ``[num_kv_heads * group_size,
-    padded_len, head_dim]`` and two batched matmuls (grouped-query heads share their KV head)
-    attend, masked past each sequence's length, with the softmax in float32. Prefill chunks
-    run one request at a time through ``scaled_dot_product_attention`` with a causal mask
-    shifted by the tokens already in the cache.
+    Raises:
+        ValueError: from the platform, for block tables pointing outside the pool.
     """
 
-    def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata, scale: float) -> None:
+    def __init__(
+        self, kv_cache: KVCache, metadata: AttentionMetadata, scale: float, platform: Platform
+    ) -> None:
         self.kv_cache = kv_cache
         self.md = metadata
         self.scale = scale
-        self._decode_groups = [
-            self._decode_group(rows)
-            for rows in length_groups(metadata.seq_lens_list[: metadata.num_decodes])
-        ]
-
-    def _decode_group(self, rows: list[int]) -> _DecodeGroup:
-        """Gather plan of the decodes ``rows`` (indices into the batch), padded to the longest."""
-        md, bs = self.md, self.kv_cache.block_size
-        device = md.seq_lens.device
-        index = torch.tensor(rows, device=device)
-        lens = md.seq_lens[index]
-        num_blocks = -(-max(md.seq_lens_list[r] for r in rows) // bs)
-        padded_len = num_blocks * bs
-        keys = torch.arange(padded_len, device=device)
-        return _DecodeGroup(
-            rows=rows,
-            index=None if rows == list(range(md.num_decodes)) else index,
-            # [len(rows) * num_blocks]: the blocks to gather, sequence after sequence.
-            blocks=md.block_tables[index, :num_blocks].flatten(),
-            padded_len=padded_len,
-            # [1, len(rows), 1, padded_len]: True past the end of each sequence.
-            pad=(keys[None, :] >= lens[:, None])[None, :, None, :],
+        self.platform = platform
+        nd = metadata.num_decodes
+        self._decode = platform.decode_attention(
+            metadata.block_tables[:nd],
+            metadata.seq_lens[:nd],
+            metadata.seq_lens_list[:nd],
+            kv_cache.num_blocks,
+            kv_cache.block_size,
+            scale,
         )
 
     def __call__(
@@ -203,7 +147,7 @@ class TorchAttention:
     ) -> torch.Tensor:
         key_cache = self.kv_cache.key[layer_idx]  # [num_kv_heads, num_blocks, block, head_dim]
         value_cache = self.kv_cache.value[layer_idx]
-        self._write_kv(k, v, key_cache, value_cache)
+        self.platform.write_kv(k, v, key_cache, value_cache, self.md.slot_mapping)
         nd = self.md.num_decodes
         if nd == len(self.md.query_lens):
             return self._decode(q, key_cache, value_cache)
@@ -222,16 +166,6 @@ class TorchAttention:
                 ks, vs = self._gather(i, seq_len, key_cache, value_cache)
             out[start:end] = self._prefill(q[start:end], ks, vs, num_computed)
         return out
-
-    def _write_kv(
-        self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
-    ) -> None:
-        """Write this iteration's keys and values ([num_tokens, num_kv_heads, head_dim]) into
-        their slots."""
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        slots = self.md.slot_mapping
-        key_cache.view(num_kv_heads, -1, head_dim)[:, slots] = k.transpose(0, 1)
-        value_cache.view(num_kv_heads, -1, head_dim)[:, slots] = v.transpose(0, 1)
 
     def _gather(
         self, i: int, seq_len: int, key_cache: torch.Tensor, value_cache: torch.Tensor
@@ -264,98 +198,3 @@ class TorchAttention:
             mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
             o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=self.scale)
         return o[0].transpose(0, 1)
-
-    def _decode(
-        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
-    ) -> torch.Tensor:
-        # q [num_decodes, num_heads, head_dim]; one gather + two bmm per length group.
-        if len(self._decode_groups) == 1 and self._decode_groups[0].index is None:
-            return self._decode_group_attend(q, self._decode_groups[0], key_cache, value_cache)
-        out = torch.empty_like(q)
-        for g in self._decode_groups:
-            assert g.index is not None
-            out[g.index] = self._decode_group_attend(q[g.index], g, key_cache, value_cache)
-        return out
-
-    def _decode_group_attend(
-        self, q: torch.Tensor, g: _DecodeGroup, key_cache: torch.Tensor, value_cache: torch.Tensor
-    ) -> torch.Tensor:
-        nd, num_heads, head_dim = q.shape  # q [num_decodes in group, num_heads, head_dim]
-        num_kv_heads = key_cache.shape[0]
-        group = num_heads // num_kv_heads
-        length = g.padded_len
-        # [num_kv_heads * nd, padded_len, head_dim], contiguous after the gather.
-        ks = key_cache.index_select(1, g.blocks).view(-1, length, head_dim)
-        vs = value_cache.index_select(1, g.blocks).view(-1, length, head_dim)
-        # Query heads of one KV head side by side: [num_kv_heads * nd, group, head_dim]
-        qg = (q * self.scale).view(nd, num_kv_heads, group, head_dim).transpose(0, 1)
-        scores = torch.bmm(qg.reshape(-1, group, head_dim), ks.transpose(1, 2))
-        scores = scores.float().view(num_kv_heads, nd, group, length)
-        probs = scores.masked_fill(g.pad, float("-inf")).softmax(dim=-1)
-        probs = probs.to(q.dtype).view(-1, group, length)
-        o = torch.bmm(probs, vs)  # [num_kv_heads * num_decodes, group, head_dim]
-        return (
-            o.view(num_kv_heads, nd, group, head_dim)
-            .transpose(0, 1)
-            .reshape(nd, num_heads, head_dim)
-        )
-
-
-class CpuAttention(TorchAttention):
-    """:class:`TorchAttention` with decodes by the fused C kernel
-    (:func:`~iterserve.kernels.paged_decode_attention.paged_decode_attention_cpu`), which reads
-    every sequence's blocks in place: no gather copy, no padding, no length groups, and the
-    KV write by :func:`~iterserve.kernels.layer_ops.reshape_and_cache_cpu`. Prefill chunks run
-    as in :class:`TorchAttention`. float32 and bfloat16 only.
-    """
-
-    def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata, scale: float) -> None:
-        self.kv_cache = kv_cache
-        self.md = metadata
-        self.scale = scale
-        nd = metadata.num_decodes
-        self._block_tables = metadata.block_tables[:nd]
-        self._seq_lens = metadata.seq_lens[:nd]
-        # The kernel follows the tables unchecked: check them once per iteration, not per layer.
-        check_block_tables(
-            self._block_tables, self._seq_lens, kv_cache.num_blocks, kv_cache.block_size
-        )
-
-    def _write_kv(
-        self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
-    ) -> None:
-        reshape_and_cache_cpu(k, v, key_cache, value_cache, self.md.slot_mapping)
-
-    def _decode(
-        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
-    ) -> torch.Tensor:
-        out = torch.empty(q.shape, dtype=q.dtype)  # [num_decodes, num_heads, head_dim]
-        return paged_decode_attention_cpu(
-            out, q, key_cache, value_cache, self._block_tables, self._seq_lens, self.scale
-        )
-
-
-def get_attention_backend(
-    name: str, device: torch.device, dtype: torch.dtype
-) -> type[TorchAttention]:
-    """The attention backend class for ``--attention-backend``.
-
-    ``auto`` picks :class:`CpuAttention` on a CPU where its kernel builds for ``dtype`` (see
-    :mod:`iterserve.kernels.cpu_build`), else :class:`TorchAttention`; ``cpu`` insists on the
-    kernel; ``torch`` is plain torch everywhere.
-
-    Raises:
-        ValueError: for a backend that is not available for this device and dtype.
-    """
-    if name == "torch":
-        return TorchAttention
-    if name in ("auto", "cpu"):
-        if cpu_kernel_available(dtype) and layer_ops_available(device, dtype):
-            return CpuAttention
-        if name == "auto":
-            return TorchAttention
-        raise ValueError(
-            f"attention backend 'cpu' needs a CPU device, float32 or bfloat16 and a C compiler "
-            f"(got {device.type}, {dtype}); use 'torch' or 'auto'"
-        )
-    raise ValueError(f"attention backend {name!r} is not available")

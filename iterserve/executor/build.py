@@ -13,6 +13,7 @@ from iterserve.config import ConfigError, EngineConfig, GiB
 from iterserve.engine.policy import PreemptionCosts
 from iterserve.executor.attention import KVCache
 from iterserve.executor.model_runner import TorchModelRunner
+from iterserve.kernels.platform import Platform, select_platform
 from iterserve.models.llama import LlamaForCausalLM
 from iterserve.models.loader import resolve_model_dir
 
@@ -38,6 +39,7 @@ class LoadedModel:
 
     config: EngineConfig  # with max_model_len resolved
     runner: TorchModelRunner
+    platform: Platform  # the one the model, attention and sampler run on
     tokenizer: Any
     hf_config: Any
     model_dir: Path
@@ -85,16 +87,22 @@ def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> frozenset[
 
 
 def load_model(
-    hf_config: Any, model_dir: Path, dtype: torch.dtype, device: torch.device, max_position: int
+    hf_config: Any,
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    platform: Platform,
 ) -> LlamaForCausalLM:
-    """Instantiate our Llama forward and fill it from the directory's safetensors files."""
+    """Instantiate our Llama forward on ``platform``, fill it from the directory's safetensors
+    files, and pack its linear weights where the platform packs them."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{model_dir} has no .safetensors weights")
     with torch.device(device):
-        model = LlamaForCausalLM(hf_config, max_position)
+        model = LlamaForCausalLM(hf_config, max_position, platform)
 
     def weights() -> Any:
         for path in files:
@@ -104,7 +112,9 @@ def load_model(
 
     model.load_weights(weights())
     # Rotary tables are computed in float32 and cast here, as Hugging Face casts cos/sin.
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    model.pack_linear_weights()
+    return model
 
 
 def num_kv_blocks_for(
@@ -152,8 +162,9 @@ def build(config: EngineConfig) -> LoadedModel:
     config = config.with_max_model_len(resolve_max_model_len(config, hf_config))
     dtype = _DTYPES[config.model.dtype]
     device = select_device()
+    platform = select_platform(config.model.attention_backend, device, dtype)
     assert config.model.max_model_len is not None
-    model = load_model(hf_config, model_dir, dtype, device, config.model.max_model_len)
+    model = load_model(hf_config, model_dir, dtype, device, config.model.max_model_len, platform)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     num_blocks = num_kv_blocks_for(config, hf_config, dtype, device)
     per_block = KVCache.bytes_per_block(
@@ -171,18 +182,17 @@ def build(config: EngineConfig) -> LoadedModel:
         num_host_blocks,
     )
     eos_ids = eos_token_ids(model_dir, hf_config, tokenizer)
-    runner = TorchModelRunner(
-        model, kv_cache, config.model.seed, config.model.attention_backend, eos_ids
-    )
+    runner = TorchModelRunner(model, kv_cache, config.model.seed, eos_ids)
     costs = None
     if num_host_blocks and config.scheduler.preemption_mode == "auto":
         costs = runner.measure_preemption_costs()
         logger.info("preemption costs: %s", costs)
     logger.info(
-        "model %s on %s in %s; %d KV blocks of %d tokens, %d host blocks",
+        "model %s on %s in %s, %s ops; %d KV blocks of %d tokens, %d host blocks",
         model_dir,
         device,
         dtype,
+        platform.name,
         num_blocks,
         config.cache.block_size,
         num_host_blocks,
@@ -190,6 +200,7 @@ def build(config: EngineConfig) -> LoadedModel:
     return LoadedModel(
         config=config,
         runner=runner,
+        platform=platform,
         tokenizer=tokenizer,
         hf_config=hf_config,
         model_dir=model_dir,

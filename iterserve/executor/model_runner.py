@@ -10,14 +10,8 @@ import torch
 from iterserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from iterserve.engine.policy import PreemptionCosts
 from iterserve.engine.sampling_params import SamplingParams
-from iterserve.executor.attention import (
-    AttentionMetadata,
-    CpuAttention,
-    KVCache,
-    get_attention_backend,
-)
+from iterserve.executor.attention import AttentionMetadata, KVCache, PagedAttention
 from iterserve.executor.sampler import Sampler, SamplingState
-from iterserve.models.layers import weight_packing_available
 from iterserve.models.llama import LlamaForCausalLM
 
 
@@ -86,11 +80,14 @@ class TorchModelRunner:
     ``ModelRunner`` protocol). Keeps each request's sampling state (generator, token history)
     until the scheduler reports the request finished.
 
+    The model's platform (chosen once at start, see
+    :func:`~iterserve.kernels.platform.select_platform`) is the one the attention and the
+    sampler run on: the C kernels come as a set or not at all.
+
     Args:
-        model: the loaded model, in its serving dtype, on ``device``.
+        model: the loaded model, in its serving dtype, on ``device``, built on its platform.
         kv_cache: the KV cache tensors (with their host swap pool).
         seed: seed of the sampler's shared generator.
-        attention_backend: ``auto``, ``cpu`` or ``torch`` (see :func:`get_attention_backend`).
         eos_token_ids: masked until a request's ``min_tokens``.
     """
 
@@ -99,22 +96,13 @@ class TorchModelRunner:
         model: LlamaForCausalLM,
         kv_cache: KVCache,
         seed: int,
-        attention_backend: str = "auto",
         eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.embed_tokens.weight.device
-        self.attention_cls = get_attention_backend(
-            attention_backend, self.device, model.embed_tokens.weight.dtype
-        )
-        # The C kernels come as a set: the layer ops wherever the attention kernel runs, and
-        # with them the linear weights packed for oneDNN (bfloat16).
-        cpu_kernels = issubclass(self.attention_cls, CpuAttention)
-        model.use_cpu_kernels(cpu_kernels)
-        if cpu_kernels and weight_packing_available(self.device, model.embed_tokens.weight.dtype):
-            model.pack_linear_weights()
-        self.sampler = Sampler(seed, eos_token_ids, use_cpu_kernels=cpu_kernels)
+        self.platform = model.platform
+        self.sampler = Sampler(seed, self.platform, eos_token_ids)
         self.scale = float(model.head_dim) ** -0.5
         self.states: dict[str, SamplingState] = {}
 
@@ -127,7 +115,7 @@ class TorchModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = prepare_inputs(scheduler_output.scheduled, self.kv_cache.block_size, self.device)
-        attention = self.attention_cls(self.kv_cache, inputs.metadata, self.scale)
+        attention = PagedAttention(self.kv_cache, inputs.metadata, self.scale, self.platform)
         hidden = self.model(inputs.input_ids, inputs.positions, attention)  # [num_tokens, hidden]
         if not inputs.sampled:
             return ModelRunnerOutput(sampled_token_ids={})

@@ -15,7 +15,7 @@ import torch
 
 from iterserve.engine.outputs import TokenLogprobs
 from iterserve.engine.sampling_params import SamplingParams
-from iterserve.kernels.layer_ops import argmax_rows_cpu, layer_ops_available
+from iterserve.kernels.platform import Platform
 
 
 @dataclass
@@ -39,17 +39,17 @@ class Sampler:
 
     Args:
         seed: seeds the generator shared by requests that have no seed of their own.
+        platform: runs a plain greedy batch's row argmax (the C kernel on CPUs reads
+            bfloat16 logits directly).
         eos_token_ids: masked (with ``stop_token_ids``) until ``min_tokens`` are out.
-        use_cpu_kernels: greedy batches take the C row argmax (the runner says so where the
-            C kernels are in use; the ``torch`` backend stays plain torch).
     """
 
     def __init__(
-        self, seed: int, eos_token_ids: frozenset[int] = frozenset(), use_cpu_kernels: bool = False
+        self, seed: int, platform: Platform, eos_token_ids: frozenset[int] = frozenset()
     ) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.platform = platform
         self.eos_token_ids = sorted(eos_token_ids)
-        self.use_cpu_kernels = use_cpu_kernels
 
     def new_state(self, params: SamplingParams, prompt_token_ids: list[int]) -> SamplingState:
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
@@ -58,14 +58,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         """logits: [num_reqs, vocab_size] in the model's dtype (float32 logits are modified
         in place) -> tokens and logprobs. Everything but a plain greedy batch works on a
-        float32 copy; a plain greedy batch is one argmax over the logits as they are (the C
-        kernel reads bfloat16 directly: a float32 copy and torch's argmax cost 3-5 ms at
-        128 x 49,152 on the development CPU)."""
+        float32 copy; a plain greedy batch is one :meth:`Platform.argmax_rows` over the logits
+        as they are (the C kernel reads bfloat16 directly: a float32 copy and torch's argmax
+        cost 3-5 ms at 128 x 49,152 on the development CPU)."""
         if all(self._plain_greedy(s) for s in states):
-            if self.use_cpu_kernels and layer_ops_available(logits.device, logits.dtype):
-                tokens = argmax_rows_cpu(logits)
-            else:
-                tokens = logits.argmax(dim=-1)
+            tokens = self.platform.argmax_rows(logits)  # [num_reqs] int64
             token_list = tokens.tolist()
             for state, token in zip(states, token_list, strict=True):
                 state.output_token_ids.append(token)

@@ -5,7 +5,8 @@ The shared library is compiled with the system C compiler (``$CC`` or ``cc``; ``
 directory, keyed by the sources, the flags and this CPU's feature flags, so a cache carried
 to another CPU is rebuilt rather than run with instructions that CPU lacks. Compiling takes
 about a second; nothing is compiled or probed at import. Without a compiler the kernels are
-unavailable and callers fall back to plain torch (:func:`load_cpu_kernels` returns ``None``).
+unavailable and ``auto`` falls back to plain torch (:func:`load_cpu_kernels` returns ``None``;
+see :func:`~iterserve.kernels.platform.select_platform`).
 
 The library links ``libgomp.so.1`` by soname. torch (imported first, as this module does)
 already loaded its own copy under that soname, so the kernels run on torch's OpenMP thread

@@ -6,8 +6,8 @@ at decode batch sizes each torch op costs more in dispatch, temporaries and thre
 than in arithmetic, and a layer chains about fifteen of them. Each launcher checks dtypes,
 shapes and layouts and documents them; each ``*_reference`` is the torch definition (what
 Hugging Face's modules compute, intermediate roundings included) the tests compare to.
-float32 and bfloat16 only: callers check :func:`layer_ops_available` and fall back to the
-references.
+float32 and bfloat16 only: :func:`~iterserve.kernels.platform.select_platform` checks
+:func:`layer_ops_available` once and runs plain torch where they are not.
 """
 
 from __future__ import annotations

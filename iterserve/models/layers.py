@@ -9,95 +9,53 @@ rank and add the all-reduce.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.kernels.layer_ops import (
-    rms_norm_cpu,
-    rotary_embedding_cpu,
-    silu_and_mul_cpu,
-    silu_and_mul_reference,
-)
+from iterserve.kernels.platform import LinearOp, Platform
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich, 2019), accumulated in float32.
+    """Root-mean-square norm (Zhang & Sennrich, 2019), accumulated in float32, by the
+    platform's op (whose C kernel also fuses the residual add of :meth:`forward_residual`)."""
 
-    ``use_cpu_kernel`` (set by :meth:`LlamaForCausalLM.use_cpu_kernels`) runs the C kernel,
-    which also fuses the residual add of :meth:`forward_residual`.
-    """
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, platform: Platform) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.use_cpu_kernel = False
+        self.platform = platform
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        if self.use_cpu_kernel:
-            return rms_norm_cpu(x, self.weight, self.eps)
-        # torch's fused kernel accumulates in float32 like Hugging Face's three-step version
-        # (bit-identical in float32) without materialising float32 copies of x.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.platform.rms_norm(x, self.weight, self.eps)
 
     def forward_residual(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``; the kernel updates ``residual`` in place."""
-        if self.use_cpu_kernel:
-            return rms_norm_cpu(x, self.weight, self.eps, residual), residual
-        residual = x + residual
-        return self.forward(residual), residual
-
-
-# Batch size oneDNN is told to expect when packing (measured on the development CPU: packed
-# weights beat F.linear at every batch from 1 to 512, the hint changes little).
-PACK_BATCH_HINT = 64
-
-
-def weight_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether :meth:`PackableLinear.pack_weight` works here: CPU, bfloat16, oneDNN."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out_features, in_features] reordered once into oneDNN's blocked layout for
-    :func:`packed_linear` (what ``torch.compile``'s CPU freezing pass does). ``F.linear``
-    reorders plain weights on every call: 1.1-2x slower at decode batch sizes."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
-
-
-def packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with ``packed = pack_weight(weight)``; x [num_tokens, in]."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        """``(norm(x + residual), x + residual)``; the platform may update ``residual`` in
+        place."""
+        return self.platform.rms_norm_residual(x, residual, self.weight, self.eps)
 
 
 class PackableLinear(nn.Module):
-    """A linear layer whose weight can be packed for oneDNN once loaded."""
+    """A linear layer whose weight a platform can repack into its own layout once loaded."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
-    packed_weight: torch.Tensor | None = None
+    packed: LinearOp | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.bias)
+        if self.packed is not None:
+            return self.packed(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def pack_weight(self) -> None:
-        """Pack the loaded weight (:func:`pack_weight`) and free the plain one: load first,
-        pack once (the layer cannot load weights afterwards)."""
-        self.packed_weight = pack_weight(self.weight)
+    def pack_weight(self, platform: Platform) -> None:
+        """Repack the loaded weight where ``platform`` packs weights and free the plain one:
+        load first, pack once (the layer cannot load weights afterwards)."""
+        packed = platform.pack_linear_weight(self.weight)
+        if packed is None:
+            return
+        self.packed = packed
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 
@@ -212,9 +170,6 @@ class RowParallelLinear(PackableLinear):
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
 
-Rotate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
-
-
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al., 2021, "RoFormer"), Hugging Face's half-split layout.
 
@@ -235,41 +190,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    def rotate(self, positions: torch.Tensor, dtype: torch.dtype, use_cpu_kernel: bool) -> Rotate:
-        """The function that rotates one layer's ``(q, k)`` at ``positions`` ([num_tokens]
-        int64): q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim]."""
-        if use_cpu_kernel:
-            cos, sin = self.cos.to(dtype), self.sin.to(dtype)  # no-ops: the model's dtype
-
-            def rotate_in_place(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                rotary_embedding_cpu(q, k, positions, cos, sin)
-                return q, k
-
-            return rotate_in_place
-        c, s = self.cos_sin(positions, dtype)
-        return lambda q, k: (apply_rotary(q, c, s), apply_rotary(k, c, s))
-
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin at ``positions`` ([num_tokens] int64), each [num_tokens, 1, head_dim]."""
-        return (
-            self.cos[positions].to(dtype).unsqueeze(1),
-            self.sin[positions].to(dtype).unsqueeze(1),
-        )
-
-
-def silu_and_mul(gate_up: torch.Tensor, use_cpu_kernel: bool) -> torch.Tensor:
-    """SwiGLU's ``silu(gate) * up``: [num_tokens, 2 * inter] -> [num_tokens, inter]."""
-    return silu_and_mul_cpu(gate_up) if use_cpu_kernel else silu_and_mul_reference(gate_up)
-
-
-def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:  # x [num_tokens, num_heads, head_dim]
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, each [max_position, head_dim] in ``dtype`` (no copy in the model's)."""
+        return self.cos.to(dtype), self.sin.to(dtype)

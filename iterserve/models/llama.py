@@ -3,7 +3,9 @@
 Prefill chunks and decode tokens of many requests run in one forward as ``[num_tokens,
 hidden]``: no padding to the longest sequence. Attention over the paged KV cache is done by
 an :class:`Attention` object the executor passes in (it knows the block tables and the slot
-mapping); this module knows nothing of pages.
+mapping); this module knows nothing of pages. The norms, SwiGLU's activation, rotary and the
+packed linears run by the :class:`~iterserve.kernels.platform.Platform` the model is built
+with.
 """
 
 from __future__ import annotations
@@ -15,17 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.kernels.platform import LinearOp, Platform, Rotate
 from iterserve.models.layers import (
     MergedColumnParallelLinear,
     PackableLinear,
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
-    Rotate,
     RowParallelLinear,
-    pack_weight,
-    packed_linear,
-    silu_and_mul,
 )
 
 
@@ -68,27 +67,27 @@ def build_rotary(config: Any, head_dim: int, max_position: int) -> RotaryEmbeddi
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, platform: Platform) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.platform = platform
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
         attn_bias = bool(getattr(config, "attention_bias", False))
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, platform)
         self.qkv_proj = QKVParallelLinear(
             hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=attn_bias
         )
         self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hidden, bias=attn_bias)
-        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, platform)
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=mlp_bias)
         self.down_proj = RowParallelLinear(inter, hidden, bias=mlp_bias)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.use_cpu_kernels = False
 
     def forward(
         self,
@@ -123,21 +122,29 @@ class LlamaDecoderLayer(nn.Module):
         attn_out = self.o_proj(o.reshape(num_tokens, self.q_size))
         h, residual = self.post_attention_layernorm.forward_residual(attn_out, residual)
         gate_up = self.gate_up_proj(h)  # [num_tokens, 2 * intermediate]
-        return self.down_proj(silu_and_mul(gate_up, self.use_cpu_kernels)), residual
+        return self.down_proj(self.platform.silu_and_mul(gate_up)), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """The decoder stack plus the language-model head (tied to the embeddings when the config
-    says so)."""
+    says so).
 
-    def __init__(self, config: Any, max_position: int) -> None:
+    Args:
+        config: the Hugging Face model config.
+        max_position: positions the rotary tables cover (the serving ``max_model_len``).
+        platform: runs the norms, SwiGLU's activation, rotary and packed linears
+            (:func:`~iterserve.kernels.platform.select_platform`, chosen once at start).
+    """
+
+    def __init__(self, config: Any, max_position: int, platform: Platform) -> None:
         super().__init__()
         self.config = config
+        self.platform = platform
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, platform) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, platform)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
@@ -146,8 +153,7 @@ class LlamaForCausalLM(nn.Module):
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         self.rotary = build_rotary(config, self.head_dim, max_position)
-        self.cpu_kernels = False
-        self.packed_lm_head: torch.Tensor | None = None
+        self.packed_lm_head: LinearOp | None = None
         self._weight_bytes: int | None = None
 
     @property
@@ -159,40 +165,33 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        rotate = self.rotary.rotate(positions, x.dtype, self.cpu_kernels)
+        rotate = self.platform.rotary(positions, *self.rotary.tables(x.dtype))
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rotate, attention)
         assert residual is not None, "a model without layers"
         return self.norm.forward_residual(x, residual)[0]
 
-    def use_cpu_kernels(self, enable: bool) -> None:
-        """Run the elementwise ops (norms, SwiGLU, rotary) by the C kernels of
-        :mod:`iterserve.kernels.layer_ops`; the caller checks they are available for the
-        model's device and dtype."""
-        self.cpu_kernels = enable
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.use_cpu_kernel = enable
-            elif isinstance(module, LlamaDecoderLayer):
-                module.use_cpu_kernels = enable
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> logits [num_sampled, vocab_size] in the model's dtype (the
         sampler makes a float32 copy only when it needs one)."""
         if self.packed_lm_head is not None:
-            return packed_linear(hidden, self.packed_lm_head)
+            return self.packed_lm_head(hidden, None)
         return F.linear(hidden, self.lm_head_weight)
 
     def pack_linear_weights(self) -> None:
-        """Pack every linear weight for oneDNN (:func:`~iterserve.models.layers.pack_weight`),
-        the LM head as a copy when it is tied to the embeddings. After loading, once; the
-        caller checks :func:`~iterserve.models.layers.weight_packing_available`."""
-        self._weight_bytes = self.weight_bytes()
+        """Repack every linear weight where the platform packs weights (oneDNN's layout in
+        bfloat16 on CPUs), the LM head as a copy when it is tied to the embeddings; a no-op
+        elsewhere. After loading and the dtype cast, once."""
+        weight_bytes = self.weight_bytes()
+        packed_lm_head = self.platform.pack_linear_weight(self.lm_head_weight)
+        if packed_lm_head is None:
+            return
+        self._weight_bytes = weight_bytes
         for module in self.modules():
             if isinstance(module, PackableLinear):
-                module.pack_weight()
-        self.packed_lm_head = pack_weight(self.lm_head_weight)
+                module.pack_weight(self.platform)
+        self.packed_lm_head = packed_lm_head
 
     def weight_bytes(self) -> int:
         """Bytes of the model's weights as loaded (tied embeddings once; packing copies not

@@ -1,5 +1,5 @@
-"""The paged-attention backends (plain torch; torch + the C decode kernel) against dense causal
-attention on random inputs."""
+"""Paged attention on both platforms (plain torch; the C KV write and decode kernel) against
+dense causal attention on random inputs."""
 
 from __future__ import annotations
 
@@ -8,15 +8,10 @@ import torch
 
 from iterserve.engine.outputs import ScheduledRequest
 from iterserve.engine.sampling_params import SamplingParams
-from iterserve.executor.attention import (
-    CpuAttention,
-    KVCache,
-    TorchAttention,
-    get_attention_backend,
-    length_groups,
-)
+from iterserve.executor.attention import KVCache, PagedAttention
 from iterserve.executor.model_runner import prepare_inputs
 from iterserve.kernels.paged_decode_attention import cpu_kernel_available
+from iterserve.kernels.platform import CpuKernelsPlatform, Platform, TorchPlatform
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
 
@@ -41,23 +36,15 @@ SHAPES = [(5, 1), (37, 1), (0, 1), (0, 23), (12, 9), (40, 17)]
 MIXED_DECODES = [(700, 1), (5, 1), (1500, 1), (300, 1), (40, 1), (12, 9)]
 
 
-def test_length_groups_bound_the_padding() -> None:
-    assert length_groups([5, 37, 1, 200]) == [[0, 1, 2, 3]]  # alike: one group, batch order
-    groups = length_groups([700, 5, 1500, 300, 40, 260])
-    assert sorted(i for g in groups for i in g) == list(range(6))
-    assert groups == [[1, 4, 5], [3], [0], [2]]  # 5..260 | 300 | 700 | 1500
-    assert length_groups([]) == []
+PLATFORMS = [TorchPlatform(), CpuKernelsPlatform(pack_weights=False)]
 
 
-BACKENDS = [TorchAttention, CpuAttention]
-
-
-@pytest.mark.parametrize("backend", BACKENDS, ids=["torch", "cpu"])
+@pytest.mark.parametrize("platform", PLATFORMS, ids=["torch", "cpu"])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("shapes", [SHAPES, MIXED_DECODES], ids=["small", "mixed-lengths"])
 def test_paged_attention_matches_dense(
-    backend: type[TorchAttention], block_size: int, seed: int, shapes: list[tuple[int, int]]
+    platform: Platform, block_size: int, seed: int, shapes: list[tuple[int, int]]
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in shapes) + 8
@@ -84,7 +71,7 @@ def test_paged_attention_matches_dense(
     q = torch.randn(int(inputs.input_ids.shape[0]), NUM_HEADS, HEAD_DIM, generator=gen)
     new_k = torch.cat([full_k[i][shapes[i][0] :] for i in order])
     new_v = torch.cat([full_v[i][shapes[i][0] :] for i in order])
-    out = backend(kv, inputs.metadata, HEAD_DIM**-0.5)(0, q, new_k, new_v)
+    out = PagedAttention(kv, inputs.metadata, HEAD_DIM**-0.5, platform)(0, q, new_k, new_v)
     starts = inputs.metadata.query_start_loc.tolist()
     for row, i in enumerate(order):
         s, e = starts[row], starts[row + 1]
@@ -119,23 +106,10 @@ def test_swap_out_and_in_round_trips_blocks() -> None:
         assert torch.equal(kv.value[layer][:, [7, 1]], saved[layer][1])
 
 
-def test_backend_choice() -> None:
-    cpu = torch.device("cpu")
-    assert get_attention_backend("torch", cpu, torch.bfloat16) is TorchAttention
-    # float16 has no kernel: auto falls back to torch, an explicit 'cpu' is refused.
-    assert get_attention_backend("auto", cpu, torch.float16) is TorchAttention
-    with pytest.raises(ValueError, match="'cpu' needs"):
-        get_attention_backend("cpu", cpu, torch.float16)
-    with pytest.raises(ValueError, match="not available"):
-        get_attention_backend("triton", cpu, torch.float32)
-    assert get_attention_backend("auto", cpu, torch.bfloat16) is CpuAttention
-    assert get_attention_backend("cpu", cpu, torch.float32) is CpuAttention
-
-
 def test_cpu_backend_refuses_a_table_pointing_outside_the_pool() -> None:
     assert cpu_kernel_available(torch.float32), "the C kernels must build here"
     kv = KVCache(1, 4, 4, NUM_KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
     request = ScheduledRequest("0", [0], 6, [1, 9], True, SamplingParams())  # block 9 of 4
     inputs = prepare_inputs([request], 4)
     with pytest.raises(ValueError, match="block ids"):
-        CpuAttention(kv, inputs.metadata, 1.0)
+        PagedAttention(kv, inputs.metadata, 1.0, CpuKernelsPlatform(pack_weights=False))

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.executor.sampler import Sampler, SamplingState
+from iterserve.kernels.platform import CpuKernelsPlatform, Platform, TorchPlatform
 
 EOS = 3
+TORCH = TorchPlatform()
 
 
 def states(*params: SamplingParams, prompt: list[int] | None = None) -> list[SamplingState]:
-    sampler = Sampler(0)
+    sampler = Sampler(0, TORCH)
     return [sampler.new_state(p, prompt or []) for p in params]
 
 
@@ -21,14 +24,21 @@ def frequencies(
     logits: torch.Tensor, params: SamplingParams, num: int = 4000, seed: int = 1
 ) -> torch.Tensor:
     vocab = logits.shape[-1]
-    tokens = Sampler(seed)(logits.expand(num, vocab).clone(), states(*[params] * num)).token_ids
+    tokens = Sampler(seed, TORCH)(
+        logits.expand(num, vocab).clone(), states(*[params] * num)
+    ).token_ids
     return torch.bincount(torch.tensor(tokens), minlength=vocab).float() / num
 
 
-def test_greedy_is_argmax() -> None:
-    logits = torch.tensor([[0.1, 3.0, 2.9], [5.0, -1.0, 4.0]])
+@pytest.mark.parametrize(
+    "platform", [TORCH, CpuKernelsPlatform(pack_weights=False)], ids=["torch", "cpu"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_greedy_is_argmax(platform: Platform, dtype: torch.dtype) -> None:
+    logits = torch.tensor([[0.1, 3.0, 2.9], [5.0, -1.0, 4.0], [1.0, 7.0, 7.0]], dtype=dtype)
     greedy = SamplingParams(temperature=0.0)
-    assert Sampler(0)(logits, states(greedy, greedy)).token_ids == [1, 0]
+    out = Sampler(0, platform)(logits, states(greedy, greedy, greedy))
+    assert out.token_ids == [1, 0, 1]  # a tie: the first index
 
 
 def test_temperature_sampling_follows_the_distribution() -> None:
@@ -59,16 +69,16 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 100, generator=gen)
     seeded = SamplingParams(temperature=1.0, seed=42)
-    alone = [Sampler(0)(logits[:1].clone(), states(seeded)).token_ids[0] for _ in range(3)]
+    alone = [Sampler(0, TORCH)(logits[:1].clone(), states(seeded)).token_ids[0] for _ in range(3)]
     assert len(set(alone)) == 1
     mixed = states(SamplingParams(), seeded, SamplingParams(seed=7), SamplingParams())
-    busy = Sampler(123)(torch.cat([logits[3:4], logits[:1], logits[4:6]]).clone(), mixed)
+    busy = Sampler(123, TORCH)(torch.cat([logits[3:4], logits[:1], logits[4:6]]).clone(), mixed)
     assert busy.token_ids[1] == alone[0]
 
     # A sequence of draws with one seed repeats; another seed differs somewhere.
     def run(seed: int) -> list[int]:
         state = states(SamplingParams(seed=seed))
-        sampler = Sampler(0)
+        sampler = Sampler(0, TORCH)
         return [sampler(logits[i : i + 1].clone(), state).token_ids[0] for i in range(6)]
 
     assert run(5) == run(5)
@@ -92,7 +102,7 @@ def test_penalties() -> None:
 
 def test_min_tokens_masks_eos_and_stop_ids() -> None:
     logits = torch.tensor([[0.0, 0.0, 1.0, 9.0, 8.0]])
-    sampler = Sampler(0, eos_token_ids=frozenset({EOS}))
+    sampler = Sampler(0, TORCH, eos_token_ids=frozenset({EOS}))
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(4,))
     state = [sampler.new_state(params, [])]
     assert sampler(logits.clone(), state).token_ids == [2]
@@ -102,7 +112,7 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
 
 def test_logprobs_are_the_raw_distribution() -> None:
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
-    out = Sampler(0)(logits.clone(), states(SamplingParams(temperature=0.0, logprobs=2)))
+    out = Sampler(0, TORCH)(logits.clone(), states(SamplingParams(temperature=0.0, logprobs=2)))
     lp = out.logprobs[0]
     assert lp is not None
     expected = torch.log_softmax(logits[0], dim=-1)
@@ -110,5 +120,5 @@ def test_logprobs_are_the_raw_distribution() -> None:
     assert math.isclose(lp.logprob, float(expected[2]), rel_tol=1e-6)
     assert [t for t, _ in lp.top] == [2, 1]
     assert math.isclose(lp.top[1][1], float(expected[1]), rel_tol=1e-6)
-    none = Sampler(0)(logits.clone(), states(SamplingParams(temperature=0.0)))
+    none = Sampler(0, TORCH)(logits.clone(), states(SamplingParams(temperature=0.0)))
     assert none.logprobs == [None]

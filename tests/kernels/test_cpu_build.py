@@ -4,6 +4,7 @@ library is loaded once per process."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -30,16 +31,28 @@ def test_build_then_reuse_then_rebuild_a_damaged_file(tmp_path: Path) -> None:
     assert first.stdout.strip() == "loaded", first.stderr
     assert "building the CPU kernels" in first.stderr
     (so,) = (tmp_path / "kernels").glob("*.so")
+    sidecar = so.with_name(so.name + ".sha256")
     second = run(tmp_path)
     assert second.stdout.strip() == "loaded" and "building" not in second.stderr
-    size = so.stat().st_size
-    for damage in (b"not a shared library", so.read_bytes()[:4096], so.read_bytes()[: size // 2]):
-        # Garbage fails dlopen; a truncated library passes it and would die of SIGBUS later.
+    original = so.read_bytes()
+    size = len(original)
+    # Same size, bytes flipped mid-file (in the code): dlopen and the size cannot tell.
+    flipped = bytearray(original)
+    flipped[size // 2 : size // 2 + 64] = bytes(
+        b ^ 0xFF for b in flipped[size // 2 : size // 2 + 64]
+    )
+    damages = [b"not a shared library", original[:4096], original[: size // 2], bytes(flipped)]
+    assert len(damages[-1]) == size and damages[-1] != original
+    for damage in damages:
+        # Garbage fails dlopen; a truncated library passes it and would die of SIGBUS later;
+        # flipped bytes load and run wrong code. Only the sha256 sidecar catches all three.
         so.write_bytes(damage)
         again = run(tmp_path)
         assert again.returncode == 0 and again.stdout.strip() == "loaded", again.stderr
-        assert "rebuilding" in again.stderr
-        assert so.stat().st_size == size
+        assert f"{so} is damaged or incomplete; rebuilding" in again.stderr
+        rebuilt = so.read_bytes()
+        assert len(rebuilt) == size and rebuilt != damage
+        assert hashlib.sha256(rebuilt).hexdigest() == sidecar.read_text().strip()
 
 
 @pytest.mark.parametrize("compiler", ["/bin/false", "/nonexistent/cc"])
@@ -50,13 +63,34 @@ def test_a_broken_compiler_means_plain_torch(tmp_path: Path, compiler: str) -> N
     assert "using plain torch" in result.stderr
 
 
+def test_the_torch_platform_is_chosen_without_loading_the_kernels() -> None:
+    script = (
+        "import torch\n"
+        "from iterserve.kernels.cpu_build import load_cpu_kernels\n"
+        "from iterserve.kernels.platform import select_platform\n"
+        "platform = select_platform('torch', torch.device('cpu'), torch.bfloat16)\n"
+        "print(type(platform).__name__, 'calls', load_cpu_kernels.cache_info().currsize)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "TorchPlatform calls 0"
+
+
 @pytest.mark.model
 def test_the_torch_backend_never_loads_the_kernels(tmp_path: Path) -> None:
-    """``--attention-backend torch`` is the plain-torch baseline: greedy sampling included."""
+    """``--attention-backend torch`` is the plain-torch baseline: one TorchPlatform for the
+    model, the attention and the sampler, greedy sampling included."""
     script = (
         "from iterserve import LLM, SamplingParams\n"
         "from iterserve.kernels.cpu_build import load_cpu_kernels\n"
+        "from iterserve.kernels.platform import TorchPlatform\n"
         "llm = LLM(dtype='bfloat16', attention_backend='torch', num_kv_blocks=16)\n"
+        "runner = llm.loaded.runner\n"
+        "assert isinstance(llm.loaded.platform, TorchPlatform)\n"
+        "assert runner.platform is runner.model.platform is runner.sampler.platform\n"
+        "assert runner.platform is llm.loaded.platform\n"
         "out = llm.generate(['Hello'], SamplingParams(max_tokens=4, temperature=0.0))\n"
         "assert len(out[0].outputs[0].token_ids) == 4\n"
         "print('calls', load_cpu_kernels.cache_info().currsize)\n"

@@ -8,11 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from iterserve.kernels.layer_ops import layer_ops_available
-from iterserve.models.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    weight_packing_available,
-)
+from iterserve.kernels.packed_linear import weight_packing_available
+from iterserve.kernels.platform import CpuKernelsPlatform, TorchPlatform
+from iterserve.models.layers import ColumnParallelLinear, RowParallelLinear
 
 CPU = torch.device("cpu")
 
@@ -35,7 +33,9 @@ def test_packed_linear_is_bit_exact(num_tokens: int) -> None:
         layer = layer.to(torch.bfloat16)
         x = torch.randn(num_tokens, layer.weight.shape[1], generator=gen).bfloat16()
         expected = F.linear(x, layer.weight, layer.bias)
-        layer.pack_weight()
+        layer.pack_weight(TorchPlatform())  # plain torch keeps the plain weight
+        assert layer.packed is None and torch.equal(layer(x), expected)
+        layer.pack_weight(CpuKernelsPlatform(pack_weights=True))
         assert layer.weight.numel() == 0  # the plain copy is freed
         assert torch.equal(layer(x), expected)
     assert not weight_packing_available(CPU, torch.float32)
@@ -53,8 +53,12 @@ def test_bf16_greedy_matches_the_torch_backend() -> None:
     outputs = {}
     for backend in ("torch", "cpu"):
         llm = LLM(model="default", dtype="bfloat16", attention_backend=backend, num_kv_blocks=64)
+        runner = llm.loaded.runner
         if backend == "cpu":  # the kernels and the packed weights are really in use
-            runner = llm.loaded.runner
-            assert runner.model.cpu_kernels and runner.model.packed_lm_head is not None
+            assert runner.platform == CpuKernelsPlatform(pack_weights=True)
+            assert runner.model.packed_lm_head is not None
+            assert runner.model.layers[0].qkv_proj.packed is not None
+        else:
+            assert runner.platform == TorchPlatform() and runner.model.packed_lm_head is None
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert outputs["cpu"] == outputs["torch"]

@@ -16,6 +16,7 @@ from iterserve.models import loader
 from iterserve.models.loader import ModelNotFoundError, default_gguf_path, resolve_model_dir
 
 
+@pytest.mark.model
 def test_default_model_converts_to_a_plain_hf_directory(loaded_f32: Any) -> None:
     model_dir = loaded_f32.model_dir
     names = {p.name for p in model_dir.iterdir()}
@@ -31,6 +32,7 @@ def test_default_model_converts_to_a_plain_hf_directory(loaded_f32: Any) -> None
     assert loaded_f32.tokenizer.chat_template  # the chat template travels with the model
 
 
+@pytest.mark.model
 def test_cached_conversion_is_reused(loaded_f32: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     def must_not_convert(*args: object) -> None:
         raise AssertionError("converted again")
@@ -40,6 +42,7 @@ def test_cached_conversion_is_reused(loaded_f32: Any, monkeypatch: pytest.Monkey
     assert resolve_model_dir(str(default_gguf_path())) == loaded_f32.model_dir
 
 
+@pytest.mark.model
 def test_concurrent_starts_convert_once(tmp_path: Path) -> None:
     """Two processes converting into an empty cache at once: one directory, nothing half-written."""
     code = (
@@ -59,6 +62,7 @@ def test_concurrent_starts_convert_once(tmp_path: Path) -> None:
     assert entries == [Path(paths.pop()).name]  # no temporary directory left behind
 
 
+@pytest.mark.model
 def test_local_hf_directory_loads_the_same_way(loaded_f32: Any) -> None:
     from iterserve.executor.build import build
 

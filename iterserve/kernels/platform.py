@@ -1,0 +1,316 @@
+"""The platform: which implementation runs each hot op, chosen once at start.
+
+:func:`select_platform` picks one :class:`Platform` for the serving device and dtype; the
+executor passes that object to the model, the sampler and the attention, and nothing else
+decides between plain torch and kernels. The ops are those of a Llama decoder iteration:
+RMSNorm (with the fused residual add), SwiGLU's activation, rotary embedding, the KV-cache
+write, paged decode attention, the greedy sampler's row argmax, and linear-weight packing.
+
+- :class:`TorchPlatform`: plain torch on any device and dtype (the ``torch`` backend, and the
+  fallback of ``auto``).
+- :class:`CpuKernelsPlatform`: the C kernels of :mod:`~iterserve.kernels.layer_ops` and
+  :mod:`~iterserve.kernels.paged_decode_attention` on CPUs, float32 or bfloat16, with the
+  linear weights packed for oneDNN in bfloat16.
+
+Another accelerator is one more subclass of :class:`Platform` and one more branch in
+:func:`select_platform`. Ops that need per-iteration preparation (rotary tables, decode
+plans) return a callable bound to it, applied once per layer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from iterserve.kernels.grouped_decode_attention import (
+    grouped_decode_attention,
+    plan_decode_groups,
+)
+from iterserve.kernels.layer_ops import (
+    argmax_rows_cpu,
+    layer_ops_available,
+    reshape_and_cache_cpu,
+    rms_norm_cpu,
+    rotary_embedding_cpu,
+    silu_and_mul_cpu,
+    silu_and_mul_reference,
+)
+from iterserve.kernels.packed_linear import PackedLinear, weight_packing_available
+from iterserve.kernels.paged_decode_attention import (
+    check_block_tables,
+    cpu_kernel_available,
+    paged_decode_attention_cpu,
+)
+
+# (q, k) -> (q, k) rotated; may rotate in place and return its arguments.
+Rotate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (q, key_cache, value_cache) -> attention output [num_decodes, num_heads, head_dim].
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (x, bias) -> x W^T (+ bias), W held in the platform's own layout.
+LinearOp = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class Platform(ABC):
+    """The ops the model, the attention and the sampler run, for one device and dtype.
+
+    Every op takes tensors on the platform's device in the serving dtype (int64 for indices)
+    and raises ``ValueError`` on shapes, dtypes or layouts it does not take.
+    """
+
+    name: ClassVar[str]  # the ``--attention-backend`` value that selects it
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Root-mean-square norm accumulated in float32.
+
+        Args:
+            x: [num_tokens, hidden], last dim contiguous.
+            weight: [hidden], x's dtype.
+            eps: added to the mean square.
+
+        Returns:
+            A new [num_tokens, hidden] tensor in x's dtype.
+        """
+
+    @abstractmethod
+    def rms_norm_residual(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(x + residual), x + residual)``; ``residual`` ([num_tokens, hidden]
+        contiguous, x's dtype) may be updated in place and returned."""
+
+    @abstractmethod
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's ``silu(gate) * up``: gate_up [num_tokens, 2 * inter] contiguous (gate
+        columns first) -> [num_tokens, inter] in its dtype."""
+
+    @abstractmethod
+    def rotary(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Rotate:
+        """Rotary embedding (half-split layout) at ``positions``, prepared once per forward.
+
+        Args:
+            positions: [num_tokens] int64, each in ``[0, max_position)``.
+            cos, sin: [max_position, head_dim] contiguous, in the model's dtype.
+
+        Returns:
+            The function rotating one layer's q [num_tokens, num_heads, head_dim] and k
+            [num_tokens, num_kv_heads, head_dim] (heads and dims contiguous, token rows may
+            be strided views into the fused qkv output), possibly in place.
+        """
+
+    @abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write each token's key and value into its slot (vLLM's ``reshape_and_cache``).
+
+        Args:
+            key, value: [num_tokens, num_kv_heads, head_dim], heads and dims contiguous.
+            key_cache, value_cache: [num_kv_heads, num_blocks, block_size, head_dim]
+                contiguous, key's dtype.
+            slot_mapping: [num_tokens] int64, ``block_id * block_size + offset``, each in
+                ``[0, num_blocks * block_size)``.
+        """
+
+    @abstractmethod
+    def decode_attention(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_list: list[int],
+        num_blocks: int,
+        block_size: int,
+        scale: float,
+    ) -> DecodeAttention:
+        """Paged attention of one query token per sequence, prepared once per iteration.
+
+        Args:
+            block_tables: [num_decodes, max_num_blocks] int64; token ``t`` of decode ``i``
+                sits at offset ``t % block_size`` of block ``block_tables[i, t // block_size]``.
+            seq_lens: [num_decodes] int64, context length with the new token, each >= 1.
+            seq_lens_list: the same lengths as Python ints.
+            num_blocks, block_size: the KV cache's pool.
+            scale: multiplies q . k (usually head_dim ** -0.5).
+
+        Returns:
+            The function of one layer's q [num_decodes, num_heads, head_dim], key_cache and
+            value_cache ([num_kv_heads, num_blocks, block_size, head_dim], q's dtype) giving
+            [num_decodes, num_heads, head_dim] in q's dtype (softmax in float32).
+
+        Raises:
+            ValueError: a table points outside the pool (where the op cannot check it later).
+        """
+
+    @abstractmethod
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits.argmax(dim=-1)`` (first index on ties, first NaN wins): logits [num_rows,
+        vocab] with a contiguous last dim -> [num_rows] int64."""
+
+    def pack_linear_weight(self, weight: torch.Tensor) -> LinearOp | None:
+        """The linear op on ``weight`` ([out_features, in_features], loaded, in the serving
+        dtype) in this platform's own layout, or None where plain weights and ``F.linear``
+        are what it runs (the default)."""
+        return None
+
+
+@dataclass(frozen=True)
+class TorchPlatform(Platform):
+    """Plain torch ops: any device, any dtype; the baseline the kernels are tested against."""
+
+    name: ClassVar[str] = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # torch's fused kernel accumulates in float32 like Hugging Face's three-step version
+        # (bit-identical in float32) without materialising float32 copies of x.
+        return F.rms_norm(x, weight.shape, weight, eps)
+
+    def rms_norm_residual(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul_reference(gate_up)
+
+    def rotary(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Rotate:
+        c = cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        s = sin[positions].unsqueeze(1)
+        return lambda q, k: (_apply_rotary(q, c, s), _apply_rotary(k, c, s))
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        key_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = key.transpose(0, 1)
+        value_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = value.transpose(0, 1)
+
+    def decode_attention(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_list: list[int],
+        num_blocks: int,
+        block_size: int,
+        scale: float,
+    ) -> DecodeAttention:
+        groups = plan_decode_groups(block_tables, seq_lens, seq_lens_list, block_size)
+        return lambda q, kc, vc: grouped_decode_attention(q, groups, kc, vc, scale)
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=-1)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [num_tokens, num_heads, head_dim]; cos, sin [num_tokens, 1, head_dim]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@dataclass(frozen=True)
+class CpuKernelsPlatform(Platform):
+    """The C kernels on a CPU (float32 or bfloat16), which round like the torch references;
+    linear weights packed for oneDNN where ``pack_weights`` (bfloat16 with oneDNN)."""
+
+    name: ClassVar[str] = "cpu"
+    pack_weights: bool
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm_cpu(x, weight, eps)
+
+    def rms_norm_residual(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm_cpu(x, weight, eps, residual), residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul_cpu(gate_up)
+
+    def rotary(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Rotate:
+        def rotate_in_place(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            rotary_embedding_cpu(q, k, positions, cos, sin)
+            return q, k
+
+        return rotate_in_place
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        reshape_and_cache_cpu(key, value, key_cache, value_cache, slot_mapping)
+
+    def decode_attention(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_list: list[int],
+        num_blocks: int,
+        block_size: int,
+        scale: float,
+    ) -> DecodeAttention:
+        # The kernel follows the tables unchecked: check them once per iteration, not per layer.
+        check_block_tables(block_tables, seq_lens, num_blocks, block_size)
+
+        def attend(
+            q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+        ) -> torch.Tensor:
+            out = torch.empty(q.shape, dtype=q.dtype)  # [num_decodes, num_heads, head_dim]
+            return paged_decode_attention_cpu(
+                out, q, key_cache, value_cache, block_tables, seq_lens, scale
+            )
+
+        return attend
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        return argmax_rows_cpu(logits)
+
+    def pack_linear_weight(self, weight: torch.Tensor) -> LinearOp | None:
+        return PackedLinear(weight) if self.pack_weights else None
+
+
+def select_platform(attention_backend: str, device: torch.device, dtype: torch.dtype) -> Platform:
+    """The platform for ``--attention-backend`` on ``device`` in ``dtype`` (once, at start).
+
+    ``auto`` picks :class:`CpuKernelsPlatform` on a CPU where the C kernels build for
+    ``dtype`` (float32, bfloat16; see :mod:`iterserve.kernels.cpu_build`, which warns when
+    they cannot be built), else :class:`TorchPlatform`; ``cpu`` insists on the kernels;
+    ``torch`` is plain torch everywhere and never loads the C library.
+
+    Raises:
+        ValueError: for a backend that is not available for this device and dtype.
+    """
+    if attention_backend == "torch":
+        return TorchPlatform()
+    if attention_backend in ("auto", "cpu"):
+        if (
+            device.type == "cpu"
+            and cpu_kernel_available(dtype)
+            and layer_ops_available(device, dtype)
+        ):
+            return CpuKernelsPlatform(pack_weights=weight_packing_available(device, dtype))
+        if attention_backend == "auto":
+            return TorchPlatform()
+        raise ValueError(
+            f"attention backend 'cpu' needs a CPU device, float32 or bfloat16 and a C compiler "
+            f"(got {device.type}, {dtype}); use 'torch' or 'auto'"
+        )
+    raise ValueError(f"attention backend {attention_backend!r} is not available")
