@@ -17,6 +17,7 @@ from typing import Any
 from iterserve.config import EngineConfig
 from iterserve.engine.kv_cache_manager import cdiv
 from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.messages import monotonic_clock
 from iterserve.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from iterserve.engine.policy import PreemptionCosts
 from iterserve.engine.request import Request, RequestStatus
@@ -200,7 +201,7 @@ class Harness:
 
     The runner is ``runner`` (a :class:`FakeRunner` by default), or with ``simulate_kv`` a
     :class:`KVSimRunner` over the engine's pools that samples with ``sample``. ``clock``
-    replaces the scheduler's clock and then also gives requests their default arrival time.
+    is the engine's clock and then also gives requests their default arrival time.
     ``max_steps`` bounds :meth:`run` and :meth:`run_batches`. Other keyword arguments go to
     :meth:`EngineConfig.from_kwargs`.
     """
@@ -248,11 +249,10 @@ class Harness:
             eos_token_ids=frozenset({EOS}),
             num_host_blocks=num_host_blocks,
             preemption_costs=preemption_costs,
+            clock=clock or monotonic_clock,
         )
         self.scheduler = self.engine.scheduler
         self.clock = clock
-        if clock is not None:
-            self.scheduler.clock = clock
         self.kv = self.scheduler.kv
         self.max_steps = max_steps
         self.finished: dict[str, RequestOutput] = {}

@@ -227,14 +227,16 @@ class FakeEngineClient:
             self._publish()
             return
         num_tokens = 0
-        for r in self._requests.values():
+        for request_id, r in list(self._requests.items()):
             if not r.running:
                 continue
             deltas = [self._advance(r, c) for c in r.completions if c.finish_reason is None]
             num_tokens += len(deltas)
             r.stream.put_nowait(
-                RequestDelta(r.message.request_id, deltas, r.finished, 0, r.first_scheduled_time)
+                RequestDelta(request_id, deltas, r.finished, 0, r.first_scheduled_time)
             )
+            if r.finished:  # its blocks are free at once, as the engine frees them
+                del self._requests[request_id]
         self._publish(num_tokens)
 
     def _advance(self, r: _Request, c: _Completion) -> CompletionDelta:
@@ -333,14 +335,20 @@ def run_with_server(
 
 @contextlib.asynccontextmanager
 async def serve_in_process(
-    engine: Any, server_config: ServerConfig | None = None, **app_kwargs: Any
+    engine: Any,
+    server_config: ServerConfig | None = None,
+    make_server: Callable[[uvicorn.Config, Any], uvicorn.Server] | None = None,
+    **app_kwargs: Any,
 ) -> AsyncIterator[str]:
-    """``build_app(engine)`` under uvicorn on a loopback port of this event loop; its URL."""
+    """``build_app(engine)`` under uvicorn on a loopback port of this event loop; its URL.
+
+    ``make_server(config, app)`` builds the uvicorn server (default: a plain one).
+    """
     app = build_app(engine, server_config, tokenizer=engine.tokenizer, **app_kwargs)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on")
-    server = uvicorn.Server(config)
+    server = make_server(config, app) if make_server else uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         for _ in range(1000):

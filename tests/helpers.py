@@ -29,3 +29,23 @@ def make_engine(loaded: Any, **kwargs: Any) -> LLMEngine:
         num_host_blocks=loaded.num_host_blocks,
         preemption_costs=loaded.preemption_costs,
     )
+
+
+async def collect(
+    client: Any, request_id: str, prompt_token_ids: list[int], params: Any, priority: int = 1
+) -> tuple[list[Any], Any]:
+    """Stream a request through an engine client: its deltas, and the cumulative output they
+    add up to (an ``OutputAccumulator``'s)."""
+    import time
+
+    from iterserve.engine.messages import AddRequest
+    from iterserve.engine.outputs import OutputAccumulator
+
+    request = AddRequest(request_id, prompt_token_ids, params, priority, time.monotonic())
+    accumulator = OutputAccumulator(
+        request_id, None, prompt_token_ids, params.n, params.logprobs is not None
+    )
+    deltas = [delta async for delta in client.generate(request)]
+    for delta in deltas:
+        accumulator.add(delta)
+    return deltas, accumulator.output

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from server_utils import API_KEY, Server
 
 MODEL = "SmolLM2-135M-Instruct"
+pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
@@ -155,21 +157,37 @@ def test_echo_and_batch_prompts(client: openai.OpenAI) -> None:
     assert out.choices[0].text.startswith("Hello") and out.choices[1].text.startswith("The sky is")
 
 
-def test_priority_by_tier_name_and_integer(client: openai.OpenAI) -> None:
-    for priority in ("premium", 2, 7):
+def tier_count(server: Server, tier: str) -> float:
+    """Finished requests of ``tier`` so far (its e2e latency histogram's count)."""
+    name = f'iterserve_e2e_request_latency_seconds_count{{tier="{tier}"}}'
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_priority_by_tier_name_and_integer_is_labelled_by_its_tier(
+    client: openai.OpenAI, server: Server
+) -> None:
+    for priority, tier in (("premium", "premium"), (2, "best-effort"), (7, "best-effort")):
+        before = tier_count(server, tier)
         out = client.completions.create(
             model=MODEL, prompt="Hi", max_tokens=2, extra_body={"priority": priority}
         )
-        assert out.usage.completion_tokens >= 1
+        assert out.usage.completion_tokens == 2
+        assert tier_count(server, tier) == before + 1
 
 
 def test_cached_prompt_tokens_are_reported(client: openai.OpenAI) -> None:
-    prompt = "A long shared system prompt about serving. " * 12
-    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    prompt = "A long shared system prompt about serving, said once. " * 12
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
     details = second.usage.prompt_tokens_details
-    assert details is not None and details.cached_tokens is not None
-    assert details.cached_tokens >= 64
+    # Every full block of the prompt but the one holding its last token (which is computed
+    # again to sample from): 16-token blocks.
+    num_prompt = second.usage.prompt_tokens
+    assert details is not None and details.cached_tokens == (num_prompt - 1) // 16 * 16
 
 
 def test_wrong_api_key_is_401(server: Server) -> None:
