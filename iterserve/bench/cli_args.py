@@ -34,6 +34,7 @@ def add_bench_parsers(sub: Any) -> None:
     _add_engine_loop(sub)
     _add_serve(sub)
     _add_gate(sub)
+    _add_messages(sub)
 
 
 def _add_decode(sub: Any) -> None:
@@ -124,3 +125,16 @@ def _add_gate(sub: Any) -> None:
     p.add_argument("--max-ttft-p99-regression", type=float, default=0.20)
     p.add_argument("--max-tpot-p50-regression", type=float, default=0.15)
     p.set_defaults(func=_main_of("gate"))
+
+
+def _add_messages(sub: Any) -> None:
+    p = sub.add_parser(
+        "messages",
+        help="engine -> client bytes and pickling per output token: deltas vs cumulative",
+    )
+    p.add_argument("--output-lens", default="16,256,2048", help="comma-separated output lengths")
+    p.add_argument("--num-requests", type=int, default=8, help="requests in the batch")
+    p.add_argument("--logprobs", action="store_true", help="requests ask for logprobs=1")
+    p.add_argument("--output-dir", type=Path, default=None, help=_SMOKE_DIR_HELP)
+    p.add_argument("--smoke", action="store_true", help="output lengths 16 and 64 (tests)")
+    p.set_defaults(func=_main_of("messages"))

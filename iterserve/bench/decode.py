@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from iterserve.bench.common import output_dir, warn_if_loaded
 from iterserve.config import EngineConfig
 from iterserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from iterserve.engine.sampling_params import SamplingParams
@@ -49,19 +50,6 @@ class DecodeRow:
     @property
     def vs_floor(self) -> float:
         return self.iteration_ms / self.floor_ms
-
-
-def warn_if_loaded() -> None:
-    """Benchmarks on 2 cores are easily polluted: say so when something else is running."""
-    load = os.getloadavg()[0]
-    if load > 0.5 * (os.cpu_count() or 1):
-        print(f"warning: load average {load:.1f} on {os.cpu_count()} cores; timings will be noisy")
-
-
-def output_dir(args: argparse.Namespace) -> Path:
-    if args.output_dir is not None:
-        return Path(args.output_dir)
-    return Path("bench-results") / "smoke" if args.smoke else Path("bench-results")
 
 
 def median_seconds(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
