@@ -69,3 +69,24 @@ def test_engine_loop_smoke(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "engine_loop.json").read_text())
     assert [r["mode"] for r in rows] == ["thread", "process"]
     assert all(r["output_tokens"] == 2 * 4 for r in rows)
+
+
+def test_messages_bench_shows_constant_bytes_per_token_for_deltas(tmp_path: Path) -> None:
+    """Bytes are deterministic (not timings): deltas stay flat, cumulative outputs grow."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "iterserve.cli", "bench", "messages", "--smoke", "--logprobs",
+         "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )  # fmt: skip
+    assert "cumulative" in proc.stdout
+    data = json.loads((tmp_path / "messages.json").read_text())
+    short, long = data["rows"]
+    assert (short["output_len"], long["output_len"]) == (16, 64)
+    assert short["num_tokens"] == 8 * 16 and long["num_tokens"] == 8 * 64
+    assert long["delta_bytes_per_token"] == pytest.approx(short["delta_bytes_per_token"], rel=0.02)
+    assert long["cumulative_bytes_per_token"] > 1.5 * short["cumulative_bytes_per_token"]
+    assert long["delta_bytes_per_token"] < long["cumulative_bytes_per_token"] / 3
+    assert (tmp_path / "messages.png").stat().st_size > 1000
