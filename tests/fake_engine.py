@@ -304,6 +304,15 @@ class FakeClock:
         self.now += seconds
 
 
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    """Poll ``condition()`` every event-loop turn until true; fail after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, what
+        await asyncio.sleep(0.001)
+
+
 def expected_text(tokenizer: Any, prompt_token_ids: list[int], index: int, num: int) -> str:
     """The text of the first ``num`` tokens of completion ``index`` (see :func:`fake_token`)."""
     return "".join(

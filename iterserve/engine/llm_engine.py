@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 from iterserve.config import EngineConfig
@@ -19,7 +18,6 @@ from iterserve.engine.limits import RequestLimits
 from iterserve.engine.messages import (
     AddRequest,
     Clock,
-    CompletionDelta,
     EngineLoad,
     IterationStats,
     RequestDelta,
@@ -32,8 +30,9 @@ from iterserve.engine.outputs import (
     RequestOutput,
     TokenLogprobs,
 )
+from iterserve.engine.parent_request import Completion, ParentRequest
 from iterserve.engine.policy import PreemptionCosts
-from iterserve.engine.request import FINISH_REASONS, Request
+from iterserve.engine.request import Request
 from iterserve.engine.request import RequestStatus as Status
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.engine.scheduler import Scheduler
@@ -58,33 +57,6 @@ class IterationError(RuntimeError):
     def __reduce__(self) -> tuple[type, tuple[list[str], BaseException]]:
         # Picklable across processes (the cause travels as a plain RuntimeError).
         return (type(self), (self.request_ids, RuntimeError(str(self.cause))))
-
-
-@dataclass
-class _Completion:
-    """Engine-side bookkeeping of one completion (child request) of a user request: what its
-    deltas have sent so far, and the logprobs not sent yet."""
-
-    request: Request
-    index: int
-    detokenizer: IncrementalDetokenizer | None
-    pending_logprobs: list[TokenLogprobs] | None
-    num_sent_tokens: int = 0
-    num_sent_chars: int = 0
-    sent_final: bool = False
-
-
-class _Parent:
-    """A user request: ``n`` completions of one prompt."""
-
-    def __init__(self, request_id: str, prompt: str | None, completions: list[_Completion]) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.completions = completions
-
-    @property
-    def finished(self) -> bool:
-        return all(c.request.is_finished for c in self.completions)
 
 
 class LLMEngine:
@@ -144,8 +116,8 @@ class LLMEngine:
             preemption_costs,
             clock=clock,
         )
-        self._parents: dict[str, _Parent] = {}
-        self._completions: dict[str, tuple[_Parent, _Completion]] = {}  # child id ->
+        self._parents: dict[str, ParentRequest] = {}
+        self._completions: dict[str, tuple[ParentRequest, Completion]] = {}  # child id ->
         # Offline use (step / abort_request): cumulative outputs built from the deltas.
         self._accumulators: dict[str, OutputAccumulator] = {}
         self.telemetry: deque[IterationStats] = deque(maxlen=TELEMETRY_LEN)
@@ -230,7 +202,7 @@ class LLMEngine:
         ]
         if taken:
             raise ValueError(f"request id {taken[0]!r} is already in use")
-        completions: list[_Completion] = []
+        completions: list[Completion] = []
         for index, child_id in enumerate(child_ids):
             child_params = params.child(index) if params.n > 1 else params
             request = Request(
@@ -249,8 +221,8 @@ class LLMEngine:
                     self.tokenizer, message.prompt_token_ids, child_params
                 )
             logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
-            completions.append(_Completion(request, index, detok, logprobs))
-        parent = _Parent(request_id, message.prompt, completions)
+            completions.append(Completion(request, index, detok, logprobs))
+        parent = ParentRequest(request_id, message.prompt, completions)
         for c in completions:
             self.scheduler.add_request(c.request)
             self._completions[c.request.request_id] = (parent, c)
@@ -342,7 +314,7 @@ class LLMEngine:
                 self.clock() - start,
                 len(runner_output.sampled_token_ids),
             )
-        touched: dict[str, tuple[_Parent, list[_Completion]]] = {}
+        touched: dict[str, tuple[ParentRequest, list[Completion]]] = {}
         for request in updated:
             parent, completion = self._completions[request.request_id]
             touched.setdefault(parent.request_id, (parent, []))[1].append(completion)
@@ -394,50 +366,13 @@ class LLMEngine:
             )
         )
 
-    def _make_delta(self, parent: _Parent, changed: list[_Completion]) -> RequestDelta:
-        """What is new in ``changed`` completions since their last delta; forgets a finished
-        parent."""
-        finished = parent.finished
-        if finished:
+    def _make_delta(self, parent: ParentRequest, changed: list[Completion]) -> RequestDelta:
+        """The delta of ``changed`` completions; forgets a finished parent."""
+        if parent.finished:
             self._parents.pop(parent.request_id, None)
             for c in parent.completions:
                 self._completions.pop(c.request.request_id, None)
-        completions = []
-        for c in changed:
-            if c.sent_final:
-                continue
-            request = c.request
-            done = request.is_finished
-            new_token_ids = request.all_token_ids[request.num_prompt_tokens + c.num_sent_tokens :]
-            new_text = ""
-            if c.detokenizer is not None:
-                new_text = c.detokenizer.visible_text(done)[c.num_sent_chars :]
-            new_logprobs = c.pending_logprobs
-            if not (new_token_ids or new_text or new_logprobs or done):
-                continue
-            if new_logprobs is not None:
-                c.pending_logprobs = []
-            c.num_sent_tokens += len(new_token_ids)
-            c.num_sent_chars += len(new_text)
-            c.sent_final = done
-            completions.append(
-                CompletionDelta(
-                    c.index,
-                    new_token_ids,
-                    new_text,
-                    new_logprobs,
-                    FINISH_REASONS.get(request.status),
-                    request.stop_reason,
-                )
-            )
-        first = parent.completions[0].request
-        return RequestDelta(
-            parent.request_id,
-            completions,
-            finished,
-            first.num_cached_tokens or 0,
-            first.first_scheduled_time,
-        )
+        return parent.take_delta(changed)
 
     def _accumulate(self, deltas: list[RequestDelta]) -> list[RequestOutput]:
         """Cumulative snapshots of the offline requests among ``deltas``."""

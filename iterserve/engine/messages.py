@@ -23,6 +23,8 @@ Requests are validated once, by the client, against :class:`RequestLimits` (sent
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -30,7 +32,6 @@ from typing import Any, Protocol
 
 from iterserve.config import EngineConfig, SchedulerConfig
 from iterserve.engine.limits import RequestLimits
-from iterserve.engine.outputs import TokenLogprobs
 from iterserve.engine.sampling_params import SamplingParams
 
 Clock = Callable[[], float]
@@ -39,6 +40,25 @@ parameter (the simulator runs it in virtual time); the default is the system-wid
 clock, which the HTTP process and the engine process share on Linux."""
 
 monotonic_clock: Clock = time.monotonic
+
+_FIELD_GETTERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+
+
+class _Positional:
+    """Pickles as its class and field values, without field names: the messages sent every
+    iteration take about a third fewer bytes and half the time of a slotted dataclass's
+    default pickling (``iterserve bench messages``). For dataclasses of two or more fields."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
+        cls = type(self)
+        getter = _FIELD_GETTERS.get(cls)
+        if getter is None:
+            names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+            getter = _FIELD_GETTERS[cls] = operator.attrgetter(*names)
+        return cls, getter(self)
+
 
 # ----------------------------------------------------------------- errors
 
@@ -58,8 +78,18 @@ class RequestAbortedError(RuntimeError):
 # ----------------------------------------------------------------- state
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probability of a sampled token and the ``logprobs`` most likely alternatives
+    (raw model distribution, natural log)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
 @dataclass(frozen=True, slots=True)
-class EngineLoad:
+class EngineLoad(_Positional):
     """Queue and pool counts after an iteration (``/load`` and the queue gauges).
 
     ``num_running``/``num_waiting``/``num_swapped`` count sequences (a request with ``n = 4``
@@ -76,7 +106,7 @@ class EngineLoad:
 
 
 @dataclass(frozen=True, slots=True)
-class IterationStats:
+class IterationStats(_Positional):
     """One iteration, as recorded for metrics (times in seconds of the engine's clock)."""
 
     time: float  # at its end
@@ -154,7 +184,7 @@ EngineCommand = AddRequest | AbortRequests | UpdateSchedulerConfig | QueryLoad |
 
 
 @dataclass(frozen=True, slots=True)
-class CompletionDelta:
+class CompletionDelta(_Positional):
     """What is new in one completion of a request since its previous delta.
 
     Attributes:
@@ -176,7 +206,7 @@ class CompletionDelta:
 
 
 @dataclass(frozen=True, slots=True)
-class RequestDelta:
+class RequestDelta(_Positional):
     """One iteration's news of a request: only its completions that changed.
 
     Attributes:
@@ -204,7 +234,7 @@ class RequestError:
 
 
 @dataclass(frozen=True, slots=True)
-class StepResult:
+class StepResult(_Positional):
     """What one iteration (or a batch of commands on an idle engine) changed.
 
     ``telemetry`` holds the iterations since the previous message (usually one); ``load`` is

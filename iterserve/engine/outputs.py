@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+# TokenLogprobs is defined with the messages (it crosses the boundary); imported from here too.
+from iterserve.engine.messages import RequestDelta, TokenLogprobs
 from iterserve.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from iterserve.engine.messages import RequestDelta
 
 
 @dataclass(frozen=True)
@@ -75,16 +74,6 @@ class SchedulerOutput:
             or self.blocks_to_swap_out
             or self.blocks_to_swap_in
         )
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Log-probability of a sampled token and the ``logprobs`` most likely alternatives
-    (raw model distribution, natural log)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

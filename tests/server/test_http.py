@@ -22,6 +22,7 @@ from fake_engine import (
     fake_logprob,
     fake_token,
     run_with_server,
+    until,
 )
 
 from iterserve.config import SchedulerConfig, ServerConfig
@@ -168,15 +169,6 @@ def test_completion_max_tokens_defaults_to_16_and_chat_to_the_rest(tokenizer: An
         assert added.params.max_tokens == fake.limits.max_model_len - len(added.prompt_token_ids)
 
     run_with_server(tokenizer, check, CONFIG)
-
-
-async def until(condition: Any, what: str, timeout_s: float = 10.0) -> None:
-    """Poll ``condition()`` (every event-loop turn) until true, or fail after ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, what
-        await asyncio.sleep(0.001)
 
 
 def test_a_streaming_disconnect_aborts_and_frees_the_blocks(tokenizer: Any) -> None:

@@ -11,19 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
-from fake_engine import FakeClock, FakeEngineClient, run_with_server, serve_in_process
+from fake_engine import FakeClock, FakeEngineClient, run_with_server, serve_in_process, until
 from server_utils import run_server, stream_completion
 
 from iterserve.config import SchedulerConfig, ServerConfig
 from iterserve.server.launch import GracefulServer
-
-
-async def until(condition: Any, what: str, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, what
-        await asyncio.sleep(0.001)
 
 
 def test_overload_is_429_with_retry_after_from_the_drain_rate(tokenizer: Any) -> None:
