@@ -51,6 +51,7 @@ COMMANDS = [
     "bench engine-loop",
     "bench serve",
     "bench gate",
+    "bench messages",
 ]
 
 
