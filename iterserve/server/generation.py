@@ -225,5 +225,5 @@ def engine_error(e: BaseException) -> BaseException:
     if isinstance(e, RequestAbortedError):
         return APIError(503, f"request aborted: {e}", "service_unavailable_error", code="aborted")
     if isinstance(e, EngineDeadError):
-        return APIError(503, f"the engine is not running: {e}", type="service_unavailable_error")
+        return APIError(503, f"the engine is unavailable: {e}", type="service_unavailable_error")
     return e

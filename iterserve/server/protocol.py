@@ -1,17 +1,18 @@
 """OpenAI request and response bodies (pydantic) and the OpenAI error shape.
 
-pydantic checks JSON types; value ranges are checked once, by ``SamplingParams`` and the
-engine's ``RequestLimits``, whose ``InvalidRequestError`` becomes a 400 here like any
-validation error. Fields OpenAI defines but iterserve does not implement are declared so
-that a request using them gets 400 "not supported" instead of being silently ignored; any
-other unknown field is ignored (and logged once).
+pydantic checks JSON types (integers and booleans strictly: ``true`` is no 1, ``"yes"`` no
+``true``); value ranges are checked once, by ``SamplingParams`` and the engine's
+``RequestLimits``, whose ``InvalidRequestError`` becomes a 400 here like any validation error.
+Fields OpenAI defines but iterserve does not implement are declared so that a request using
+them gets 400 "not supported" instead of being silently ignored; any other unknown field is
+ignored (and logged once).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_serializer
 
 # OpenAI's limits: completions `logprobs` <= 5, chat `top_logprobs` <= 20.
 MAX_COMPLETION_LOGPROBS = 5
@@ -64,7 +65,7 @@ def not_supported(feature: str, param: str | None = None) -> APIError:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
@@ -80,7 +81,7 @@ class _SamplingFields(BaseModel):
     seed: StrictInt | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extensions (vLLM names).
@@ -88,10 +89,10 @@ class _SamplingFields(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: StrictInt = 0
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     priority: StrictInt | str | None = None
     # Declared only to refuse them clearly.
     logit_bias: dict[str, float] | None = None
@@ -127,7 +128,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
 
     def unsupported(self) -> APIError | None:
@@ -158,8 +159,10 @@ class ChatMessage(BaseModel):
             return self.content
         texts = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") != "text":
                 raise not_supported(f"message content of type {part.get('type')!r}", "messages")
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, "a text content part needs a string 'text'", param="messages")
             texts.append(part["text"])
         return "".join(texts)
 
@@ -170,10 +173,10 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    add_generation_prompt: bool = True
-    parallel_tool_calls: bool | None = None
+    add_generation_prompt: StrictBool = True
+    parallel_tool_calls: StrictBool | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -182,8 +185,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):

@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import iterserve
+from iterserve.engine.messages import EngineDeadError
+from iterserve.server.generation import engine_error
 from iterserve.server.live_config import LiveConfigError, merge
 from iterserve.server.protocol import (
     APIError,
@@ -128,8 +130,11 @@ async def ready(request: Request) -> Response:
 
 
 @router.get("/load")
-async def load(request: Request) -> dict[str, Any]:
+async def load(request: Request) -> Any:
     state = state_of(request)
+    if not state.engine.is_running:  # a router must not take a dead replica for an idle one
+        error = APIError(503, "the engine is not running", type="service_unavailable_error")
+        return JSONResponse(error.body(), status_code=503)
     load = state.engine.load
     return {
         "kv_cache_usage": load.kv_cache_usage,
@@ -176,7 +181,10 @@ async def put_scheduler_config(request: Request) -> Any:
             )
         if new is None:
             return state.settings.view()
-        await state.engine.update_scheduler_config(new.config)
+        try:
+            await state.engine.update_scheduler_config(new.config)
+        except EngineDeadError as e:
+            raise engine_error(e) from e
         state.settings = new
         state.metrics.config_version.set(new.version)
         logger.info("scheduler settings version %d applied: %s", new.version, new.view())

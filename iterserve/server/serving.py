@@ -24,11 +24,18 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from iterserve.engine.errors import InvalidRequestError
+from iterserve.engine.messages import EngineDeadError
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.server.admission import Rejected
 from iterserve.server.chat import ChatFormatter
 from iterserve.server.completions import CompletionFormatter
-from iterserve.server.generation import Generation, GenerationRun, Prompt, bad_request
+from iterserve.server.generation import (
+    Generation,
+    GenerationRun,
+    Prompt,
+    bad_request,
+    engine_error,
+)
 from iterserve.server.protocol import (
     MAX_CHAT_TOP_LOGPROBS,
     MAX_COMPLETION_LOGPROBS,
@@ -127,13 +134,6 @@ class OpenAIServing:
             else:
                 text = str(self.state.tokenizer.decode(item)) if req.echo else None
                 prompts.append(Prompt(list(item), text))
-        if len(prompts) * req.n > MAX_SEQUENCES_PER_REQUEST:
-            raise APIError(
-                400,
-                f"{len(prompts)} prompts x n={req.n} is over {MAX_SEQUENCES_PER_REQUEST} "
-                "sequences per request; split the batch",
-                param="prompt",
-            )
         return prompts
 
     def _sampling_params(self, req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -184,7 +184,14 @@ class OpenAIServing:
                     param="top_logprobs",
                 )
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, max_tokens, logprobs)
+        params = self._sampling_params(req, max_tokens, logprobs)  # n is in range from here
+        if len(prompts) * params.n > MAX_SEQUENCES_PER_REQUEST:
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts x n={params.n} is over {MAX_SEQUENCES_PER_REQUEST} "
+                "sequences per request; split the batch",
+                param="prompt",
+            )
         limits = state.engine.limits
         try:
             for p in prompts:
@@ -238,6 +245,8 @@ class OpenAIServing:
 
     async def _serve(self, gen: Generation, raw: Request) -> Any:
         state = self.state
+        if not state.engine.is_running:  # known now: a 503, not a stream that fails at once
+            raise engine_error(EngineDeadError("the engine is not running"))
         try:
             state.admission.check(state.settings.config, gen.priority, len(gen.prompts))
         except Rejected as e:

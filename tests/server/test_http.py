@@ -29,6 +29,7 @@ from iterserve.config import SchedulerConfig, ServerConfig
 
 API_KEY = "sk-fake"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN = {"Authorization": "Bearer admin"}
 CONFIG = ServerConfig(api_key=API_KEY)
 
 
@@ -279,6 +280,11 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
      "messages"),
     ("/tokenize", "lone surrogate", b'{"prompt": "\\ud800"}', 400, "prompt"),
     (CMPL, "boolean n", {"prompt": "hi", "n": True}, 400, "n"),
+    (CMPL, "string boolean", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
+    (CMPL, "integer boolean", {"prompt": "hi", "echo": 1}, 400, "echo"),
+    (CMPL, "n out of range in a batch", {"prompt": ["a", "b"], "n": 10**30}, 400, "n"),
+    (CHAT, "text part without text", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": 5}]}]}, 400, "messages"),
     (CMPL, "batch x n too large", {"prompt": [[1, 2]] * 100, "n": 8}, 400, "prompt"),
     (CHAT, "bad max_tokens", {"messages": MSG, "max_tokens": -1, "max_completion_tokens": 5}, 400,
      "max_tokens"),
@@ -471,9 +477,18 @@ def test_a_dead_engine_fails_health_and_requests_with_503(tokenizer: Any) -> Non
         fake.kill()
         r = await task
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
-        assert (await http.get("/health")).status_code == 503
-        assert (await http.get("/ready")).status_code == 503
+        for path in ("/health", "/ready", "/load"):  # a router must not pick it as idle
+            assert (await http.get(path)).status_code == 503, path
         r = await http.post("/v1/completions", json=body, headers=AUTH)
         assert r.status_code == 503
+        assert r.json()["error"]["message"] == (
+            "the engine is unavailable: the engine is not running"
+        )
+        # Streaming too: known before the response starts, so a 503 rather than a 200 stream.
+        r = await http.post("/v1/completions", json={**body, "stream": True}, headers=AUTH)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+        r = await http.put("/admin/scheduler_config", json={"max_num_seqs": 8}, headers=ADMIN)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
 
-    run_with_server(tokenizer, check, CONFIG, step_interval_s=0.005)
+    server_config = ServerConfig(api_key=API_KEY, admin_token="admin")
+    run_with_server(tokenizer, check, server_config, step_interval_s=0.005)
