@@ -96,7 +96,13 @@ class EngineClientBase:
                     finished = True
                     raise item
                 finished = item.finished
-                yield dataclasses.replace(item, request_id=request_id)
+                yield RequestDelta(
+                    request_id,
+                    item.completions,
+                    finished,
+                    item.num_cached_tokens,
+                    item.first_scheduled_time,
+                )
         finally:
             # However the reader leaves: finished, an error, or early (a client disconnect,
             # where the request must be aborted now).

@@ -63,6 +63,10 @@ class IncrementalDetokenizer:
     def visible_text(self, finished: bool) -> str:
         """Text that may be streamed now: all of it once finished, else without the tail that
         could still be the start of a stop string."""
+        return self.text[: self.num_visible_chars(finished)]
+
+    def num_visible_chars(self, finished: bool) -> int:
+        """Length of :meth:`visible_text` (deltas slice only the new part)."""
         if finished or not self._hold:
-            return self.text
-        return self.text[: max(0, len(self.text) - self._hold)]
+            return len(self.text)
+        return max(0, len(self.text) - self._hold)

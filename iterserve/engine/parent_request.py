@@ -33,7 +33,8 @@ class Completion:
         new_token_ids = request.all_token_ids[request.num_prompt_tokens + self.num_sent_tokens :]
         new_text = ""
         if self.detokenizer is not None:
-            new_text = self.detokenizer.visible_text(done)[self.num_sent_chars :]
+            end = self.detokenizer.num_visible_chars(done)
+            new_text = self.detokenizer.text[self.num_sent_chars : end]
         new_logprobs = self.pending_logprobs
         if not (new_token_ids or new_text or new_logprobs or done):
             return None
