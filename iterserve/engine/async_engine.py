@@ -49,7 +49,6 @@ class AsyncEngine(EngineClientBase):
         # queued after the loop has gone (it would never be answered).
         self._submit_lock = threading.Lock()
         self._closed = False
-        self.errored: BaseException | None = None
 
     async def start(self) -> None:
         """Start the engine thread, bound to the running event loop; returns once it runs."""
@@ -95,7 +94,6 @@ class AsyncEngine(EngineClientBase):
             EngineCore(self.engine, self._send).run(self._recv)
         except BaseException as e:  # the loop itself broke: fail every stream
             logger.exception("engine loop died")
-            self.errored = e
             error = EngineDeadError(f"engine loop died: {e}")
             raise
         finally:

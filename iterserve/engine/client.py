@@ -113,13 +113,6 @@ class EngineClientBase:
                 with contextlib.suppress(EngineDeadError):
                     self._submit(AbortRequests([internal_id]))
 
-    def abort(self, request_id: str) -> None:
-        """Abort a live request at the engine's next iteration boundary (no-op if it ended)."""
-        internal_id = self._live.get(request_id)
-        if internal_id is not None:
-            with contextlib.suppress(EngineDeadError):
-                self._submit(AbortRequests([internal_id]))
-
     def abort_all(self, reason: str) -> int:
         """See :meth:`EngineClient.abort_all`."""
         for stream in self._streams.values():
