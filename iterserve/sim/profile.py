@@ -1,0 +1,245 @@
+"""Latency profiles: what one engine iteration costs on a given machine, model and dtype.
+
+A profile is a JSON file (schema: :class:`LatencyProfile`) holding a fitted iteration-latency
+model, the KV pool, swap and recompute costs, and where the numbers came from. The model is
+linear in a few features of the batch, in the manner of Vidur (Agrawal et al., MLSys 2024),
+which predicts each operator from the tokens it touches; here the operators are summed into
+per-feature coefficients so that one iteration is one dot product::
+
+    forward_s = fixed_s
+              + max(linear_floor_s, per_decode_token_s * D + per_prefill_token_s * P)
+              + per_context_token_s * C
+              + per_attention_pair_s * A
+              + swapped_blocks * block_size * kv_bytes_per_token / swap.bytes_per_s
+
+    D  decode tokens (requests scheduled for exactly one token)
+    P  prefill tokens (chunks of two tokens or more)
+    C  context tokens read by the decodes (sum of their sequence lengths)
+    A  query-key pairs of the prefill chunks: a chunk of p tokens after o computed ones
+       attends to o + 1, o + 2, ..., o + p keys, so it adds p * o + p * (p + 1) / 2
+
+``linear_floor_s`` is the cost the token-proportional part never goes below: on a GPU the
+weights are read once per iteration whatever the batch (memory-bound small batches), on a
+CPU it is usually 0 and ``fixed_s`` carries the weight reads. The engine's own work around
+the forward (scheduling, sampling bookkeeping, detokenization) is a separate term,
+:class:`EngineOverhead`, that a live simulated replica does not sleep (its real scheduler
+spends that time) and a virtual-time replay adds.
+
+Built-in profiles ship in ``iterserve/sim/profiles/``; :func:`load_profile` takes a name or a
+path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from iterserve.bench.stats import percentile
+from iterserve.engine.outputs import SchedulerOutput
+
+BUILTIN_PROFILES = ("cpu-smollm2", "a100x4-llama3-70b")
+PROFILE_FORMAT_VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be found or does not validate."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class IterationModel(_Strict):
+    """Coefficients of the forward-latency model (seconds; see the module docstring)."""
+
+    fixed_s: float = Field(ge=0)
+    linear_floor_s: float = Field(0.0, ge=0)
+    per_decode_token_s: float = Field(ge=0)
+    per_prefill_token_s: float = Field(ge=0)
+    per_context_token_s: float = Field(ge=0)
+    per_attention_pair_s: float = Field(ge=0)
+
+
+class EngineOverhead(_Strict):
+    """Engine time around the forward per iteration (seconds): ``fixed_s + per_seq_s * S``,
+    ``S`` the requests in the batch."""
+
+    fixed_s: float = Field(0.0, ge=0)
+    per_seq_s: float = Field(0.0, ge=0)
+
+
+class KVCacheSpec(_Strict):
+    """The KV pool the profile's numbers were taken with (per replica, all ranks together)."""
+
+    block_size: int = Field(ge=1)
+    num_blocks: int = Field(ge=1)
+    kv_bytes_per_token: int = Field(ge=1, description="all layers, K and V, all ranks")
+
+
+class SwapSpec(_Strict):
+    bytes_per_s: float = Field(gt=0, description="device <-> host copy bandwidth")
+
+
+class ModelSpec(_Strict):
+    name: str
+    tensor_parallel_size: int = Field(1, ge=1)
+    max_model_len: int = Field(ge=1)
+    vocab_size: int = Field(ge=4)
+    eos_token_ids: list[int] = Field(min_length=1)
+    num_layers: int | None = None
+    dtype: str = "bfloat16"
+
+
+class OutputLengths(_Strict):
+    """Where a simulated request draws its EOS (unless ``ignore_eos`` or ``max_tokens`` end
+    it first): ``lognormal`` (``median``, ``sigma``), ``uniform`` (``min``..``max``) or
+    ``constant`` (``median``), clipped to ``[min, max]`` tokens."""
+
+    distribution: Literal["lognormal", "uniform", "constant"] = "lognormal"
+    median: float = Field(200.0, gt=0)
+    sigma: float = Field(0.8, ge=0)
+    min: int = Field(1, ge=1)
+    max: int = Field(2048, ge=1)
+
+
+class FitError(_Strict):
+    """Absolute percentage error of the forward model on held-out iterations."""
+
+    median_abs_pct: float
+    p90_abs_pct: float
+    num_train: int
+    num_held_out: int
+
+
+class ProfileSource(_Strict):
+    hardware: str
+    date: str
+    method: str
+    fit_error: FitError | None = None
+    references: list[str] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+
+
+class LatencyProfile(_Strict):
+    """A latency profile (the JSON file's schema)."""
+
+    format_version: int = PROFILE_FORMAT_VERSION
+    name: str
+    model: ModelSpec
+    iteration: IterationModel
+    engine_overhead: EngineOverhead = Field(default_factory=EngineOverhead)
+    kv_cache: KVCacheSpec
+    swap: SwapSpec
+    output_lengths: OutputLengths = Field(default_factory=OutputLengths)
+    source: ProfileSource
+
+    def forward_seconds(self, shape: BatchShape) -> float:
+        """Predicted forward time of one iteration of ``shape`` (seconds)."""
+        m = self.iteration
+        linear = m.per_decode_token_s * shape.num_decode_tokens
+        linear += m.per_prefill_token_s * shape.num_prefill_tokens
+        seconds = m.fixed_s + max(m.linear_floor_s, linear)
+        seconds += m.per_context_token_s * shape.decode_context_tokens
+        seconds += m.per_attention_pair_s * shape.prefill_attention_pairs
+        return seconds + self.swap_seconds(shape.num_swapped_blocks)
+
+    def overhead_seconds(self, shape: BatchShape) -> float:
+        """The engine's own time around the forward (seconds)."""
+        o = self.engine_overhead
+        return o.fixed_s + o.per_seq_s * shape.num_seqs
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        """Time to copy ``num_blocks`` KV blocks one way (seconds)."""
+        num_bytes = num_blocks * self.kv_cache.block_size * self.kv_cache.kv_bytes_per_token
+        return num_bytes / self.swap.bytes_per_s
+
+    def prefill_seconds_per_token(self) -> float:
+        """Recompute cost per token, for the scheduler's swap-or-recompute choice."""
+        return self.iteration.per_prefill_token_s
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The features of one iteration the latency model uses (counts of tokens)."""
+
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+    decode_context_tokens: int = 0
+    prefill_attention_pairs: float = 0.0
+    num_seqs: int = 0
+    num_swapped_blocks: int = 0
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> BatchShape:
+        """The shape of a scheduler's batch: a request scheduled for one token is a decode
+        (reading ``seq_len`` tokens of context), more tokens make a prefill chunk."""
+        decode = prefill = context = 0
+        pairs = 0.0
+        for s in out.scheduled:
+            n = s.num_scheduled_tokens
+            if n == 1:
+                decode += 1
+                context += s.seq_len
+            else:
+                prefill += n
+                pairs += n * s.num_computed_tokens + n * (n + 1) / 2
+        swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        return cls(decode, prefill, context, pairs, len(out.scheduled), swapped)
+
+    def features(self) -> tuple[float, float, float, float]:
+        """(D, P, C, A), the fitted features in :class:`IterationModel`'s order."""
+        return (
+            float(self.num_decode_tokens),
+            float(self.num_prefill_tokens),
+            float(self.decode_context_tokens),
+            self.prefill_attention_pairs,
+        )
+
+
+def profile_path(name: str) -> Path:
+    """Where built-in profile ``name`` is stored in the package."""
+    return Path(str(resources.files("iterserve.sim") / "profiles" / f"{name}.json"))
+
+
+def load_profile(name_or_path: str | Path) -> LatencyProfile:
+    """A built-in profile by name (:data:`BUILTIN_PROFILES`) or a profile JSON file.
+
+    Raises:
+        ProfileError: no such profile, unreadable JSON, or a schema violation.
+    """
+    text = str(name_or_path)
+    path = profile_path(text) if text in BUILTIN_PROFILES else Path(text)
+    try:
+        data = path.read_text()
+    except OSError as e:
+        raise ProfileError(
+            f"no latency profile {text!r}: not a built-in ({', '.join(BUILTIN_PROFILES)}) "
+            f"and not a readable file ({e.strerror})"
+        ) from e
+    try:
+        profile = LatencyProfile.model_validate_json(data)
+    except ValidationError as e:
+        raise ProfileError(f"{path}: not a valid latency profile: {e}") from e
+    if profile.format_version != PROFILE_FORMAT_VERSION:
+        raise ProfileError(
+            f"{path}: format_version {profile.format_version}; this iterserve reads "
+            f"{PROFILE_FORMAT_VERSION}"
+        )
+    return profile
+
+
+def abs_pct_errors(predicted: list[float], measured: list[float]) -> list[float]:
+    """``|predicted - measured| / measured * 100`` per point."""
+    return [abs(p - m) / m * 100 for p, m in zip(predicted, measured, strict=True) if m > 0]
+
+
+def median_and_p90(values: list[float]) -> tuple[float, float]:
+    return percentile(values, 50), percentile(values, 90)
