@@ -16,7 +16,14 @@ from typing import Any
 import yaml
 
 from iterserve.bench.cli_args import add_bench_parsers
-from iterserve.config import ENGINE_CONFIG_CLASSES, ConfigError, ServerConfig, field_type
+from iterserve.config import (
+    ENGINE_CONFIG_CLASSES,
+    ConfigError,
+    ServerConfig,
+    SimulationConfig,
+    field_type,
+)
+from iterserve.sim.cli_args import add_simulate_args
 
 _EXAMPLE_PROMPTS = [
     "What is the capital of France?",
@@ -82,22 +89,41 @@ def engine_kwargs(
     kwargs: dict[str, Any] = {}
     if args.config is not None:
         try:
-            data = yaml.safe_load(args.config.read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            parser.error(f"cannot read --config {args.config}: {e}")
-        if not isinstance(data, dict):
-            parser.error(f"{args.config}: expected a mapping of flags to values")
-        for key, value in data.items():
-            name = str(key).replace("-", "_")
-            if name not in known:
-                parser.error(f"{args.config}: unknown setting {key!r}")
-            if name == "tiers" and isinstance(value, str):  # a file, as --tiers takes
-                try:
-                    value = _tiers_from_file(value)
-                except argparse.ArgumentTypeError as e:
-                    parser.error(str(e))
-            kwargs[name] = value
+            kwargs = load_config_file(args.config, known)
+        except ValueError as e:
+            parser.error(str(e))
     kwargs.update({k: v for k, v in vars(args).items() if k in known})
+    return kwargs
+
+
+def load_config_file(path: Path, known: set[str] | None = None) -> dict[str, Any]:
+    """The settings of a ``--config`` YAML file (keys with dashes or underscores), as keywords.
+
+    Args:
+        known: accepted keyword names (default: every engine config field).
+
+    Raises:
+        ValueError: unreadable file, not a mapping, or an unknown setting.
+    """
+    if known is None:
+        known = {f.name for cls in ENGINE_CONFIG_CLASSES for f in dataclasses.fields(cls)}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"cannot read --config {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of flags to values")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ValueError(f"{path}: unknown setting {key!r}")
+        if name == "tiers" and isinstance(value, str):  # a file, as --tiers takes
+            try:
+                value = _tiers_from_file(value)
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(str(e)) from e
+        kwargs[name] = value
     return kwargs
 
 
@@ -145,18 +171,40 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 def _cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from iterserve import envs
-    from iterserve.server.launch import serve
 
-    kwargs = engine_kwargs(args, parser, (*ENGINE_CONFIG_CLASSES, ServerConfig))
-    server_names = {f.name for f in dataclasses.fields(ServerConfig)}
-    server_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in server_names}
+    kwargs = engine_kwargs(args, parser, (*ENGINE_CONFIG_CLASSES, ServerConfig, SimulationConfig))
+    server_kwargs = _pop_fields(kwargs, ServerConfig)
+    sim_kwargs = _pop_fields(kwargs, SimulationConfig)
     server_kwargs.setdefault("api_key", envs.ITERSERVE_API_KEY)
     server_kwargs.setdefault("admin_token", envs.ITERSERVE_ADMIN_TOKEN)
     try:
-        return serve(kwargs, ServerConfig(**server_kwargs))
+        server_config = ServerConfig(**server_kwargs)
+        sim = SimulationConfig(**sim_kwargs)
+        if sim.simulate is not None:
+            from iterserve.sim.profile import ProfileError
+            from iterserve.sim.replica import serve_simulated
+
+            try:
+                return serve_simulated(kwargs, server_config, sim)
+            except ProfileError as e:
+                raise ConfigError(str(e)) from e
+        from iterserve.server.launch import serve
+
+        return serve(kwargs, server_config)
     except (ConfigError, TypeError) as e:
         print(f"iterserve serve: error: {e}", file=sys.stderr)
         return 2
+
+
+def _pop_fields(kwargs: dict[str, Any], cls: type) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from iterserve.sim.simulate import main
+
+    return main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     srv = sub.add_parser("serve", help="the OpenAI-compatible server of one replica")
-    add_engine_flags(srv, (ServerConfig, *ENGINE_CONFIG_CLASSES))
+    add_engine_flags(srv, (ServerConfig, *ENGINE_CONFIG_CLASSES, SimulationConfig))
     srv.set_defaults(func=_cmd_serve, subparser=srv)
     gen = sub.add_parser("generate", help="offline generation from the command line")
     add_engine_flags(gen)
@@ -180,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="apply the model's chat template to each prompt"
     )
     gen.set_defaults(func=_cmd_generate, subparser=gen)
+    sim = sub.add_parser(
+        "simulate", help="what-if replay of a trace under candidate configs, in virtual time"
+    )
+    add_simulate_args(sim)
+    sim.set_defaults(func=_cmd_simulate)
     bench = sub.add_parser("bench", help="benchmarks")
     add_bench_parsers(bench.add_subparsers(dest="bench_command", required=True))
     return parser

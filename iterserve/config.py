@@ -304,10 +304,24 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _require(
-            self.tensor_parallel_size == 1,
-            f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "
-            "iterserve runs one device per replica (tensor parallelism is a later release)",
+            self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
         )
+
+
+def require_single_device(config: EngineConfig) -> None:
+    """Refuse tensor parallelism on real devices (a later release; a simulated replica
+    takes the profile's degree instead).
+
+    Raises:
+        ConfigError: ``tensor_parallel_size`` is not 1.
+    """
+    tp = config.parallel.tensor_parallel_size
+    _require(
+        tp == 1,
+        f"tensor_parallel_size={tp} is not supported yet: iterserve runs one device per "
+        "replica (tensor parallelism is a later release)",
+    )
 
 
 @dataclass(frozen=True)
@@ -346,6 +360,38 @@ class ServerConfig:
         _require(
             self.max_request_body_bytes >= 1024,
             f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}",
+        )
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    """``iterserve serve --simulate``: a simulated replica (``iterserve.sim``); not ``LLM(...)``
+    keywords."""
+
+    simulate: str | None = field(
+        default=None,
+        metadata={
+            "help": "serve over the simulated model runner with this latency profile (a JSON "
+            "file, or cpu-smollm2 / a100x4-llama3-70b); no torch is loaded"
+        },
+    )
+    simulate_speed: float = field(
+        default=1.0,
+        metadata={"help": "run X times faster than the profile (metrics report profile time)"},
+    )
+    simulate_output_len: str | None = field(
+        default=None,
+        metadata={
+            "help": "where simulated requests draw EOS: constant:N, uniform:MIN:MAX or "
+            "lognormal:MEDIAN:SIGMA (default: the profile's)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _require(
+            0 < self.simulate_speed < math.inf,
+            f"simulate_speed must be a positive number, got {self.simulate_speed}",
         )
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from iterserve.cli import build_parser, engine_kwargs
-from iterserve.config import ConfigError, EngineConfig
+from iterserve.config import ConfigError, EngineConfig, require_single_device
 
 
 def test_defaults() -> None:
@@ -30,7 +30,7 @@ def test_defaults() -> None:
         ({"num_kv_blocks": 0}, "num_kv_blocks"),
         ({"num_kv_blocks": 8, "kv_cache_memory": 1 << 20}, "at most one"),
         ({"dtype": "int8"}, "dtype must be one of"),
-        ({"tensor_parallel_size": 4}, "tensor_parallel_size=4 is not supported"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
         (
             {"enable_chunked_prefill": False, "max_model_len": 2048},
             "must be >= max_model_len",
@@ -40,6 +40,13 @@ def test_defaults() -> None:
 def test_invalid_configs_raise(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_kwargs(**kwargs)
+
+
+def test_tensor_parallelism_is_refused_on_real_devices() -> None:
+    # Simulated replicas take the profile's degree; the torch path refuses anything but 1.
+    config = EngineConfig.from_kwargs(tensor_parallel_size=4)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=4 is not supported"):
+        require_single_device(config)
 
 
 def test_unknown_keyword_is_a_type_error() -> None:

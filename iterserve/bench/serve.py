@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -40,13 +42,17 @@ def _body(req: BenchRequest, model: str, endpoint: str, plain: bool) -> dict[str
         "stream_options": {"include_usage": True},
         "temperature": 0.0,
     }
-    if endpoint == "chat":
+    if req.messages is not None:
+        body["messages"] = req.messages
+    elif endpoint == "chat":
         body["messages"] = [{"role": "user", "content": req.prompt}]
     else:
         body["prompt"] = req.prompt
+    if req.tenant is not None:
+        body["user"] = req.tenant
     if not plain:
         body["ignore_eos"] = True
-        body["min_tokens"] = req.output_len
+        body["min_tokens"] = req.output_len if req.min_tokens is None else req.min_tokens
         if req.priority is not None:
             body["priority"] = req.priority
     return body
@@ -63,7 +69,8 @@ async def send(
     http: httpx.AsyncClient, req: BenchRequest, model: str, endpoint: str, plain: bool
 ) -> RequestRecord:
     """Send one streamed request; what the client saw."""
-    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    chat = endpoint == "chat" or req.messages is not None
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     tier = str(req.priority) if req.priority is not None else "default"
     record = RequestRecord(ok=False, tier=tier)
     start = time.perf_counter()
@@ -169,12 +176,7 @@ def _assign_tiers(requests: list[BenchRequest], mix: str | None, seed: int) -> l
         names.append(name.strip())
         weights.append(float(weight or 1))
     rng = random.Random(seed + 2)
-    return [
-        BenchRequest(
-            r.prompt, r.prompt_len, r.output_len, r.arrival_s, rng.choices(names, weights)[0]
-        )
-        for r in requests
-    ]
+    return [dataclasses.replace(r, priority=rng.choices(names, weights)[0]) for r in requests]
 
 
 def format_summary(label: str, s: dict[str, Any]) -> str:
@@ -266,6 +268,13 @@ def main(args: argparse.Namespace) -> int:
         requests = make_workload(
             args.workload, tokenizer, args.num_requests, args.seed, max_output_len=max_output
         )
+    if any(not r.prompt and r.messages is None for r in requests):
+        print(
+            "iterserve bench serve: error: the trace has entries with only prompt_len; a real "
+            "server needs prompt text (iterserve simulate accepts them)",
+            file=sys.stderr,
+        )
+        return 2
     requests = _assign_tiers(requests, args.tier_mix, args.seed)
     if args.save_trace is not None:
         from iterserve.bench.workloads import save_trace

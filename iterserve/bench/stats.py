@@ -66,7 +66,8 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def _dist(values: list[float]) -> dict[str, float]:
+def distribution(values: list[float]) -> dict[str, float]:
+    """p50, p90, p99 and mean of ``values`` (NaN when empty)."""
     out = {f"p{p}": percentile(values, p) for p in PERCENTILES}
     out["mean"] = sum(values) / len(values) if values else math.nan
     return out
@@ -84,7 +85,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> dict
     ms = 1000.0
 
     def dist(values: list[float | None]) -> dict[str, float]:
-        return _dist([v * ms for v in values if v is not None])
+        return distribution([v * ms for v in values if v is not None])
 
     output_tokens = sum(r.output_tokens for r in ok)
     duration_s = max(duration_s, 1e-9)

@@ -12,9 +12,11 @@ Workloads (``--workload``):
 - ``long-prompt``: one request in ten with a 3,000-4,000-token prompt, the rest 100-300.
 - ``shared-prefix``: one 500-token system prompt shared by all, plus 50-200 tokens each.
 
-Trace (JSONL, one request per line): ``{"timestamp": s, "prompt": str, "max_tokens": int}``
-plus optional ``min_tokens``, ``priority`` and ``messages`` (chat); ``timestamp`` is the
-arrival in seconds from the start (replayed as recorded).
+Trace (JSONL, one request per line, DESIGN.md): ``{"timestamp": s, "prompt": str,
+"max_tokens": int}`` plus optional ``min_tokens``, ``priority`` (tier name or integer),
+``tenant``, ``messages`` (chat, instead of ``prompt``) and ``prompt_len`` (tokens; an entry
+may give it instead of a prompt, which ``iterserve simulate`` accepts and ``bench serve``
+refuses); ``timestamp`` is the arrival in seconds from the start (replayed as recorded).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class BenchRequest:
         output_len: tokens to generate (``max_tokens``; also ``min_tokens`` unless plain).
         arrival_s: arrival time from the start (traces); None: set by the arrival process.
         priority: tier name or integer (None: the server's default tier).
+        min_tokens: a trace's own ``min_tokens`` (None: ``output_len`` unless plain).
+        tenant: who sent it (traces).
+        messages: a chat request's messages (``prompt`` is then empty).
     """
 
     prompt: str
@@ -60,6 +65,9 @@ class BenchRequest:
     output_len: int
     arrival_s: float | None = None
     priority: str | int | None = None
+    min_tokens: int | None = None
+    tenant: str | None = None
+    messages: list[dict[str, str]] | None = None
 
 
 def corpus_text() -> str:
@@ -162,19 +170,32 @@ def load_trace(path: Path) -> list[BenchRequest]:
         if not line.strip():
             continue
         try:
-            entry = json.loads(line)
-            requests.append(
-                BenchRequest(
-                    prompt=str(entry["prompt"]),
-                    prompt_len=int(entry.get("prompt_len", 0)),
-                    output_len=int(entry["max_tokens"]),
-                    arrival_s=float(entry["timestamp"]) if "timestamp" in entry else None,
-                    priority=entry.get("priority"),
-                )
-            )
+            requests.append(_trace_entry(json.loads(line)))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{num}: not a trace entry ({e}): {line[:80]!r}") from e
     return requests
+
+
+def _trace_entry(entry: dict[str, Any]) -> BenchRequest:
+    messages = entry.get("messages")
+    if messages is not None and not (
+        isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
+    ):
+        raise ValueError("messages must be a list of objects")
+    if "prompt" not in entry and messages is None and "prompt_len" not in entry:
+        raise KeyError("prompt (or messages, or prompt_len)")
+    min_tokens = entry.get("min_tokens")
+    tenant = entry.get("tenant")
+    return BenchRequest(
+        prompt=str(entry.get("prompt", "")),
+        prompt_len=int(entry.get("prompt_len", 0)),
+        output_len=int(entry["max_tokens"]),
+        arrival_s=float(entry["timestamp"]) if "timestamp" in entry else None,
+        priority=entry.get("priority"),
+        min_tokens=None if min_tokens is None else int(min_tokens),
+        tenant=None if tenant is None else str(tenant),
+        messages=messages,
+    )
 
 
 def save_trace(requests: list[BenchRequest], path: Path) -> None:

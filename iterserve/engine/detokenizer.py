@@ -22,18 +22,24 @@ class IncrementalDetokenizer:
     """The output text of one completion, one token at a time.
 
     Args:
-        tokenizer: a Hugging Face tokenizer (its ``backend_tokenizer`` is used).
+        tokenizer: a Hugging Face tokenizer (its ``backend_tokenizer`` is used); one without
+            a ``backend_tokenizer`` decodes each token alone (``decode([token_id])``).
         prompt_token_ids: the prompt, for context.
         params: ``stop``, ``include_stop_str_in_output``, ``skip_special_tokens``.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        from tokenizers.decoders import DecodeStream
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:  # a tokenizer whose tokens decode alone (the simulator's)
+            skip = params.skip_special_tokens
+            self._step: Any = lambda token_id: tokenizer.decode([token_id], skip)
+        else:
+            from tokenizers.decoders import DecodeStream
 
-        self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(
-            prompt_token_ids[-_CONTEXT_TOKENS:], skip_special_tokens=params.skip_special_tokens
-        )
+            stream = DecodeStream(
+                prompt_token_ids[-_CONTEXT_TOKENS:], skip_special_tokens=params.skip_special_tokens
+            )
+            self._step = lambda token_id: stream.step(backend, token_id)
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self._hold = max((len(s) for s in self.stop), default=1) - 1
@@ -44,7 +50,7 @@ class IncrementalDetokenizer:
         """Decode one more token; returns the stop string it completed, if any (the text is
         then cut before it, or after it with ``include_stop_str_in_output``). With
         ``check_stop`` False (``min_tokens`` not reached) stop strings are not searched."""
-        piece = self._stream.step(self._backend, token_id)
+        piece = self._step(token_id)
         if not piece:
             return None
         start = max(0, len(self.text) - self._hold)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from iterserve.config import ConfigError, EngineConfig, GiB
+from iterserve.config import ConfigError, EngineConfig, GiB, require_single_device
 from iterserve.engine.policy import PreemptionCosts
 from iterserve.executor.attention import KVCache
 from iterserve.executor.model_runner import TorchModelRunner
@@ -157,6 +157,7 @@ def build(config: EngineConfig) -> LoadedModel:
     """
     from transformers import AutoTokenizer
 
+    require_single_device(config)
     model_dir = resolve_model_dir(config.model.model)
     hf_config = load_hf_config(model_dir)
     config = config.with_max_model_len(resolve_max_model_len(config, hf_config))

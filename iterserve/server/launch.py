@@ -18,7 +18,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from iterserve.config import EngineConfig, ServerConfig
+from iterserve.config import EngineConfig, ServerConfig, require_single_device
 from iterserve.engine.process_engine import LOG_FORMAT, ProcessEngine
 from iterserve.server.app import build_app
 from iterserve.server.state import ServerState
@@ -75,15 +75,25 @@ class GracefulServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+
+
 def serve(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> int:
-    """Run a replica until it is stopped; the process exit code.
+    """Run a replica (the engine in its own process) until it is stopped; the exit code.
 
     Raises:
         ConfigError, TypeError: invalid engine or server settings.
     """
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    EngineConfig.from_kwargs(**engine_kwargs)  # invalid settings fail here, before any process
-    app = build_app(ProcessEngine(engine_kwargs), server_config)
+    setup_logging()
+    # Invalid settings fail here, before any process starts.
+    require_single_device(EngineConfig.from_kwargs(**engine_kwargs))
+    return run_server(build_app(ProcessEngine(engine_kwargs), server_config), server_config)
+
+
+def run_server(app: FastAPI, server_config: ServerConfig) -> int:
+    """Serve ``app`` (from :func:`~iterserve.server.app.build_app`) with a graceful drain
+    until it is stopped; the exit code."""
     config = uvicorn.Config(
         app,
         host=server_config.host,

@@ -1,0 +1,233 @@
+"""Simulated replicas: the real engine over the simulated runner, and ``serve --simulate``.
+
+:func:`build_engine` makes an :class:`~iterserve.engine.llm_engine.LLMEngine` whose runner is
+a :class:`~iterserve.sim.runner.SimulatedModelRunner`, sized from the profile: the KV pool is
+the profile's unless ``--num-kv-blocks`` or ``--kv-cache-memory`` say otherwise (bytes over
+the profile's KV bytes per token), ``max_model_len`` at most the profile's, swap space in
+blocks of the profile's KV size, and ``tensor_parallel_size`` must be the profile's degree (a
+simulated 4-GPU replica is one process). :func:`serve_simulated` runs the whole HTTP server
+over it in one process: the engine loop on a thread behind
+:class:`~iterserve.engine.async_engine.AsyncEngine`.
+
+Time: a live replica's clock is :class:`ScaledClock` (profile seconds; with
+``--simulate-speed X`` it runs X times faster than the wall clock, and every latency the
+server reports, metrics included, is in profile time). A replay uses :class:`VirtualClock`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from iterserve.config import (
+    ConfigError,
+    EngineConfig,
+    GiB,
+    ServerConfig,
+    SimulationConfig,
+)
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.messages import Clock
+from iterserve.engine.policy import PreemptionCosts
+from iterserve.sim.profile import LatencyProfile, OutputLengths, load_profile
+from iterserve.sim.runner import SimulatedModelRunner
+from iterserve.sim.tokenizer import CharTokenizer, FileTokenizer, load_tokenizer
+
+logger = logging.getLogger("iterserve.sim")
+
+SimTokenizer = CharTokenizer | FileTokenizer
+
+
+class VirtualClock:
+    """Seconds that move only when the simulation advances them (a replay)."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class ScaledClock:
+    """Profile seconds of a live replica: the monotonic clock, ``speed`` times faster."""
+
+    def __init__(self, speed: float = 1.0) -> None:
+        self.speed = speed
+        self._origin = time.monotonic()
+
+    def __call__(self) -> float:
+        return self._origin + (time.monotonic() - self._origin) * self.speed
+
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` of profile time."""
+        time.sleep(seconds / self.speed)
+
+
+def parse_output_lengths(spec: str) -> OutputLengths:
+    """``constant:N``, ``uniform:MIN:MAX`` or ``lognormal:MEDIAN:SIGMA[:MAX]``.
+
+    Raises:
+        ConfigError: another form.
+    """
+    kind, _, rest = spec.partition(":")
+    try:
+        values = [float(v) for v in rest.split(":")] if rest else []
+        if kind == "constant" and len(values) == 1:
+            n = int(values[0])
+            return OutputLengths(distribution="constant", median=n, min=n, max=n)
+        if kind == "uniform" and len(values) == 2:
+            return OutputLengths(distribution="uniform", min=int(values[0]), max=int(values[1]))
+        if kind == "lognormal" and len(values) in (2, 3):
+            extra = {"max": int(values[2])} if len(values) == 3 else {}
+            return OutputLengths(
+                distribution="lognormal", median=values[0], sigma=values[1], **extra
+            )
+    except ValueError as e:
+        raise ConfigError(f"simulate_output_len {spec!r}: {e}") from e
+    raise ConfigError(
+        f"simulate_output_len {spec!r}: expected constant:N, uniform:MIN:MAX or "
+        "lognormal:MEDIAN:SIGMA[:MAX]"
+    )
+
+
+def resolve_config(profile: LatencyProfile, engine_kwargs: dict[str, Any]) -> EngineConfig:
+    """The engine config of a simulated replica (see the module docstring).
+
+    Raises:
+        ConfigError, TypeError: invalid settings, or ones the profile cannot model.
+    """
+    config = EngineConfig.from_kwargs(**engine_kwargs)
+    tp = profile.model.tensor_parallel_size
+    if engine_kwargs.get("tensor_parallel_size", tp) != tp:
+        raise ConfigError(
+            f"tensor_parallel_size={engine_kwargs['tensor_parallel_size']} but the profile "
+            f"{profile.name!r} was measured at tensor parallel degree {tp}"
+        )
+    model_max = profile.model.max_model_len
+    asked = config.model.max_model_len
+    if asked is not None and asked > model_max:
+        raise ConfigError(f"max_model_len {asked} exceeds the profile's maximum {model_max}")
+    model = dataclasses.replace(config.model, max_model_len=asked or model_max)
+    if config.model.model == "default" and config.model.served_model_name is None:
+        model = dataclasses.replace(model, served_model_name=profile.model.name)
+    parallel = dataclasses.replace(config.parallel, tensor_parallel_size=tp)
+    return dataclasses.replace(config, model=model, parallel=parallel)
+
+
+def num_kv_blocks(profile: LatencyProfile, config: EngineConfig) -> int:
+    """KV blocks of the simulated pool (see the module docstring)."""
+    cache, spec = config.cache, profile.kv_cache
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    if cache.kv_cache_memory is not None:
+        blocks = cache.kv_cache_memory // (cache.block_size * spec.kv_bytes_per_token)
+    else:  # the profile's pool, in this block size
+        blocks = spec.num_blocks * spec.block_size // cache.block_size
+    if blocks < 1:
+        raise ConfigError("the KV cache budget holds no block")
+    return int(blocks)
+
+
+def build_engine(
+    profile: LatencyProfile,
+    engine_kwargs: dict[str, Any],
+    wait: Callable[[float], None],
+    clock: Clock,
+    tokenizer: SimTokenizer | None = None,
+    include_engine_overhead: bool = False,
+    output_lengths: OutputLengths | None = None,
+) -> tuple[LLMEngine, SimTokenizer]:
+    """A real engine over the simulated runner, and the tokenizer it detokenizes with.
+
+    Args:
+        engine_kwargs: engine flags, as ``LLM(...)`` keywords; ``model`` names the tokenizer
+            directory (``default`` or a directory without ``tokenizer.json``: ~4 characters
+            per token).
+        wait: how the runner waits out an iteration (profile seconds).
+        clock: the engine's clock (profile seconds).
+        tokenizer: share one tokenizer between replicas (default: loaded from ``model``).
+
+    Raises:
+        ConfigError, TypeError: invalid settings.
+    """
+    config = resolve_config(profile, engine_kwargs)
+    if tokenizer is None:
+        model = config.model.model
+        tokenizer = load_tokenizer(None if model == "default" else model, profile.model.vocab_size)
+    eos = tokenizer.eos_token_id
+    eos_ids = frozenset([eos] if eos is not None else profile.model.eos_token_ids)
+    runner = SimulatedModelRunner(
+        profile,
+        wait,
+        tokenizer.ordinary_token_ids(),
+        min(eos_ids),
+        seed=config.model.seed,
+        include_engine_overhead=include_engine_overhead,
+        output_lengths=output_lengths,
+    )
+    kv_bytes_per_token = profile.kv_cache.kv_bytes_per_token
+    num_host_blocks = int(config.cache.swap_space * GiB) // (
+        config.cache.block_size * kv_bytes_per_token
+    )
+    costs = None
+    if num_host_blocks and config.scheduler.preemption_mode == "auto":
+        costs = PreemptionCosts(
+            profile.prefill_seconds_per_token(), profile.swap.bytes_per_s, kv_bytes_per_token
+        )
+    engine = LLMEngine(
+        config,
+        runner,
+        tokenizer,
+        num_kv_blocks=num_kv_blocks(profile, config),
+        vocab_size=tokenizer.vocab_size,
+        eos_token_ids=eos_ids,
+        num_host_blocks=num_host_blocks,
+        preemption_costs=costs,
+        model_dir=config.model.model if isinstance(tokenizer, FileTokenizer) else None,
+        clock=clock,
+    )
+    return engine, tokenizer
+
+
+def serve_simulated(
+    engine_kwargs: dict[str, Any], server_config: ServerConfig, sim: SimulationConfig
+) -> int:
+    """``iterserve serve --simulate``: run a simulated replica until it is stopped; the exit
+    code.
+
+    Raises:
+        ConfigError, TypeError, ProfileError: invalid settings or profile.
+    """
+    from iterserve.engine.async_engine import AsyncEngine
+    from iterserve.server.app import build_app
+    from iterserve.server.launch import run_server, setup_logging
+
+    setup_logging()
+    assert sim.simulate is not None
+    profile = load_profile(sim.simulate)
+    output_lengths = (
+        parse_output_lengths(sim.simulate_output_len) if sim.simulate_output_len else None
+    )
+    clock = ScaledClock(sim.simulate_speed)
+    engine, tokenizer = build_engine(
+        profile, engine_kwargs, clock.sleep, clock, output_lengths=output_lengths
+    )
+    logger.info(
+        "simulated replica: profile %s (%s), %d KV blocks of %d tokens, speed x%g, %s",
+        profile.name,
+        profile.source.hardware,
+        engine.scheduler.kv.num_blocks,
+        engine.config.cache.block_size,
+        sim.simulate_speed,
+        "tokenizer " + str(engine.model_dir)
+        if engine.model_dir
+        else "~4 characters per token (no tokenizer file)",
+    )
+    app = build_app(AsyncEngine(engine), server_config, tokenizer=tokenizer, clock=clock)
+    return run_server(app, server_config)
