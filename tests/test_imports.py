@@ -9,7 +9,16 @@ import pytest
 
 
 @pytest.mark.parametrize(
-    "module", ["iterserve", "iterserve.router", "iterserve.operator", "iterserve.engine.scheduler"]
+    "module",
+    [
+        "iterserve",
+        "iterserve.router",
+        "iterserve.operator",
+        "iterserve.engine.scheduler",
+        # The simulator: simulated replicas and the what-if replay run in the control image.
+        "iterserve.sim.replica",
+        "iterserve.sim.simulate",
+    ],
 )
 def test_import_does_not_load_torch(module: str) -> None:
     code = f"import sys, {module}; assert 'torch' not in sys.modules, sorted(sys.modules)"

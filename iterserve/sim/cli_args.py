@@ -29,6 +29,12 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         help="how requests are spread over replicas (default: %(default)s)",
     )
     p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="closed loop: keep this many requests in flight (trace timestamps ignored)",
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         help="tokenizer directory for prompt text (default: ~4 characters per token)",

@@ -162,8 +162,13 @@ def replay(
     num_replicas: int = 1,
     routing: str = "least_kv",
     seed: int = 0,
+    concurrency: int | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` (arrival times in seconds from 0) in virtual time.
+
+    With ``concurrency`` the loop is closed instead (as ``bench serve --concurrency``): that
+    many requests are sent at 0, and each one that ends (or is refused) sends the next, at
+    once; the trace's timestamps are ignored.
 
     Raises:
         ConfigError, TypeError: settings the engine or the profile refuses.
@@ -184,11 +189,23 @@ def replay(
     rejected: dict[str, int] = {}
     records: list[RequestRecord] = []
     queue_s: list[tuple[str, float]] = []
-    # (time, 0 = arrival / 1 = end of an iteration, sequence, payload)
+    # (time, 0 = arrival / 1 = end of an iteration / 2 = wake an idle replica, sequence,
+    # payload): at one instant, arrivals first, so they all join the iteration that starts.
     events: list[tuple[float, int, int, Any]] = []
     seq = itertools.count()
-    for i, req in enumerate(trace):
-        heapq.heappush(events, (req.arrival_s or 0.0, 0, next(seq), (i, req)))
+    pending = iter(enumerate(trace))
+
+    def send_next(t: float) -> None:
+        item = next(pending, None)
+        if item is not None:
+            heapq.heappush(events, (t, 0, next(seq), item))
+
+    if concurrency is None:
+        for i, req in pending:
+            heapq.heappush(events, (req.arrival_s or 0.0, 0, next(seq), (i, req)))
+    else:
+        for _ in range(concurrency):
+            send_next(0.0)
 
     def start_iteration(r: _Replica, t: float) -> None:
         r.clock.now = t
@@ -220,6 +237,8 @@ def replay(
             rec.e2e_s = t - entry.arrival
             rec.ok = rec.ttft_s is not None
             rec.status = 200
+            if concurrency is not None:
+                send_next(t)
 
     end = 0.0
     while events:
@@ -232,8 +251,14 @@ def replay(
             r = router.pick(replicas)
             if _admit(str(index), req, record, r, t, tokenizer, rng, ordinary, rejected):
                 tracked[str(index)] = _Tracked(record, t, r)
-                if not r.busy:
-                    start_iteration(r, t)
+                if not r.busy:  # start once every arrival of this instant is in
+                    heapq.heappush(events, (t, 2, next(seq), r))
+            elif concurrency is not None:
+                send_next(t)
+            continue
+        if kind == 2:
+            if not payload.busy:
+                start_iteration(payload, t)
             continue
         r, deltas = payload
         for delta in deltas:

@@ -104,6 +104,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.replicas < 1:
             raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
+        if args.concurrency is not None and args.concurrency < 1:
+            raise ConfigError(f"--concurrency must be >= 1, got {args.concurrency}")
         profile = load_profile(args.profile)
         trace = load_trace(args.trace)
         candidates = [(p.stem, load_config_file(p)) for p in args.config] or [("defaults", {})]
@@ -115,7 +117,14 @@ def main(args: argparse.Namespace) -> int:
             if args.tokenizer:
                 kwargs.setdefault("model", args.tokenizer)
             replayed = replay(
-                trace, profile, kwargs, tokenizer, args.replicas, args.routing, args.seed
+                trace,
+                profile,
+                kwargs,
+                tokenizer,
+                args.replicas,
+                args.routing,
+                args.seed,
+                args.concurrency,
             )
             runs.append(replayed.report(name, slo))
     except (ConfigError, ProfileError, TypeError, ValueError, OSError) as e:
