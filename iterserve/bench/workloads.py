@@ -132,6 +132,8 @@ def make_workload(
     """The requests of workload ``name`` (see the module docstring), reproducible by ``seed``.
 
     Args:
+        tokenizer: cuts the prompts; None gives requests with lengths only (``prompt`` empty,
+            ``prompt_len`` set: what ``iterserve simulate`` accepts without a tokenizer).
         max_output_len: clip output lengths (``--smoke`` runs use short outputs).
 
     Raises:
@@ -140,9 +142,11 @@ def make_workload(
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS} or give a trace")
     rng = random.Random(seed)
-    cutter = PromptCutter(tokenizer, rng)
+    cutter = PromptCutter(tokenizer, rng) if tokenizer is not None else None
     requests: list[BenchRequest] = []
-    system = cutter.cut(500) if name == "shared-prefix" else ""
+    system = ""
+    if name == "shared-prefix" and cutter is not None:
+        system = cutter.cut(500)
     for i in range(num_requests):
         if name == "mixed":
             prompt_len = int(min(1024, max(16, rng.lognormvariate(math.log(200), 0.8))))
@@ -151,9 +155,9 @@ def make_workload(
         else:
             prompt_len = rng.randint(50, 200)
         output_len = min(max_output_len, _mixed_output_len(rng))
-        prompt = cutter.cut(prompt_len)
-        if system:
-            prompt = system + "\n\n" + prompt
+        prompt = cutter.cut(prompt_len) if cutter is not None else ""
+        if name == "shared-prefix":
+            prompt = system + "\n\n" + prompt if system else prompt
             prompt_len += 500
         requests.append(BenchRequest(prompt, prompt_len, output_len))
     return requests

@@ -116,10 +116,14 @@ class FileTokenizer:
         self.vocab_size = self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
-        return Encoding(self.backend_tokenizer.encode(text, add_special_tokens).ids)
+        return Encoding(
+            self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        )
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return str(self.backend_tokenizer.decode(token_ids, skip_special_tokens))
+        return str(
+            self.backend_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        )
 
     def apply_chat_template(
         self,
