@@ -52,6 +52,7 @@ COMMANDS = [
     "bench serve",
     "bench gate",
     "bench messages",
+    "bench calibrate",
 ]
 
 

@@ -35,6 +35,7 @@ def add_bench_parsers(sub: Any) -> None:
     _add_serve(sub)
     _add_gate(sub)
     _add_messages(sub)
+    _add_calibrate(sub)
 
 
 def _add_decode(sub: Any) -> None:
@@ -138,3 +139,30 @@ def _add_messages(sub: Any) -> None:
     p.add_argument("--output-dir", type=Path, default=None, help=_SMOKE_DIR_HELP)
     p.add_argument("--smoke", action="store_true", help="output lengths 16 and 64 (tests)")
     p.set_defaults(func=_main_of("messages"))
+
+
+def _add_calibrate(sub: Any) -> None:
+    p = sub.add_parser(
+        "calibrate", help="time the real engine's iterations and fit a latency profile (sim)"
+    )
+    p.add_argument("--model", default="default", help="model to load (as `generate --model`)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="serving dtype (auto = bfloat16)",
+    )
+    p.add_argument("--batch-sizes", default="1,4,16,64", help="decode cells: batch sizes")
+    p.add_argument("--contexts", default="128,512,2048", help="decode cells: context tokens")
+    p.add_argument("--chunk-sizes", default="32,128,512", help="prefill cells: chunk tokens")
+    p.add_argument("--seed", type=int, default=0, help="prompts and the held-out split")
+    p.add_argument("--out", type=Path, default=None, help="profile JSON (default: in the dir)")
+    p.add_argument("--name", default=None, help="profile name (default: --out's stem)")
+    p.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        help="points, plot (and profile); default: bench-results[/smoke]/calibrate-<time>",
+    )
+    p.add_argument("--smoke", action="store_true", help="tiny grid, well under a minute (tests)")
+    p.set_defaults(func=_main_of("calibrate"))
