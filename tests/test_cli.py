@@ -45,6 +45,7 @@ COMMANDS = [
     "",
     "serve",
     "generate",
+    "simulate",
     "bench",
     "bench decode",
     "bench offline",
@@ -53,6 +54,7 @@ COMMANDS = [
     "bench gate",
     "bench messages",
     "bench calibrate",
+    "bench fidelity",
 ]
 
 

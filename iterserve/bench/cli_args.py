@@ -36,6 +36,7 @@ def add_bench_parsers(sub: Any) -> None:
     _add_gate(sub)
     _add_messages(sub)
     _add_calibrate(sub)
+    _add_fidelity(sub)
 
 
 def _add_decode(sub: Any) -> None:
@@ -166,3 +167,20 @@ def _add_calibrate(sub: Any) -> None:
     )
     p.add_argument("--smoke", action="store_true", help="tiny grid, well under a minute (tests)")
     p.set_defaults(func=_main_of("calibrate"))
+
+
+def _add_fidelity(sub: Any) -> None:
+    p = sub.add_parser("fidelity", help="the simulator vs the real server on the same traces (sim)")
+    p.add_argument("--profile", default="cpu-smollm2", help="profile calibrated on this machine")
+    p.add_argument("--workloads", default="mixed,long-prompt", help="comma-separated")
+    p.add_argument("--num-requests", type=int, default=48, help="requests per trace")
+    p.add_argument("--max-output-len", type=int, default=256, help="clip output lengths")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=8600, help="port of the real server it starts")
+    p.add_argument(
+        "--production", action="store_true", help="also the A100 production table (simulated)"
+    )
+    p.add_argument("--production-only", action="store_true", help="only the A100 table")
+    p.add_argument("--production-requests", type=int, default=1024)
+    p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    p.set_defaults(func=_main_of("fidelity"))

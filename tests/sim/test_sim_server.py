@@ -4,6 +4,7 @@ process without torch, answering the ``openai`` client at the profile's pace."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -64,7 +65,7 @@ def test_streams_follow_the_profile(sim_server: Server) -> None:
                 text += choice.text
     assert usage is not None and usage.completion_tokens == 12
     assert len(text) == 12 * 4  # ~4 characters per token without a tokenizer file
-    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
     # Each decode iteration is predicted at 41 ms; the client sees the same pace.
     assert 0.8 * 0.041 <= statistics.median(gaps) <= 1.5 * 0.041, gaps
 
@@ -103,8 +104,17 @@ def test_bench_serve_against_a_simulated_server(
     prompts = ["Tell me about paged attention.", "Why batch at every iteration?"] * 3
     save_trace([BenchRequest(p, 0, 6, arrival_s=i * 0.02) for i, p in enumerate(prompts)], trace)
     args = build_parser().parse_args(
-        ["bench", "serve", "--url", sim_server.url, "--trace", str(trace), "--no-progress"]
-        + ["--output-dir", str(tmp_path)]
+        [
+            "bench",
+            "serve",
+            "--url",
+            sim_server.url,
+            "--trace",
+            str(trace),
+            "--no-progress",
+            "--output-dir",
+            str(tmp_path),
+        ]
     )
     assert isinstance(args, argparse.Namespace)
     assert bench_serve.main(args) == 0
