@@ -49,7 +49,7 @@ from iterserve.sim.profile import BatchShape
 DECODE_STEPS = 16  # iterations in which a decode cell's whole batch decodes
 DECODE_BUDGET = 512  # max_num_batched_tokens of the decode cells (their prefill chunks)
 PREFILL_REACH = 2048  # the prefill cells' chunks start at offsets up to this (tokens)
-SWAP_SPACE_GIB = 0.05  # host pool for timing KV swaps (16 blocks are copied out and back)
+SWAP_SPACE_GIB = 0.05  # host pool for timing KV swaps (all of it is copied out and back)
 # --smoke: a tiny grid (the test's), well under a minute
 SMOKE_GRID = {"batch_sizes": "1,8", "contexts": "32,128", "chunk_sizes": "32"}
 SMOKE_REACH = 128
@@ -76,22 +76,37 @@ class Calibration:
     def __init__(self, args: argparse.Namespace) -> None:
         from iterserve.executor.build import build  # torch
 
+        # The KV pool the default budget gives; "recompute": build need not time preemption.
         config = EngineConfig.from_kwargs(
-            model=args.model, dtype=args.dtype, swap_space=SWAP_SPACE_GIB
+            model=args.model,
+            dtype=args.dtype,
+            swap_space=SWAP_SPACE_GIB,
+            preemption_mode="recompute",
         )
-        self.loaded = build(config)  # the KV pool the default budget gives
+        self.loaded = build(config)
         self.timer = TimingRunner(self.loaded.runner)
         self.rng = random.Random(args.seed)
         self.model = args.model
         self.dtype = args.dtype
         self.skipped: list[str] = []
 
-    def swap_bytes_per_s(self, repeats: int = 3) -> float:
-        """Median of a few KV block copies out to the host pool and back (bytes / second)."""
-        runner = self.loaded.runner
-        return statistics.median(
-            runner.measure_preemption_costs().swap_bytes_per_second for _ in range(repeats)
-        )
+    def swap_bytes_per_s(self, repeats: int = 5) -> float:
+        """Bytes / second of copying KV blocks out and back in (the engine's swap path, every
+        block of the host pool, ~50 MB each way), median of ``repeats``; run while the pool
+        is idle."""
+        import torch
+
+        kv = self.loaded.runner.kv_cache
+        pairs = [(i, i) for i in range(min(kv.num_host_blocks, kv.num_blocks))]
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            kv.swap_out(pairs)
+            kv.swap_in(pairs)
+            if self.loaded.runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return 2 * len(pairs) * kv.block_size * kv.bytes_per_token / statistics.median(times)
 
     def decode_cell(self, batch: int, context: int, steps: int = DECODE_STEPS) -> list[Point]:
         """``batch`` prompts of ``context`` tokens; each decodes until the last one's prefill is
