@@ -127,15 +127,17 @@ def fidelity_runs(args: argparse.Namespace, out_dir: Path) -> list[dict[str, Any
     runs = []
     with real_server(args.port, []) as url:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        for workload in args.workloads.split(","):
-            requests = make_workload(
-                workload, tokenizer, args.num_requests, args.seed, args.max_output_len
-            )
-            burst = replay(requests, profile, engine_kwargs, tokenizer, seed=args.seed)
-            capacity = len(requests) / burst.duration_s
-            for factor in LOAD_FACTORS:
+        for w, workload in enumerate(args.workloads.split(",")):
+            for f, factor in enumerate(LOAD_FACTORS):
+                # Fresh prompts per run: the real server's prefix cache keeps earlier runs'.
+                seed = args.seed + 100 * w + f
+                requests = make_workload(
+                    workload, tokenizer, args.num_requests, seed, args.max_output_len
+                )
+                burst = replay(requests, profile, engine_kwargs, tokenizer, seed=seed)
+                capacity = len(requests) / burst.duration_s
                 rate = factor * capacity
-                offsets = arrival_times(len(requests), rate, None, 0.0, args.seed)
+                offsets = arrival_times(len(requests), rate, None, 0.0, seed)
                 trace = [
                     dataclasses.replace(r, arrival_s=o)
                     for r, o in zip(requests, offsets, strict=True)
@@ -145,7 +147,7 @@ def fidelity_runs(args: argparse.Namespace, out_dir: Path) -> list[dict[str, Any
                     run_load(url, trace, model, _client_args(args), rate)
                 )
                 real = summarize(records, wall, slo)
-                sim = replay(trace, profile, engine_kwargs, tokenizer, seed=args.seed)
+                sim = replay(trace, profile, engine_kwargs, tokenizer, seed=seed)
                 simulated = sim.report(f"{workload} {factor}x", slo)
                 run = {
                     "workload": workload,

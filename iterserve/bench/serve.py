@@ -179,6 +179,17 @@ def _assign_tiers(requests: list[BenchRequest], mix: str | None, seed: int) -> l
     return [dataclasses.replace(r, priority=rng.choices(names, weights)[0]) for r in requests]
 
 
+def _with_arrivals(
+    requests: list[BenchRequest], rate: float, args: argparse.Namespace
+) -> list[BenchRequest]:
+    """The requests with the arrival times an open-loop run at ``rate`` gives them (a saved
+    trace replays the same arrivals; closed-loop runs keep none)."""
+    if args.concurrency or any(r.arrival_s is not None for r in requests):
+        return requests
+    offsets = arrival_times(len(requests), rate, args.burst, args.burst_interval_s, args.seed)
+    return [dataclasses.replace(r, arrival_s=o) for r, o in zip(requests, offsets, strict=True)]
+
+
 def format_summary(label: str, s: dict[str, Any]) -> str:
     def f(d: dict[str, float], k: str) -> str:
         return f"{d[k]:8.1f}" if not math.isnan(d[k]) else "       -"
@@ -276,14 +287,15 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
     requests = _assign_tiers(requests, args.tier_mix, args.seed)
+    rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
     if args.save_trace is not None:
         from iterserve.bench.workloads import save_trace
 
-        save_trace(requests, args.save_trace)
+        save_trace(_with_arrivals(requests, rates[0], args), args.save_trace)
+        print(f"wrote {args.save_trace}")
     url = args.url.rstrip("/")
     model = args.model or _model_name(url, args.api_key)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
-    rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
     runs = []
     print(TABLE_HEADER)
     for rate in rates:

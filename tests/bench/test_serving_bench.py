@@ -131,6 +131,32 @@ def test_trace_round_trip(tmp_path: Path, tokenizer: Any) -> None:
     path.write_text('{"prompt": "no max_tokens"}\n')
     with pytest.raises(ValueError, match=r"trace\.jsonl:1"):
         load_trace(path)
+    # DESIGN.md's optional fields: chat messages, min_tokens, tenant, a length-only entry.
+    path.write_text(
+        '{"timestamp": 0, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, '
+        '"min_tokens": 2, "tenant": "acme"}\n{"timestamp": 1, "prompt_len": 300, "max_tokens": 8}\n'
+    )
+    chat, sized = load_trace(path)
+    assert chat.messages == [{"role": "user", "content": "hi"}] and chat.prompt == ""
+    assert (chat.min_tokens, chat.tenant) == (2, "acme")
+    body = _body(chat, "m", "completions", plain=False)
+    assert body["messages"] == chat.messages and body["user"] == "acme"
+    assert body["min_tokens"] == 2 and "prompt" not in body
+    assert (sized.prompt, sized.prompt_len) == ("", 300)
+
+
+def test_a_saved_trace_carries_the_open_loop_arrivals(tmp_path: Path, tokenizer: Any) -> None:
+    import argparse
+
+    from iterserve.bench.serve import _with_arrivals
+
+    requests = make_workload("mixed", tokenizer, 6, max_output_len=20)
+    args = argparse.Namespace(concurrency=None, burst=None, burst_interval_s=0.0, seed=3)
+    timed = _with_arrivals(requests, 2.0, args)
+    assert [r.arrival_s for r in timed] == arrival_times(6, 2.0, None, 0.0, 3)
+    path = tmp_path / "trace.jsonl"
+    save_trace(timed, path)
+    assert load_trace(path) == timed
 
 
 def test_arrivals_and_plain_bodies(tokenizer: Any) -> None:
