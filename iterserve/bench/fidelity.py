@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ import httpx
 from iterserve.bench.common import warn_if_loaded
 from iterserve.bench.serve import arrival_times, run_load
 from iterserve.bench.stats import SLO, summarize
-from iterserve.bench.workloads import make_workload, save_trace
+from iterserve.bench.workloads import BenchRequest, make_workload, save_trace
 from iterserve.sim.profile import load_profile
 from iterserve.sim.replay import replay
 from iterserve.sim.tokenizer import FileTokenizer
@@ -48,9 +49,29 @@ TARGETS = (
 )
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _server_pids(pid: int) -> dict[str, int]:
+    """The HTTP process and its engine child (``ProcessEngine`` spawns it)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    engine = [int(c) for c in children if "spawn_main" in _cmdline(int(c))]
+    return {"http": pid, "engine": engine[0]} if engine else {"http": pid}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
 @contextmanager
-def real_server(port: int, flags: list[str]) -> Iterator[str]:
-    """``iterserve serve`` on the default model, ready; stopped on exit."""
+def real_server(port: int, flags: list[str]) -> Iterator[tuple[str, int]]:
+    """``iterserve serve`` on the default model, ready; (its URL, its pid); stopped on exit."""
     cmd = [sys.executable, "-m", "iterserve.cli", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -68,7 +89,7 @@ def real_server(port: int, flags: list[str]) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the server was not ready in 300 s")
             time.sleep(0.5)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         try:
@@ -125,8 +146,9 @@ def fidelity_runs(args: argparse.Namespace, out_dir: Path) -> list[dict[str, Any
     slo = SLO()
     engine_kwargs = {"model": str(model_dir)}
     runs = []
-    with real_server(args.port, []) as url:
+    with real_server(args.port, []) as (url, pid):
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        pids = _server_pids(pid)
         for w, workload in enumerate(args.workloads.split(",")):
             for f, factor in enumerate(LOAD_FACTORS):
                 # Fresh prompts per run: the real server's prefix cache keeps earlier runs'.
@@ -143,9 +165,17 @@ def fidelity_runs(args: argparse.Namespace, out_dir: Path) -> list[dict[str, Any
                     for r, o in zip(requests, offsets, strict=True)
                 ]
                 save_trace(trace, out_dir / f"trace-{workload}-{factor}x.jsonl")
+                before = _iteration_totals(url)
+                cpu_before = {name: _cpu_seconds(p) for name, p in pids.items()}
                 records, wall, cpu = asyncio.run(
                     run_load(url, trace, model, _client_args(args), rate)
                 )
+                after = _iteration_totals(url)
+                server_cpu = {
+                    name: (_cpu_seconds(p) - cpu_before[name]) / max(wall, 1e-9)
+                    for name, p in pids.items()
+                }
+                num_iterations = after[1] - before[1]
                 real = summarize(records, wall, slo)
                 sim = replay(trace, profile, engine_kwargs, tokenizer, seed=seed)
                 simulated = sim.report(f"{workload} {factor}x", slo)
@@ -157,7 +187,15 @@ def fidelity_runs(args: argparse.Namespace, out_dir: Path) -> list[dict[str, Any
                     "measured": real,
                     "simulated": simulated["summary"],
                     "client_cpu_fraction": cpu / max(wall, 1e-9),
+                    # Cores busy on average: the HTTP process, the engine process.
+                    "server_cpu_cores": server_cpu,
                     "simulated_preemptions": simulated["num_preemptions"],
+                    "iterations": {
+                        "measured": num_iterations,
+                        "simulated": simulated["num_iterations"],
+                        "measured_mean_ms": (after[0] - before[0]) / max(1, num_iterations) * 1e3,
+                        "simulated_mean_ms": simulated["mean_iteration_ms"],
+                    },
                     "comparison": compare(simulated["summary"], real),
                 }
                 runs.append(run)
@@ -165,10 +203,24 @@ def fidelity_runs(args: argparse.Namespace, out_dir: Path) -> list[dict[str, Any
     return runs
 
 
+def _iteration_totals(url: str) -> tuple[float, float]:
+    """The server's ``iterserve_iteration_latency_seconds`` sum and count so far."""
+    values = {"sum": 0.0, "count": 0.0}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        for name in values:
+            if line.startswith(f"iterserve_iteration_latency_seconds_{name} "):
+                values[name] = float(line.split()[1])
+    return values["sum"], values["count"]
+
+
 def format_run(run: dict[str, Any]) -> str:
+    it = run["iterations"]
     lines = [
         f"{run['workload']} at {run['load_factor']}x the simulated capacity "
         f"({run['rate']:.2f} req/s; client CPU {run['client_cpu_fraction']:.0%} of a core)",
+        f"  iterations: measured {it['measured']:.0f} of {it['measured_mean_ms']:.1f} ms mean, "
+        f"simulated {it['simulated']} of {it['simulated_mean_ms']:.1f} ms mean; cores busy: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in run["server_cpu_cores"].items()),
         f"  {'metric':<14}{'measured':>10}{'simulated':>11}{'sim/real':>9}  target",
     ]
     for row in run["comparison"]:
@@ -183,11 +235,12 @@ def format_run(run: dict[str, Any]) -> str:
 # The design card's figures for 4x A100, Llama-3-70B class, 128 concurrent requests.
 DESIGN_TOKENS_PER_S = {"static": 3200.0, "continuous": 6200.0, "continuous+chunked": 8000.0}
 PRODUCTION_CONFIGS: dict[str, dict[str, Any]] = {
+    # A static batch is what the first iteration admits: a budget for 128 whole prompts.
     "static": {
         "batching": "static",
         "max_num_seqs": 128,
         "enable_chunked_prefill": False,
-        "max_num_batched_tokens": 8192,
+        "max_num_batched_tokens": 128 * 4096,
     },
     "continuous": {
         "max_num_seqs": 128,
@@ -198,52 +251,74 @@ PRODUCTION_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+def _decode_heavy(num_requests: int, seed: int) -> list[BenchRequest]:
+    """Short prompts, long answers: 128-256 prompt tokens, 256-512 output tokens."""
+    rng = random.Random(seed)
+    return [
+        BenchRequest("", rng.randint(128, 256), rng.randint(256, 512)) for _ in range(num_requests)
+    ]
+
+
 def production_table(num_requests: int, seed: int) -> dict[str, Any]:
-    """The three batching modes on the A100 profile, closed loop at 128 concurrent requests
-    of the ``mixed`` shape (prompt lengths only: no tokenizer of that model ships here)."""
+    """The three batching modes on the A100 profile, closed loop at 128 concurrent requests,
+    for the ``mixed`` shape and a decode-heavy one (prompt lengths only: no tokenizer of that
+    model ships here)."""
     from iterserve.sim.tokenizer import CharTokenizer
 
     profile = load_profile("a100x4-llama3-70b")
     tokenizer = CharTokenizer(profile.model.vocab_size)
-    trace = make_workload("mixed", None, num_requests, seed)
-    rows = {}
-    for name, kwargs in PRODUCTION_CONFIGS.items():
-        result = replay(trace, profile, dict(kwargs), tokenizer, seed=seed, concurrency=128)
-        report = result.report(name, SLO())
-        rows[name] = {
-            "output_tokens_per_s": report["summary"]["output_tokens_per_s"],
-            "ttft_p99_ms": report["summary"]["ttft_ms"]["p99"],
-            "tpot_p50_ms": report["summary"]["tpot_ms"]["p50"],
-            "design_tokens_per_s": DESIGN_TOKENS_PER_S[name],
-        }
-    # The floor: every decode iteration reads all weights once and every request's KV.
-    mean_context = sum(r.prompt_len + r.output_len / 2 for r in trace) / len(trace)
-    weights_s = 141e9 / (4 * 2.04e12)
-    kv_s = 128 * mean_context * profile.kv_cache.kv_bytes_per_token / (4 * 2.04e12)
-    floor = {
-        "mean_context_tokens": mean_context,
-        "iteration_floor_ms": (weights_s + kv_s) * 1000,
-        "tokens_per_s_ceiling": 128 / (weights_s + kv_s),
+    workloads = {
+        "mixed": make_workload("mixed", None, num_requests, seed),
+        "decode-heavy": _decode_heavy(num_requests, seed),
     }
-    return {"rows": rows, "read_floor": floor}
+    tables = {}
+    for workload, trace in workloads.items():
+        rows = {}
+        for name, kwargs in PRODUCTION_CONFIGS.items():
+            result = replay(trace, profile, dict(kwargs), tokenizer, seed=seed, concurrency=128)
+            summary = result.report(name, SLO())["summary"]
+            rows[name] = {
+                "output_tokens_per_s": summary["output_tokens_per_s"],
+                "ttft_p99_ms": summary["ttft_ms"]["p99"],
+                "tpot_p50_ms": summary["tpot_ms"]["p50"],
+                "itl_p99_ms": summary["itl_ms"]["p99"],
+                "design_tokens_per_s": DESIGN_TOKENS_PER_S[name],
+            }
+        # The floor: a decode iteration reads every weight once and every request's KV.
+        mean_context = sum(r.prompt_len + r.output_len / 2 for r in trace) / len(trace)
+        hbm_bytes_per_s = 4 * 2.04e12
+        weights_s = 141e9 / hbm_bytes_per_s
+        kv_s = 128 * mean_context * profile.kv_cache.kv_bytes_per_token / hbm_bytes_per_s
+        tables[workload] = {
+            "rows": rows,
+            "read_floor": {
+                "mean_context_tokens": mean_context,
+                "iteration_floor_ms": (weights_s + kv_s) * 1000,
+                "tokens_per_s_ceiling": 128 / (weights_s + kv_s),
+            },
+        }
+    return tables
 
 
-def format_production(table: dict[str, Any]) -> str:
-    floor = table["read_floor"]
-    lines = [
-        "A100 x4 (TP 4) profile, 128 concurrent mixed requests, simulated:",
-        f"  {'mode':<20}{'tok/s':>8}{'design':>8}{'TTFT p99 ms':>13}{'TPOT p50 ms':>13}",
-    ]
-    for name, row in table["rows"].items():
+def format_production(tables: dict[str, Any]) -> str:
+    lines = ["A100 x4 (TP 4) profile, 128 concurrent requests (closed loop), simulated:"]
+    for workload, table in tables.items():
+        floor = table["read_floor"]
         lines.append(
-            f"  {name:<20}{row['output_tokens_per_s']:>8.0f}{row['design_tokens_per_s']:>8.0f}"
-            f"{row['ttft_p99_ms']:>13.0f}{row['tpot_p50_ms']:>13.1f}"
+            f"  {workload:<20}{'tok/s':>8}{'design':>8}{'TTFT p99':>10}{'TPOT p50':>10}"
+            f"{'ITL p99':>9}   (ms)"
         )
-    lines.append(
-        f"  weight + KV read floor: {floor['iteration_floor_ms']:.1f} ms per decode iteration at "
-        f"a mean context of {floor['mean_context_tokens']:.0f} tokens, so at most "
-        f"{floor['tokens_per_s_ceiling']:.0f} decode tokens/s at batch 128"
-    )
+        for name, row in table["rows"].items():
+            lines.append(
+                f"    {name:<18}{row['output_tokens_per_s']:>8.0f}"
+                f"{row['design_tokens_per_s']:>8.0f}{row['ttft_p99_ms']:>10.0f}"
+                f"{row['tpot_p50_ms']:>10.1f}{row['itl_p99_ms']:>9.0f}"
+            )
+        lines.append(
+            f"    read floor: {floor['iteration_floor_ms']:.1f} ms per decode iteration at a "
+            f"mean context of {floor['mean_context_tokens']:.0f} tokens: at most "
+            f"{floor['tokens_per_s_ceiling']:.0f} tokens/s at batch 128, prefill aside"
+        )
     return "\n".join(lines)
 
 

@@ -37,6 +37,7 @@ from iterserve.server.admission import Admission, Rejected
 from iterserve.server.protocol import APIError
 from iterserve.sim.profile import LatencyProfile
 from iterserve.sim.replica import SimTokenizer, VirtualClock, build_engine
+from iterserve.sim.runner import SimulatedModelRunner
 
 ROUTING_POLICIES = ("least_kv", "round_robin", "random")
 # KV usage samples kept per replica in the result (evenly thinned).
@@ -47,6 +48,7 @@ MAX_KV_SAMPLES = 400
 class _Replica:
     index: int
     engine: LLMEngine
+    runner: SimulatedModelRunner
     clock: VirtualClock
     admission: Admission
     load: EngineLoad  # as of its last finished iteration (what /load reports)
@@ -105,6 +107,7 @@ class ReplayResult:
     rejected: dict[str, int]  # reason -> count (429s and 503s)
     kv_usage: list[list[tuple[float, float]]]  # per replica: (time, usage)
     num_iterations: int
+    busy_s: float  # virtual seconds the replicas spent in iterations, all together
 
     def report(self, name: str, slo: SLO) -> dict[str, Any]:
         """``bench serve``'s fields (``summary``, ``by_tier``) plus the simulator's own."""
@@ -121,6 +124,7 @@ class ReplayResult:
             "num_rejected": sum(self.rejected.values()),
             "rejected_by_reason": self.rejected,
             "num_iterations": self.num_iterations,
+            "mean_iteration_ms": self.busy_s / max(1, self.num_iterations) * 1000,
             "wall_s": self.wall_s,
             "speedup_vs_real_time": self.duration_s / max(self.wall_s, 1e-9),
             "kv_usage": [_thin(series) for series in self.kv_usage],
@@ -183,7 +187,8 @@ def replay(
         engine, _ = build_engine(
             profile, engine_kwargs, clock.advance, clock, tokenizer, include_engine_overhead=True
         )
-        replicas.append(_Replica(i, engine, clock, Admission(now), engine.load()))
+        assert isinstance(engine.runner, SimulatedModelRunner)
+        replicas.append(_Replica(i, engine, engine.runner, clock, Admission(now), engine.load()))
     router = Router(routing, seed)
     tracked: dict[str, _Tracked] = {}  # accepted requests
     rejected: dict[str, int] = {}
@@ -283,6 +288,7 @@ def replay(
         rejected=rejected,
         kv_usage=[r.kv_usage for r in replicas],
         num_iterations=sum(r.engine.num_iterations for r in replicas),
+        busy_s=sum(r.runner.busy_s for r in replicas),
     )
 
 
