@@ -39,10 +39,8 @@ def add_bench_parsers(sub: Any) -> None:
     _add_fidelity(sub)
 
 
-def _add_decode(sub: Any) -> None:
-    p = sub.add_parser(
-        "decode", help="decode-iteration micro-benchmark vs linears and memory floor"
-    )
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--dtype`` of the benchmarks that load a model themselves."""
     p.add_argument("--model", default="default", help="model to load (as `generate --model`)")
     p.add_argument(
         "--dtype",
@@ -50,6 +48,13 @@ def _add_decode(sub: Any) -> None:
         choices=["auto", "bfloat16", "float16", "float32"],
         help="serving dtype (auto = bfloat16)",
     )
+
+
+def _add_decode(sub: Any) -> None:
+    p = sub.add_parser(
+        "decode", help="decode-iteration micro-benchmark vs linears and memory floor"
+    )
+    _add_model_flags(p)
     p.add_argument("--iters", type=int, default=10, help="timed repetitions per row (median)")
     p.add_argument(
         "--shapes",
@@ -146,13 +151,7 @@ def _add_calibrate(sub: Any) -> None:
     p = sub.add_parser(
         "calibrate", help="time the real engine's iterations and fit a latency profile (sim)"
     )
-    p.add_argument("--model", default="default", help="model to load (as `generate --model`)")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float16", "float32"],
-        help="serving dtype (auto = bfloat16)",
-    )
+    _add_model_flags(p)
     p.add_argument("--batch-sizes", default="1,4,16,64", help="decode cells: batch sizes")
     p.add_argument("--contexts", default="128,512,2048", help="decode cells: context tokens")
     p.add_argument("--chunk-sizes", default="32,128,512", help="prefill cells: chunk tokens")
