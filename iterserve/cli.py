@@ -13,8 +13,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from iterserve.bench.cli_args import add_bench_parsers
 from iterserve.config import (
     ENGINE_CONFIG_CLASSES,
@@ -22,6 +20,8 @@ from iterserve.config import (
     ServerConfig,
     SimulationConfig,
     field_type,
+    load_config_file,
+    read_tiers_file,
 )
 from iterserve.sim.cli_args import add_simulate_args
 
@@ -70,12 +70,9 @@ def add_engine_flags(
 def _tiers_from_file(path: str) -> list[dict[str, Any]]:
     """``--tiers FILE``: a YAML list of {name, priority, max_queue_wait_ms, ttft_target_ms}."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise argparse.ArgumentTypeError(f"cannot read tiers from {path}: {e}") from e
-    if not isinstance(data, list):
-        raise argparse.ArgumentTypeError(f"{path}: expected a list of tiers")
-    return data
+        return read_tiers_file(Path(path))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def engine_kwargs(
@@ -93,37 +90,6 @@ def engine_kwargs(
         except ValueError as e:
             parser.error(str(e))
     kwargs.update({k: v for k, v in vars(args).items() if k in known})
-    return kwargs
-
-
-def load_config_file(path: Path, known: set[str] | None = None) -> dict[str, Any]:
-    """The settings of a ``--config`` YAML file (keys with dashes or underscores), as keywords.
-
-    Args:
-        known: accepted keyword names (default: every engine config field).
-
-    Raises:
-        ValueError: unreadable file, not a mapping, or an unknown setting.
-    """
-    if known is None:
-        known = {f.name for cls in ENGINE_CONFIG_CLASSES for f in dataclasses.fields(cls)}
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"cannot read --config {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of flags to values")
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        name = str(key).replace("-", "_")
-        if name not in known:
-            raise ValueError(f"{path}: unknown setting {key!r}")
-        if name == "tiers" and isinstance(value, str):  # a file, as --tiers takes
-            try:
-                value = _tiers_from_file(value)
-            except argparse.ArgumentTypeError as e:
-                raise ValueError(str(e)) from e
-        kwargs[name] = value
     return kwargs
 
 

@@ -17,6 +17,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
@@ -471,3 +472,51 @@ def field_type(cls: type, name: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         tp = args[0]
     return tp
+
+
+def read_tiers_file(path: Path) -> list[dict[str, Any]]:
+    """``--tiers FILE``: a YAML list of ``{name, priority, max_queue_wait_ms, ttft_target_ms}``.
+
+    Raises:
+        ValueError: unreadable, or not a list.
+    """
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"cannot read tiers from {path}: {e}") from e
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of tiers")
+    return data
+
+
+def load_config_file(path: Path, known: set[str] | None = None) -> dict[str, Any]:
+    """The settings of a ``--config`` YAML file (keys with dashes or underscores), as keywords
+    (a ``tiers`` value may name a tiers file).
+
+    Args:
+        known: accepted keyword names (default: every engine config field).
+
+    Raises:
+        ValueError: unreadable file, not a mapping, or an unknown setting.
+    """
+    import yaml
+
+    if known is None:
+        known = {f.name for cls in ENGINE_CONFIG_CLASSES for f in dataclasses.fields(cls)}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"cannot read --config {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of flags to values")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ValueError(f"{path}: unknown setting {key!r}")
+        if name == "tiers" and isinstance(value, str):  # a file, as --tiers takes
+            value = read_tiers_file(Path(value))
+        kwargs[name] = value
+    return kwargs

@@ -19,7 +19,7 @@ from typing import Any
 
 from iterserve.bench.stats import SLO
 from iterserve.bench.workloads import load_trace
-from iterserve.config import ConfigError
+from iterserve.config import ConfigError, load_config_file
 from iterserve.sim.profile import ProfileError, load_profile
 from iterserve.sim.replay import replay
 from iterserve.sim.tokenizer import load_tokenizer
@@ -99,8 +99,6 @@ def plot(runs: list[dict[str, Any]], path: Path) -> Path | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from iterserve.cli import load_config_file
-
     try:
         if args.replicas < 1:
             raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
