@@ -29,6 +29,12 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         help="how requests are spread over replicas (default: %(default)s)",
     )
     p.add_argument(
+        "--no-prefix-affinity",
+        dest="prefix_affinity",
+        action="store_false",
+        help="least_kv without prefix affinity (as the router's flag)",
+    )
+    p.add_argument(
         "--concurrency",
         type=int,
         default=None,

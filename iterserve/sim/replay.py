@@ -33,12 +33,14 @@ from iterserve.engine.errors import InvalidRequestError
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.messages import AddRequest, EngineLoad, RequestDelta
 from iterserve.engine.sampling_params import SamplingParams
+from iterserve.router.scoring import LoadReport, Picker, ReplicaState, prefix_key
 from iterserve.server.admission import Admission, Rejected
 from iterserve.server.protocol import APIError
 from iterserve.sim.profile import LatencyProfile
 from iterserve.sim.replica import SimTokenizer, VirtualClock, build_engine
 from iterserve.sim.runner import SimulatedModelRunner
 
+# The router's policies that make sense without a session header.
 ROUTING_POLICIES = ("least_kv", "round_robin", "random")
 # KV usage samples kept per replica in the result (evenly thinned).
 MAX_KV_SAMPLES = 400
@@ -66,33 +68,26 @@ class _Tracked:
     last_token_at: float | None = None
 
 
-class Router:
-    """The built-in routing until the router's scoring library exists (issue 12).
-
-    ``least_kv``: lowest KV usage plus queued requests (waiting, and routed here since the
-    replica's last report) per ``max_num_seqs``; ties broken at random. ``round_robin`` and
-    ``random`` as named.
-    """
-
-    def __init__(self, policy: str, seed: int) -> None:
-        if policy not in ROUTING_POLICIES:
-            raise ValueError(f"unknown routing policy {policy!r}; choose from {ROUTING_POLICIES}")
-        self.policy = policy
-        self.rng = random.Random(seed)
-        self._next = itertools.count()
-
-    def pick(self, replicas: list[_Replica]) -> _Replica:
-        if self.policy == "round_robin":
-            return replicas[next(self._next) % len(replicas)]
-        if self.policy == "random":
-            return self.rng.choice(replicas)
-
-        def score(r: _Replica) -> float:
-            seats = max(1, r.engine.scheduler.config.max_num_seqs)
-            return r.load.kv_cache_usage + (r.load.num_waiting + r.routed_since_report) / seats
-
-        best = min(score(r) for r in replicas)
-        return self.rng.choice([r for r in replicas if score(r) == best])
+def _pick(picker: Picker, replicas: list[_Replica], req: BenchRequest, t: float) -> _Replica:
+    """The router's pick (``iterserve.router.scoring``), on loads a poll of each replica's
+    ``/load`` would return now: the counts as of its last finished iteration."""
+    states = [
+        ReplicaState(
+            str(r.index),
+            LoadReport(
+                r.load.kv_cache_usage,
+                r.load.num_waiting,
+                r.load.num_running,
+                r.load.num_total_blocks,
+                received_at=t,
+            ),
+            r.routed_since_report,
+        )
+        for r in replicas
+    ]
+    key = prefix_key(req.prompt, req.messages) if (req.prompt or req.messages) else None
+    pick = picker.pick(states, t, key)
+    return replicas[int(pick.replica.name)]
 
 
 @dataclass
@@ -167,8 +162,12 @@ def replay(
     routing: str = "least_kv",
     seed: int = 0,
     concurrency: int | None = None,
+    prefix_affinity: bool = True,
 ) -> ReplayResult:
     """Replay ``trace`` (arrival times in seconds from 0) in virtual time.
+
+    Routing is the router's (``iterserve.router.scoring``): ``least_kv`` with prefix affinity
+    unless ``prefix_affinity`` is off, ``round_robin`` or ``random``.
 
     With ``concurrency`` the loop is closed instead (as ``bench serve --concurrency``): that
     many requests are sent at 0, and each one that ends (or is refused) sends the next, at
@@ -189,7 +188,9 @@ def replay(
         )
         assert isinstance(engine.runner, SimulatedModelRunner)
         replicas.append(_Replica(i, engine, engine.runner, clock, Admission(now), engine.load()))
-    router = Router(routing, seed)
+    if routing not in ROUTING_POLICIES:
+        raise ValueError(f"unknown routing policy {routing!r}; choose from {ROUTING_POLICIES}")
+    picker = Picker(routing, prefix_affinity, seed=seed)
     tracked: dict[str, _Tracked] = {}  # accepted requests
     rejected: dict[str, int] = {}
     records: list[RequestRecord] = []
@@ -253,7 +254,7 @@ def replay(
             index, req = payload
             record = RequestRecord(ok=False, tier=tier_label(req.priority))
             records.append(record)
-            r = router.pick(replicas)
+            r = _pick(picker, replicas, req, t)
             if _admit(str(index), req, record, r, t, tokenizer, rng, ordinary, rejected):
                 tracked[str(index)] = _Tracked(record, t, r)
                 if not r.busy:  # start once every arrival of this instant is in

@@ -123,6 +123,7 @@ def main(args: argparse.Namespace) -> int:
                 args.routing,
                 args.seed,
                 args.concurrency,
+                args.prefix_affinity,
             )
             runs.append(replayed.report(name, slo))
     except (ConfigError, ProfileError, TypeError, ValueError, OSError) as e:

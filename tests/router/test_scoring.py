@@ -1,0 +1,127 @@
+"""Scoring and picking, without HTTP: what the router and the simulator's replay share."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from iterserve.router.scoring import (
+    HashRing,
+    LoadReport,
+    NoReplicaError,
+    Picker,
+    ReplicaState,
+    ScoreWeights,
+    prefix_key,
+    scores,
+)
+
+
+def _replica(name: str, kv: float = 0.0, waiting: int = 0, running: int = 0, at: float = 0.0,
+             in_flight: int = 0) -> ReplicaState:  # fmt: skip
+    return ReplicaState(name, LoadReport(kv, waiting, running, 100, at), in_flight)
+
+
+def test_scores_weigh_kv_usage_and_the_normalised_queue() -> None:
+    a, b, c = _replica("a", kv=0.5, waiting=4), _replica("b", kv=0.2, waiting=2), _replica("c")
+    c.in_flight_since_report = 2
+    s = scores([a, b, c], now=0.1)
+    # norm = max(4 + 0, 2 + 0, 0 + 2) = 4
+    assert s == pytest.approx({"a": 0.5 + 1.0, "b": 0.2 + 0.5, "c": 0.5})
+    s = scores([a, b, c], now=0.1, weights=ScoreWeights(kv=2.0, waiting=0.0, in_flight=1.0))
+    assert s == pytest.approx({"a": 1.0, "b": 0.4, "c": 0.5})
+
+
+def test_a_stale_or_missing_report_scores_as_saturated() -> None:
+    fresh, stale = _replica("fresh", kv=0.9, waiting=9, at=10.0), _replica("stale", at=9.0)
+    never = ReplicaState("never")
+    s = scores([fresh, stale, never], now=10.2, stale_after_s=0.5)
+    assert s["stale"] == s["never"] == 3.0
+    assert s["fresh"] == pytest.approx(0.9 + 1.0)
+    picker = Picker(prefix_affinity=False, seed=0)
+    assert picker.pick([fresh, stale, never], now=10.2).replica is fresh
+
+
+def test_a_burst_spreads_over_idle_replicas() -> None:
+    replicas = [_replica(n) for n in "abcd"]
+    picker = Picker(prefix_affinity=False, seed=1)
+    picked = []
+    for _ in range(8):
+        r = picker.pick(replicas, now=0.0).replica
+        r.in_flight_since_report += 1  # what the router does until the next report
+        picked.append(r.name)
+    assert Counter(picked) == {"a": 2, "b": 2, "c": 2, "d": 2}
+
+
+def test_least_kv_prefers_the_emptier_replica() -> None:
+    busy, idle = _replica("busy", kv=0.8, waiting=5, running=20), _replica("idle", kv=0.1)
+    picker = Picker(prefix_affinity=False, seed=0)
+    assert {picker.pick([busy, idle], now=0.0).replica.name for _ in range(20)} == {"idle"}
+
+
+def test_prefix_affinity_keeps_a_prefix_home_within_the_load_bound() -> None:
+    replicas = [_replica(n, running=2) for n in "abcd"]
+    picker = Picker(seed=0)
+    key = prefix_key("You are a helpful assistant. " * 40)
+    home = picker.pick(replicas, 0.0, key)
+    assert home.reason == "prefix"
+    assert {picker.pick(replicas, 0.0, key).replica.name for _ in range(10)} == {home.replica.name}
+    # Keys spread over the replicas.
+    homes = Counter(picker.pick(replicas, 0.0, f"system prompt {i}".encode()).replica.name
+                    for i in range(200))  # fmt: skip
+    assert set(homes) == set("abcd") and min(homes.values()) > 20
+    # Its home overloaded (capacity ceil(1.25 * (8 + 30 + 1) / 4) = 13): the key moves on.
+    home.replica.in_flight_since_report = 30
+    moved = picker.pick(replicas, 0.0, key)
+    assert moved.replica is not home.replica and moved.reason == "prefix_passed_on"
+
+
+def test_the_ring_moves_only_the_keys_of_a_removed_replica() -> None:
+    keys = [f"k{i}".encode() for i in range(500)]
+    before = HashRing(["a", "b", "c", "d"])
+    after = HashRing(["a", "b", "c"])
+    moved = [k for k in keys if before.walk(k)[0] != after.walk(k)[0]]
+    assert moved and all(before.walk(k)[0] == "d" for k in moved)
+    assert sorted(before.walk(b"x")) == ["a", "b", "c", "d"]
+
+
+def test_prefix_key_of_chat_and_completions() -> None:
+    long = "x" * 2000
+    assert prefix_key(long) == b"x" * 512
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "second"},
+    ]
+    assert prefix_key(messages=messages) == b"system:Be brief.\nuser:first"
+    assert prefix_key(messages=[*messages[:2], {"role": "user", "content": "other"}]) == (
+        prefix_key(messages=messages)
+    )
+
+
+def test_round_robin_random_and_session() -> None:
+    replicas = [_replica(n) for n in "abc"]
+    rr = Picker("round_robin")
+    assert [rr.pick(replicas, 0.0).replica.name for _ in range(6)] == list("abcabc")
+    a = [Picker("random", seed=5).pick(replicas, 0.0).replica.name for _ in range(3)]
+    assert a == [Picker("random", seed=5).pick(replicas, 0.0).replica.name for _ in range(3)]
+    session = Picker("session", seed=0)
+    first = session.pick(replicas, 0.0, session="user-42")
+    assert first.reason == "session"
+    assert {session.pick(replicas, 0.0, session="user-42").replica.name for _ in range(5)} == {
+        first.replica.name
+    }
+    assert session.pick(replicas, 0.0).reason == "no_session"
+
+
+def test_no_ready_replica_and_bad_settings() -> None:
+    down = _replica("a")
+    down.ready = False
+    with pytest.raises(NoReplicaError):
+        Picker().pick([down], 0.0)
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        Picker("fastest")
+    with pytest.raises(ValueError, match="load_bound"):
+        Picker(load_bound=0.5)
