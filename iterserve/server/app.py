@@ -119,6 +119,7 @@ def _server_state(
         admission=Admission(clock),
     )
     metrics.config_version.set(1)
+    metrics.set_cache_config(engine.limits.block_size, engine.limits.num_kv_blocks)
     engine.on_iteration = metrics.observe_iterations
     metrics.set_load(engine.load)
     return state

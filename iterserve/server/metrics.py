@@ -39,6 +39,19 @@ class ServerMetrics:
         self.kv_usage = Gauge(
             p + "kv_cache_usage_ratio", "1 - free (incl. cached) / total KV blocks", registry=r
         )
+        # The Gateway API Inference Extension's model-server protocol, under vLLM's names, so
+        # InferencePool gateways and llm-d's endpoint picker route to iterserve unchanged.
+        self.gie_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", registry=r)
+        self.gie_running = Gauge("vllm:num_requests_running", "Requests running", registry=r)
+        self.gie_kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV cache usage, 0-1 (as vLLM reports it)", registry=r
+        )
+        self.gie_cache_config = Gauge(
+            "vllm:cache_config_info",
+            "KV cache geometry (value 1)",
+            ["block_size", "num_gpu_blocks"],
+            registry=r,
+        )
         self.config_version = Gauge(
             p + "scheduler_config_version", "Version of the live scheduler settings", registry=r
         )
@@ -83,12 +96,21 @@ class ServerMetrics:
         for reason in ("invalid", "queue_full", "queue_wait", "shutting_down"):
             self.rejected.labels(reason=reason)
 
+    def set_cache_config(self, block_size: int, num_blocks: int) -> None:
+        """``vllm:cache_config_info``: the pool's geometry, once at start."""
+        self.gie_cache_config.labels(
+            block_size=str(block_size), num_gpu_blocks=str(num_blocks)
+        ).set(1)
+
     def set_load(self, load: EngineLoad) -> None:
         """Queue gauges from the engine's counts."""
         self.num_running.set(load.num_running)
         self.num_waiting.set(load.num_waiting)
         self.num_swapped.set(load.num_swapped)
         self.kv_usage.set(load.kv_cache_usage)
+        self.gie_running.set(load.num_running)
+        self.gie_waiting.set(load.num_waiting)
+        self.gie_kv_usage.set(load.kv_cache_usage)
 
     def observe_iterations(self, telemetry: list[IterationStats], load: EngineLoad) -> None:
         """Per-iteration telemetry records (called with each engine message)."""

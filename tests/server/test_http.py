@@ -407,6 +407,17 @@ def test_load_and_metrics_change_by_exactly_one_request(tokenizer: Any) -> None:
                 == pytest.approx(await metric(http, "iterserve_kv_cache_usage_ratio"))
             )
             assert await metric(http, "iterserve_num_requests_running") == 1
+            # The Gateway API inference protocol's names (vLLM's) carry the same numbers.
+            text = (await http.get("/metrics")).text
+            samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] not in "#")
+            for ours, theirs in [
+                ("iterserve_num_requests_running", "vllm:num_requests_running"),
+                ("iterserve_num_requests_waiting", "vllm:num_requests_waiting"),
+                ("iterserve_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
+            ]:
+                assert samples[ours] == samples[theirs]
+            labels = f'block_size="{BLOCK_SIZE}",num_gpu_blocks="{NUM_KV_BLOCKS}"'
+            assert float(samples["vllm:cache_config_info{" + labels + "}"]) == 1
         assert BLOCK_SIZE == 16  # 41 tokens: 3 blocks
 
     run_with_server(tokenizer, check, CONFIG, step_interval_s=0.001)
