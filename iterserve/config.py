@@ -300,7 +300,9 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per replica"})
+    tensor_parallel_size: int = field(
+        default=1, metadata={"help": "GPUs per replica (with --simulate: the profile's degree)"}
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -384,7 +386,7 @@ class SimulationConfig:
         default=None,
         metadata={
             "help": "where simulated requests draw EOS: constant:N, uniform:MIN:MAX or "
-            "lognormal:MEDIAN:SIGMA (default: the profile's)"
+            "lognormal:MEDIAN:SIGMA[:MAX] (default: the profile's)"
         },
     )
 

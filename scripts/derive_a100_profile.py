@@ -1,6 +1,6 @@
 """Derive the built-in latency profile ``a100x4-llama3-70b`` from Vidur's published A100 data.
 
-The figures below are copied from ``/work/shared/profiles/a100-tp4-70b-facts.md`` (itself
+The figures below are copied from ``docs/profiles/a100-tp4-70b-facts.md`` (itself
 derived from ``microsoft/vidur``'s profiling CSVs; nothing here is measured by us). The script
 fits :class:`~iterserve.sim.profile.IterationModel` to table (a) (pure decode) and table (b)
 (one prefill, no prior KV), prints the model against every table point and writes the JSON.

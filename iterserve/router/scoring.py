@@ -16,13 +16,15 @@ and a burst does not all land on the replica that looked idlest when it last rep
 replica without a report, or whose report is older than ``stale_after_s``, scores as
 saturated (every term at its maximum). Ties are broken at random.
 
-Prefix affinity (with ``least_kv``): a request's prefix key is placed on a hash ring of the
-replicas; it goes to the first replica clockwise whose load (running + waiting + in flight)
-stays within the bound of consistent hashing with bounded loads (Mirrokni, Thorup and
-Zadimoghaddam, SODA 2018; as KubeAI's PrefixHash): a replica takes it while its load is
-below ``ceil(load_bound * (total + 1) / n)``, else it passes the key on (with ``load_bound
->= 1`` some replica is always below it). Affinity looks at request counts only; KV pressure
-decides among replicas for requests without a key.
+Prefix affinity (with ``least_kv``): a request whose prefix key the picker has seen goes
+back to the replica that served that prefix last, as long as that replica's load (running +
+waiting + in flight) is below the bound of consistent hashing with bounded loads (Mirrokni,
+Thorup and Zadimoghaddam, SODA 2018; as KubeAI's PrefixHash): ``ceil(load_bound * (total +
+1) / n)``. Otherwise, and for a prefix never seen, the ``least_kv`` score picks and the key
+is remembered there (the last ``MAX_PREFIXES`` keys). Unlike a pure hash ring this never
+sends a new prefix to a loaded replica only because of where its hash falls: with unshared
+prompts affinity costs no balance (docs/simulator.md has the measurement); the ring is kept
+for ``session`` stickiness, which must agree across router replicas.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import hashlib
 import itertools
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +42,7 @@ from typing import Any
 POLICIES = ("least_kv", "round_robin", "session", "random")
 PREFIX_KEY_BYTES = 512
 VIRTUAL_NODES = 64
+MAX_PREFIXES = 65536
 
 
 class NoReplicaError(RuntimeError):
@@ -190,6 +194,8 @@ class Picker:
     _rng: random.Random = field(init=False, repr=False)
     _ring: HashRing | None = field(default=None, init=False, repr=False)
     _next: int = field(default=0, init=False, repr=False)
+    # prefix key -> the replica that served it last (oldest first)
+    _homes: OrderedDict[bytes, str] = field(default_factory=OrderedDict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -228,10 +234,24 @@ class Picker:
             name = self._ring_for(ready).walk(session.encode())[0]
             return Pick(next(r for r in ready if r.name == name), "session")
         if self.prefix_affinity and key:
-            home = self._ring_for(ready).walk(key)[0]
-            chosen = self._bounded(ready, key)
-            return Pick(chosen, "prefix" if chosen.name == home else "prefix_passed_on")
+            return self._affine(ready, now, key)
         return Pick(self._least_kv(ready, now), "least_kv")
+
+    def _affine(self, ready: list[ReplicaState], now: float, key: bytes) -> Pick:
+        name = self._homes.get(key)
+        home = next((r for r in ready if r.name == name), None)
+        if home is not None:
+            total = sum(r.load for r in ready)
+            capacity = math.ceil(self.load_bound * (total + 1) / len(ready))
+            if home.load < capacity:
+                self._homes.move_to_end(key)
+                return Pick(home, "prefix")
+        chosen = self._least_kv(ready, now)
+        self._homes[key] = chosen.name
+        self._homes.move_to_end(key)
+        if len(self._homes) > MAX_PREFIXES:
+            self._homes.popitem(last=False)
+        return Pick(chosen, "prefix_new" if home is None else "prefix_passed_on")
 
     def _least_kv(self, ready: list[ReplicaState], now: float) -> ReplicaState:
         s = scores(ready, now, self.stale_after_s, self.weights)
@@ -243,12 +263,3 @@ class Picker:
         if self._ring is None or self._ring.names != names:
             self._ring = HashRing(sorted(names))
         return self._ring
-
-    def _bounded(self, ready: list[ReplicaState], key: bytes) -> ReplicaState:
-        """The first replica clockwise from ``key`` under the load bound. One always is:
-        the loads sum to ``total`` < ``n * capacity`` (as ``load_bound >= 1``)."""
-        total = sum(r.load for r in ready)
-        capacity = math.ceil(self.load_bound * (total + 1) / len(ready))
-        by_name = {r.name: r for r in ready}
-        walk = self._ring_for(ready).walk(key)
-        return next((by_name[n] for n in walk if by_name[n].load < capacity), by_name[walk[0]])

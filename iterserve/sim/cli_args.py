@@ -45,14 +45,16 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tokenizer directory for prompt text (default: ~4 characters per token)",
     )
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput (default: 2000)")
+    p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput (default: 200)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument(
+        "--json", type=Path, default=None, help="write the results here (the plot beside it)"
+    )
     p.add_argument(
         "--output-dir",
         type=Path,
         default=Path("bench-results"),
-        help="where the plot (and, without --json, the JSON) go (default: %(default)s)",
+        help="without --json: where the JSON and the plot go (default: %(default)s)",
     )
     p.add_argument("--no-plot", action="store_true")

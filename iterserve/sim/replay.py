@@ -99,7 +99,7 @@ class ReplayResult:
     duration_s: float  # virtual: from 0 to the last response
     wall_s: float  # real time the replay took
     num_preemptions: int
-    rejected: dict[str, int]  # reason -> count (429s and 503s)
+    rejected: dict[str, int]  # reason -> count: 429s (queue_full, queue_wait) and 400s (invalid)
     kv_usage: list[list[tuple[float, float]]]  # per replica: (time, usage)
     num_iterations: int
     busy_s: float  # virtual seconds the replicas spent in iterations, all together
@@ -323,6 +323,7 @@ def _admit(
         return False
     except (InvalidRequestError, APIError, ValueError) as e:
         record.status, record.error = 400, str(e)
+        rejected["invalid"] = rejected.get("invalid", 0) + 1  # as the server's metric counts
         return False
     replica.admission.enqueue(request_id, priority)
     replica.routed_since_report += 1

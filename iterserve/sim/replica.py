@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -70,7 +71,8 @@ class ScaledClock:
 
 
 def parse_output_lengths(spec: str) -> OutputLengths:
-    """``constant:N``, ``uniform:MIN:MAX`` or ``lognormal:MEDIAN:SIGMA[:MAX]``.
+    """``constant:N``, ``uniform:MIN:MAX`` or ``lognormal:MEDIAN:SIGMA[:MAX]`` (lognormal
+    draws above ``MAX``, default 2048, are clipped to it).
 
     Raises:
         ConfigError: another form.
@@ -78,21 +80,21 @@ def parse_output_lengths(spec: str) -> OutputLengths:
     kind, _, rest = spec.partition(":")
     try:
         values = [float(v) for v in rest.split(":")] if rest else []
-        if kind == "constant" and len(values) == 1:
-            n = int(values[0])
-            return OutputLengths(distribution="constant", median=n, min=n, max=n)
-        if kind == "uniform" and len(values) == 2:
-            return OutputLengths(distribution="uniform", min=int(values[0]), max=int(values[1]))
-        if kind == "lognormal" and len(values) in (2, 3):
-            extra = {"max": int(values[2])} if len(values) == 3 else {}
-            return OutputLengths(
-                distribution="lognormal", median=values[0], sigma=values[1], **extra
-            )
-    except ValueError as e:
-        raise ConfigError(f"simulate_output_len {spec!r}: {e}") from e
+    except ValueError:
+        values = []
+    if values and not all(v > 0 and v < math.inf for v in values[:1] + values[2:]):
+        raise ConfigError(f"simulate_output_len {spec!r}: lengths must be positive numbers")
+    if kind == "constant" and len(values) == 1:
+        n = int(values[0])
+        return OutputLengths(distribution="constant", median=n, min=n, max=n)
+    if kind == "uniform" and len(values) == 2 and values[0] <= values[1]:
+        return OutputLengths(distribution="uniform", min=int(values[0]), max=int(values[1]))
+    if kind == "lognormal" and len(values) in (2, 3) and 0 <= values[1] < math.inf:
+        extra = {"max": int(values[2])} if len(values) == 3 else {}
+        return OutputLengths(distribution="lognormal", median=values[0], sigma=values[1], **extra)
     raise ConfigError(
-        f"simulate_output_len {spec!r}: expected constant:N, uniform:MIN:MAX or "
-        "lognormal:MEDIAN:SIGMA[:MAX]"
+        f"simulate_output_len {spec!r}: expected constant:N, uniform:MIN:MAX (MIN <= MAX) or "
+        "lognormal:MEDIAN:SIGMA[:MAX] (lengths >= 1, SIGMA >= 0)"
     )
 
 
@@ -157,6 +159,13 @@ def build_engine(
         ConfigError, TypeError: invalid settings.
     """
     config = resolve_config(profile, engine_kwargs)
+    if engine_kwargs.get("dtype", "auto") not in ("auto", profile.model.dtype):
+        logger.warning(
+            "dtype %s ignored: the profile %r was measured in %s",
+            engine_kwargs["dtype"],
+            profile.name,
+            profile.model.dtype,
+        )
     if tokenizer is None:
         model = config.model.model
         tokenizer = load_tokenizer(None if model == "default" else model, profile.model.vocab_size)

@@ -27,7 +27,7 @@ from iterserve.sim.tokenizer import load_tokenizer
 _HEADER = (
     f"{'config':<22}{'tier':<13}{'reqs':>5}{'tok/s':>8}{'TTFT p50':>10}{'p99':>8}"
     f"{'TPOT p50':>10}{'p99':>7}{'ITL p99':>9}{'queue p99':>10}{'goodput':>9}"
-    f"{'preempt':>8}{'429':>5}{'KV peak':>8}"
+    f"{'preempt':>8}{'refused':>8}{'failed':>7}{'KV peak':>8}"
 )
 
 
@@ -39,7 +39,10 @@ def _row(name: str, tier: str, s: dict[str, Any], run: dict[str, Any] | None) ->
     tail = ""
     if run is not None:
         peak = max((u for series in run["kv_usage"] for _, u in series), default=0.0)
-        tail = f"{run['num_preemptions']:>8}{run['num_rejected']:>5}{peak:>8.0%}"
+        tail = (
+            f"{run['num_preemptions']:>8}{run['num_rejected']:>8}"
+            f"{run['summary']['num_failed']:>7}{peak:>8.1%}"
+        )
     return (
         f"{name:<22}{tier:<13}{s['num_requests']:>5}{s['output_tokens_per_s']:>8.0f}"
         f"{ms(s['ttft_ms'], 'p50'):>10}{ms(s['ttft_ms'], 'p99'):>8}"
@@ -125,7 +128,9 @@ def main(args: argparse.Namespace) -> int:
                 args.concurrency,
                 args.prefix_affinity,
             )
-            runs.append(replayed.report(name, slo))
+            run = replayed.report(name, slo)
+            run["settings"] = kwargs
+            runs.append(run)
     except (ConfigError, ProfileError, TypeError, ValueError, OSError) as e:
         print(f"iterserve simulate: error: {e}", file=sys.stderr)
         return 2

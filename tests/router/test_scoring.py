@@ -65,16 +65,29 @@ def test_prefix_affinity_keeps_a_prefix_home_within_the_load_bound() -> None:
     picker = Picker(seed=0)
     key = prefix_key("You are a helpful assistant. " * 40)
     home = picker.pick(replicas, 0.0, key)
-    assert home.reason == "prefix"
-    assert {picker.pick(replicas, 0.0, key).replica.name for _ in range(10)} == {home.replica.name}
-    # Keys spread over the replicas.
-    homes = Counter(picker.pick(replicas, 0.0, f"system prompt {i}".encode()).replica.name
-                    for i in range(200))  # fmt: skip
-    assert set(homes) == set("abcd") and min(homes.values()) > 20
-    # Its home overloaded (capacity ceil(1.25 * (8 + 30 + 1) / 4) = 13): the key moves on.
+    assert home.reason == "prefix_new"
+    home.replica.in_flight_since_report += 1
+    again = [picker.pick(replicas, 0.0, key) for _ in range(5)]
+    assert {p.replica.name for p in again} == {home.replica.name}
+    assert {p.reason for p in again} == {"prefix"}
+    # New prefixes go where least_kv says: not to the loaded home.
+    other = picker.pick(replicas, 0.0, b"another system prompt")
+    assert other.replica is not home.replica and other.reason == "prefix_new"
+    # Its home overloaded (capacity ceil(1.25 * (8 + 30 + 1) / 4) = 13): the key moves on and
+    # its new home is remembered.
     home.replica.in_flight_since_report = 30
     moved = picker.pick(replicas, 0.0, key)
     assert moved.replica is not home.replica and moved.reason == "prefix_passed_on"
+    assert picker.pick(replicas, 0.0, key).replica is moved.replica
+
+
+def test_unshared_prompts_balance_as_without_affinity() -> None:
+    replicas = [_replica(n) for n in "abcd"]
+    picker = Picker(seed=3)
+    for i in range(40):
+        r = picker.pick(replicas, 0.0, f"unique prompt {i}".encode()).replica
+        r.in_flight_since_report += 1
+    assert [r.in_flight_since_report for r in replicas] == [10, 10, 10, 10]
 
 
 def test_the_ring_moves_only_the_keys_of_a_removed_replica() -> None:

@@ -1,7 +1,7 @@
 """The built-in profile ``a100x4-llama3-70b`` against the figures it was derived from.
 
 Expected values are the totals of tables (a) and (b) of the facts file
-(``/work/shared/profiles/a100-tp4-70b-facts.md``, from Vidur's A100 data), plus the 0.35 ms
+(``docs/profiles/a100-tp4-70b-facts.md``, from Vidur's A100 data), plus the 0.35 ms
 of LM head the profile adds to every step.
 """
 

@@ -122,8 +122,12 @@ def test_output_length_distributions() -> None:
     assert {draw_output_len(uniform, rng) for _ in range(200)} == set(range(5, 10))
     assert draw_output_len(parse_output_lengths("constant:7"), rng) == 7
     assert parse_output_lengths("lognormal:50:0.3:80").max == 80
-    with pytest.raises(ConfigError, match="expected constant:N"):
-        parse_output_lengths("gaussian:5")
+    for bad in ("gaussian:5", "uniform:9:5", "lognormal:50:-1", "constant:x"):
+        with pytest.raises(ConfigError, match="expected constant:N"):
+            parse_output_lengths(bad)
+    for bad in ("constant:0", "lognormal:-1:0.5", "uniform:0:4"):
+        with pytest.raises(ConfigError, match="must be positive"):
+            parse_output_lengths(bad)
 
 
 def test_pool_max_model_len_and_tensor_parallel_degree_come_from_the_profile() -> None:
