@@ -393,8 +393,8 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _require(
-            0 < self.simulate_speed < math.inf,
-            f"simulate_speed must be a positive number, got {self.simulate_speed}",
+            1e-3 <= self.simulate_speed <= 1e6,
+            f"simulate_speed must be in [0.001, 1e6], got {self.simulate_speed}",
         )
 
 

@@ -170,7 +170,11 @@ def load_trace(path: Path) -> list[BenchRequest]:
         ValueError: a line that is not a request object.
     """
     requests = []
-    for num, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a UTF-8 JSONL file ({e.reason})") from e
+    for num, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -180,21 +184,30 @@ def load_trace(path: Path) -> list[BenchRequest]:
     return requests
 
 
-def _trace_entry(entry: dict[str, Any]) -> BenchRequest:
+def _trace_entry(entry: Any) -> BenchRequest:
+    if not isinstance(entry, dict):
+        raise ValueError("a trace entry is a JSON object")
     messages = entry.get("messages")
     if messages is not None and not (
-        isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
+        isinstance(messages, list)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
     ):
-        raise ValueError("messages must be a list of objects")
-    if "prompt" not in entry and messages is None and "prompt_len" not in entry:
+        raise ValueError("messages must be a list of objects with a role")
+    prompt = entry.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise ValueError("prompt must be a string")
+    if prompt is None and messages is None and "prompt_len" not in entry:
         raise KeyError("prompt (or messages, or prompt_len)")
+    timestamp = float(entry["timestamp"]) if "timestamp" in entry else None
+    if timestamp is not None and not 0 <= timestamp < math.inf:
+        raise ValueError(f"timestamp must be a number of seconds >= 0, got {timestamp}")
     min_tokens = entry.get("min_tokens")
     tenant = entry.get("tenant")
     return BenchRequest(
-        prompt=str(entry.get("prompt", "")),
+        prompt=prompt or "",
         prompt_len=int(entry.get("prompt_len", 0)),
         output_len=int(entry["max_tokens"]),
-        arrival_s=float(entry["timestamp"]) if "timestamp" in entry else None,
+        arrival_s=timestamp,
         priority=entry.get("priority"),
         min_tokens=None if min_tokens is None else int(min_tokens),
         tenant=None if tenant is None else str(tenant),

@@ -37,7 +37,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from iterserve.bench.stats import percentile
 from iterserve.engine.outputs import SchedulerOutput
@@ -51,45 +51,50 @@ class ProfileError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# Bounds that keep a profile physical and the simulated pool allocatable.
+MAX_SECONDS = 3600.0
+MAX_NUM_BLOCKS = 1 << 22
 
 
 class IterationModel(_Strict):
     """Coefficients of the forward-latency model (seconds; see the module docstring)."""
 
-    fixed_s: float = Field(ge=0)
-    linear_floor_s: float = Field(0.0, ge=0)
-    per_decode_token_s: float = Field(ge=0)
-    per_prefill_token_s: float = Field(ge=0)
-    per_context_token_s: float = Field(ge=0)
-    per_attention_pair_s: float = Field(ge=0)
+    fixed_s: float = Field(ge=0, le=MAX_SECONDS)
+    linear_floor_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
+    per_decode_token_s: float = Field(ge=0, le=MAX_SECONDS)
+    per_prefill_token_s: float = Field(ge=0, le=MAX_SECONDS)
+    per_context_token_s: float = Field(ge=0, le=MAX_SECONDS)
+    per_attention_pair_s: float = Field(ge=0, le=MAX_SECONDS)
 
 
 class EngineOverhead(_Strict):
     """Engine time around the forward per iteration (seconds): ``fixed_s + per_seq_s * S``,
     ``S`` the requests in the batch."""
 
-    fixed_s: float = Field(0.0, ge=0)
-    per_seq_s: float = Field(0.0, ge=0)
+    fixed_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
+    per_seq_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
 
 
 class KVCacheSpec(_Strict):
     """The KV pool the profile's numbers were taken with (per replica, all ranks together)."""
 
-    block_size: int = Field(ge=1)
-    num_blocks: int = Field(ge=1)
-    kv_bytes_per_token: int = Field(ge=1, description="all layers, K and V, all ranks")
+    block_size: int = Field(ge=1, le=256)
+    num_blocks: int = Field(ge=1, le=MAX_NUM_BLOCKS)
+    kv_bytes_per_token: int = Field(ge=1, le=1 << 30, description="all layers, K and V, all ranks")
 
 
 class SwapSpec(_Strict):
-    bytes_per_s: float = Field(gt=0, description="device <-> host copy bandwidth")
+    bytes_per_s: float = Field(ge=1e3, description="device <-> host copy bandwidth")
 
 
 class ModelSpec(_Strict):
     name: str
     tensor_parallel_size: int = Field(1, ge=1)
-    max_model_len: int = Field(ge=1)
-    vocab_size: int = Field(ge=4)
+    max_model_len: int = Field(ge=1, le=1 << 22)
+    vocab_size: int = Field(ge=4, le=1 << 24)
     eos_token_ids: list[int] = Field(min_length=1)
     num_layers: int | None = None
     dtype: str = "bfloat16"
@@ -101,10 +106,10 @@ class OutputLengths(_Strict):
     ``constant`` (``median``), clipped to ``[min, max]`` tokens."""
 
     distribution: Literal["lognormal", "uniform", "constant"] = "lognormal"
-    median: float = Field(200.0, gt=0)
-    sigma: float = Field(0.8, ge=0)
-    min: int = Field(1, ge=1)
-    max: int = Field(2048, ge=1)
+    median: float = Field(200.0, gt=0, le=1 << 20)
+    sigma: float = Field(0.8, ge=0, le=10)
+    min: int = Field(1, ge=1, le=1 << 20)
+    max: int = Field(2048, ge=1, le=1 << 20)
 
 
 class FitError(_Strict):
@@ -128,7 +133,7 @@ class ProfileSource(_Strict):
 class LatencyProfile(_Strict):
     """A latency profile (the JSON file's schema)."""
 
-    format_version: int = PROFILE_FORMAT_VERSION
+    format_version: StrictInt = PROFILE_FORMAT_VERSION
     name: str
     model: ModelSpec
     iteration: IterationModel
@@ -219,6 +224,8 @@ def load_profile(name_or_path: str | Path) -> LatencyProfile:
     path = profile_path(text) if text in BUILTIN_PROFILES else Path(text)
     try:
         data = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"{path}: not a UTF-8 JSON file ({e.reason})") from e
     except OSError as e:
         raise ProfileError(
             f"no latency profile {text!r}: not a built-in ({', '.join(BUILTIN_PROFILES)}) "

@@ -30,7 +30,7 @@ from typing import Any
 from iterserve.bench.stats import SLO, RequestRecord, distribution, summarize, summarize_by_tier
 from iterserve.bench.workloads import BenchRequest
 from iterserve.engine.errors import InvalidRequestError
-from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.llm_engine import IterationError, LLMEngine
 from iterserve.engine.messages import AddRequest, EngineLoad, RequestDelta
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.router.scoring import LoadReport, Picker, ReplicaState, prefix_key
@@ -141,16 +141,45 @@ def tier_label(priority: str | int | None) -> str:
 
 
 def prompt_token_ids(
-    req: BenchRequest, tokenizer: SimTokenizer, rng: random.Random, ordinary: list[int]
+    req: BenchRequest,
+    tokenizer: SimTokenizer,
+    rng: random.Random,
+    ordinary: list[int],
+    max_len: int,
 ) -> list[int]:
-    """What the server would tokenize: the chat template of ``messages``, else the prompt;
-    an entry with only ``prompt_len`` gets that many seeded ordinary ids."""
+    """What the server would tokenize: the chat template of ``messages`` (text parts of a
+    content list joined, as the server does), else the prompt; an entry with only
+    ``prompt_len`` gets that many seeded ordinary ids (at most ``max_len``: more is refused
+    anyway).
+
+    Raises:
+        ValueError: what the server answers 400 to (empty prompt or messages, a content the
+            template or the tokenizer refuses).
+    """
     if req.messages is not None:
-        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+        if not req.messages:
+            raise ValueError("messages is empty")
+        conversation = [
+            {"role": m["role"], "content": _text(m.get("content"))} for m in req.messages
+        ]
+        try:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+        except Exception as e:  # the template's own checks (jinja raise_exception, ...)
+            raise ValueError(f"the chat template rejects these messages: {e}") from e
         return list(tokenizer(text, add_special_tokens=False).input_ids)
     if req.prompt:
         return list(tokenizer(req.prompt).input_ids)
-    return [rng.choice(ordinary) for _ in range(max(1, req.prompt_len))]
+    if req.prompt_len < 1:
+        raise ValueError("the prompt is empty")
+    return [rng.choice(ordinary) for _ in range(min(req.prompt_len, max_len))]
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    raise ValueError(f"message content must be a string or a list of parts, got {content!r}")
 
 
 def replay(
@@ -215,7 +244,14 @@ def replay(
 
     def start_iteration(r: _Replica, t: float) -> None:
         r.clock.now = t
-        deltas = r.engine.step_deltas()
+        try:
+            deltas = r.engine.step_deltas()
+        except IterationError as e:  # the engine aborted the requests of that iteration
+            for request_id in e.request_ids:
+                entry = tracked[request_id]
+                entry.record.error, entry.record.status = f"engine error: {e.cause}", 500
+                entry.replica.admission.left_queue(request_id, started=False)
+            deltas = []
         if r.clock.now == t and not deltas:  # nothing could run: wait for the next arrival
             r.busy = False
             return
@@ -307,10 +343,10 @@ def _admit(
     """The replica's HTTP front, as ``serving.py``: validate (400), admit (429), queue.
     False when the request was refused (``record`` says why)."""
     engine = replica.engine
-    token_ids = prompt_token_ids(req, tokenizer, rng, ordinary)
-    record.prompt_tokens = len(token_ids)
     min_tokens = req.output_len if req.min_tokens is None else req.min_tokens
     try:
+        token_ids = prompt_token_ids(req, tokenizer, rng, ordinary, engine.max_model_len + 1)
+        record.prompt_tokens = len(token_ids)
         params = SamplingParams(
             max_tokens=req.output_len, min_tokens=min_tokens, ignore_eos=True, temperature=0.0
         )
@@ -321,7 +357,7 @@ def _admit(
         record.status, record.error = e.status, e.reason
         rejected[e.reason] = rejected.get(e.reason, 0) + 1
         return False
-    except (InvalidRequestError, APIError, ValueError) as e:
+    except (InvalidRequestError, APIError, ValueError, KeyError) as e:  # ValueError: encoding too
         record.status, record.error = 400, str(e)
         rejected["invalid"] = rejected.get("invalid", 0) + 1  # as the server's metric counts
         return False

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import ValidationError
+
 from iterserve.config import (
     ConfigError,
     EngineConfig,
@@ -33,7 +35,7 @@ from iterserve.config import (
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.messages import Clock
 from iterserve.engine.policy import PreemptionCosts
-from iterserve.sim.profile import LatencyProfile, OutputLengths, load_profile
+from iterserve.sim.profile import MAX_NUM_BLOCKS, LatencyProfile, OutputLengths, load_profile
 from iterserve.sim.runner import SimulatedModelRunner
 from iterserve.sim.tokenizer import CharTokenizer, FileTokenizer, load_tokenizer
 
@@ -84,14 +86,20 @@ def parse_output_lengths(spec: str) -> OutputLengths:
         values = []
     if values and not all(v > 0 and v < math.inf for v in values[:1] + values[2:]):
         raise ConfigError(f"simulate_output_len {spec!r}: lengths must be positive numbers")
-    if kind == "constant" and len(values) == 1:
-        n = int(values[0])
-        return OutputLengths(distribution="constant", median=n, min=n, max=n)
-    if kind == "uniform" and len(values) == 2 and values[0] <= values[1]:
-        return OutputLengths(distribution="uniform", min=int(values[0]), max=int(values[1]))
-    if kind == "lognormal" and len(values) in (2, 3) and 0 <= values[1] < math.inf:
-        extra = {"max": int(values[2])} if len(values) == 3 else {}
-        return OutputLengths(distribution="lognormal", median=values[0], sigma=values[1], **extra)
+    try:
+        if kind == "constant" and len(values) == 1:
+            n = int(values[0])
+            return OutputLengths(distribution="constant", median=n, min=n, max=n)
+        if kind == "uniform" and len(values) == 2 and values[0] <= values[1]:
+            return OutputLengths(distribution="uniform", min=int(values[0]), max=int(values[1]))
+        if kind == "lognormal" and len(values) in (2, 3) and 0 <= values[1] < math.inf:
+            extra = {"max": int(values[2])} if len(values) == 3 else {}
+            return OutputLengths(
+                distribution="lognormal", median=values[0], sigma=values[1], **extra
+            )
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+        raise ConfigError(f"simulate_output_len {spec!r}: {problems}") from e
     raise ConfigError(
         f"simulate_output_len {spec!r}: expected constant:N, uniform:MIN:MAX (MIN <= MAX) or "
         "lognormal:MEDIAN:SIGMA[:MAX] (lengths >= 1, SIGMA >= 0)"
@@ -126,14 +134,23 @@ def num_kv_blocks(profile: LatencyProfile, config: EngineConfig) -> int:
     """KV blocks of the simulated pool (see the module docstring)."""
     cache, spec = config.cache, profile.kv_cache
     if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks
+        return _bounded_blocks(cache.num_kv_blocks, "KV pool")
     if cache.kv_cache_memory is not None:
         blocks = cache.kv_cache_memory // (cache.block_size * spec.kv_bytes_per_token)
     else:  # the profile's pool, in this block size
         blocks = spec.num_blocks * spec.block_size // cache.block_size
     if blocks < 1:
         raise ConfigError("the KV cache budget holds no block")
-    return int(blocks)
+    return _bounded_blocks(int(blocks), "KV pool")
+
+
+def _bounded_blocks(num_blocks: int, what: str) -> int:
+    if num_blocks > MAX_NUM_BLOCKS:
+        raise ConfigError(
+            f"a simulated {what} of {num_blocks} blocks is more than {MAX_NUM_BLOCKS} "
+            "(each block costs the simulator memory: ask for fewer)"
+        )
+    return num_blocks
 
 
 def build_engine(
@@ -168,7 +185,12 @@ def build_engine(
         )
     if tokenizer is None:
         model = config.model.model
-        tokenizer = load_tokenizer(None if model == "default" else model, profile.model.vocab_size)
+        try:
+            tokenizer = load_tokenizer(
+                None if model == "default" else model, profile.model.vocab_size
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     eos = tokenizer.eos_token_id
     eos_ids = frozenset([eos] if eos is not None else profile.model.eos_token_ids)
     runner = SimulatedModelRunner(
@@ -181,8 +203,9 @@ def build_engine(
         output_lengths=output_lengths,
     )
     kv_bytes_per_token = profile.kv_cache.kv_bytes_per_token
-    num_host_blocks = int(config.cache.swap_space * GiB) // (
-        config.cache.block_size * kv_bytes_per_token
+    num_host_blocks = _bounded_blocks(
+        int(config.cache.swap_space * GiB) // (config.cache.block_size * kv_bytes_per_token),
+        "host swap pool",
     )
     costs = None
     if num_host_blocks and config.scheduler.preemption_mode == "auto":

@@ -12,7 +12,8 @@ end of its sequence, a deterministic token:
 - its EOS position is drawn once from the profile's output-length distribution; EOS is
   emitted there (not before ``min_tokens``, never with ``ignore_eos``), and ``max_tokens``
   ends it as usual;
-- other tokens are drawn from the tokenizer's ordinary ids (plain words).
+- other tokens are drawn from the tokenizer's ordinary ids (plain words);
+- logprobs, when asked for, are made up: the sampled token at -0.1, alternatives below.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from iterserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from iterserve.engine.outputs import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from iterserve.sim.profile import BatchShape, LatencyProfile, OutputLengths
 
 _MASK64 = (1 << 64) - 1
@@ -39,13 +45,14 @@ def _mix(x: int) -> int:
 
 
 def draw_output_len(dist: OutputLengths, rng: random.Random) -> int:
-    """One output length (tokens) from ``dist``."""
+    """One output length (tokens) from ``dist``, within ``[min, max]``."""
     if dist.distribution == "constant":
         value = dist.median
     elif dist.distribution == "uniform":
         return rng.randint(dist.min, max(dist.min, dist.max))
-    else:
-        value = rng.lognormvariate(math.log(dist.median), dist.sigma)
+    else:  # drawn in log space and clipped there: a wide sigma cannot overflow
+        log_value = math.log(dist.median) + dist.sigma * rng.gauss(0.0, 1.0)
+        value = math.exp(min(log_value, math.log(dist.max) + 1.0))
     return int(min(dist.max, max(dist.min, round(value))))
 
 
@@ -107,7 +114,22 @@ class SimulatedModelRunner:
             self.busy_s += seconds
             self.wait(seconds)
         sampled = {s.request_id: self._sample(s) for s in scheduler_output.scheduled if s.sample}
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        logprobs = {
+            s.request_id: self._logprobs(sampled[s.request_id], s.sampling_params.logprobs)
+            for s in scheduler_output.scheduled
+            if s.sample and s.sampling_params.logprobs is not None
+        }
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _logprobs(self, token_id: int, num_top: int) -> TokenLogprobs:
+        """Made-up but well-formed logprobs: the sampled token is the likeliest (-0.1), the
+        alternatives are ordinary tokens at -2, -3, ..."""
+        top = [(token_id, -0.1)]
+        for k in range(1, num_top):
+            other = self.token_ids[_mix(token_id * 31 + k) % len(self.token_ids)]
+            if all(other != t for t, _ in top):
+                top.append((other, -1.0 - k))
+        return TokenLogprobs(token_id, -0.1, top[:num_top])
 
     def _state(self, s: ScheduledRequest) -> _RequestState:
         state = self.states.get(s.request_id)

@@ -10,6 +10,7 @@ compare field by field.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -19,7 +20,13 @@ from typing import Any
 
 from iterserve.bench.stats import SLO
 from iterserve.bench.workloads import load_trace
-from iterserve.config import ConfigError, load_config_file
+from iterserve.config import (
+    ENGINE_CONFIG_CLASSES,
+    ConfigError,
+    ServerConfig,
+    SimulationConfig,
+    load_config_file,
+)
 from iterserve.sim.profile import ProfileError, load_profile
 from iterserve.sim.replay import replay
 from iterserve.sim.tokenizer import load_tokenizer
@@ -101,6 +108,15 @@ def plot(runs: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def _engine_settings(path: Path) -> dict[str, Any]:
+    """A candidate's engine settings: an ``iterserve serve --config`` file, whose server and
+    simulation keys (port, api_key, simulate, ...) do not apply to a replay and are left out."""
+    others = {f.name for cls in (ServerConfig, SimulationConfig) for f in dataclasses.fields(cls)}
+    engine = {f.name for cls in ENGINE_CONFIG_CLASSES for f in dataclasses.fields(cls)}
+    settings = load_config_file(path, engine | others)
+    return {k: v for k, v in settings.items() if k in engine}
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         if args.replicas < 1:
@@ -109,8 +125,12 @@ def main(args: argparse.Namespace) -> int:
             raise ConfigError(f"--concurrency must be >= 1, got {args.concurrency}")
         profile = load_profile(args.profile)
         trace = load_trace(args.trace)
-        candidates = [(p.stem, load_config_file(p)) for p in args.config] or [("defaults", {})]
+        candidates = [(p.stem, _engine_settings(p)) for p in args.config] or [("defaults", {})]
         tokenizer = load_tokenizer(args.tokenizer, profile.model.vocab_size)
+        stem = f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
+        json_path = args.json or args.output_dir / f"{stem}.json"
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text("")  # fail now, not after the replay, on a path we cannot write
         slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
         runs = []
         for name, kwargs in candidates:
@@ -154,9 +174,6 @@ def main(args: argparse.Namespace) -> int:
         "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
         "runs": runs,
     }
-    stem = f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
-    json_path = args.json or args.output_dir / f"{stem}.json"
-    json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=2))
     print(f"wrote {json_path}")
     if not args.no_plot:

@@ -187,8 +187,20 @@ def _compile_template(source: str) -> Any:
 
 
 def load_tokenizer(model: str | None, vocab_size: int) -> CharTokenizer | FileTokenizer:
-    """The tokenizer of ``model`` when it is a directory with ``tokenizer.json``, else a
-    :class:`CharTokenizer` over ``vocab_size`` ids."""
-    if model and (Path(model) / "tokenizer.json").is_file():
-        return FileTokenizer(model)
-    return CharTokenizer(vocab_size)
+    """The tokenizer of directory ``model`` when it has a ``tokenizer.json``; a
+    :class:`CharTokenizer` over ``vocab_size`` ids for None (or a directory without one).
+
+    Raises:
+        ValueError: ``model`` does not exist, or its tokenizer files cannot be read.
+    """
+    if not model:
+        return CharTokenizer(vocab_size)
+    path = Path(model)
+    if not path.exists():
+        raise ValueError(f"{model}: no such tokenizer directory")
+    if not (path / "tokenizer.json").is_file():
+        return CharTokenizer(vocab_size)
+    try:
+        return FileTokenizer(path)
+    except Exception as e:  # the tokenizers library raises plain Exception
+        raise ValueError(f"{model}: cannot read its tokenizer ({type(e).__name__}: {e})") from e

@@ -164,3 +164,51 @@ def test_closed_loop_keeps_the_concurrency() -> None:
     # Two rounds of (prefill 2 x 8 tokens, then a decode of 2): the same length each.
     first = result.records[0].e2e_s
     assert result.duration_s == pytest.approx(2 * first)
+
+
+def test_requests_the_server_would_refuse_are_400s_and_the_rest_run() -> None:
+    trace = [
+        BenchRequest("", 10**9, 4, arrival_s=0.0),  # far too long: refused without building it
+        BenchRequest("lone \ud800 surrogate", 0, 4, arrival_s=0.0),
+        BenchRequest("", 0, 4, arrival_s=0.0),  # no prompt at all
+        BenchRequest("", 0, 4, arrival_s=0.0, messages=[]),
+        BenchRequest(
+            "",
+            0,
+            4,
+            arrival_s=0.0,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "hi there"}]}],
+        ),
+        BenchRequest("fine", 0, 4, arrival_s=0.0),
+    ]
+    result = _run(trace)
+    assert [r.status for r in result.records] == [400, 400, 400, 400, 200, 200]
+    assert result.rejected == {"invalid": 4}
+
+
+def test_bad_trace_lines_are_reported_with_their_line(tmp_path: Path) -> None:
+    from iterserve.bench.workloads import load_trace
+
+    path = tmp_path / "t.jsonl"
+    for line, message in [
+        ("[1, 2]", "JSON object"),
+        ('{"timestamp": -5, "prompt": "x", "max_tokens": 1}', "timestamp"),
+        ('{"timestamp": NaN, "prompt": "x", "max_tokens": 1}', "timestamp"),
+        ('{"messages": [{"content": "hi"}], "max_tokens": 1}', "role"),
+        ('{"prompt": null, "max_tokens": 1}', "prompt"),
+    ]:
+        path.write_text('{"prompt": "ok", "max_tokens": 1}\n' + line + "\n")
+        with pytest.raises(ValueError, match=rf"t\.jsonl:2: .*{message}"):
+            load_trace(path)
+    path.write_bytes(b"\xff\xfe not text")
+    with pytest.raises(ValueError, match="UTF-8"):
+        load_trace(path)
+
+
+def test_unwritable_output_fails_before_the_replay(tmp_path: Path, capsys: Any) -> None:
+    profile = str(write_profile(tmp_path / "profile.json"))
+    trace = tmp_path / "trace.jsonl"
+    save_trace(_burst(2), trace)
+    argv = ["simulate", "--trace", str(trace), "--profile", profile, "--json", str(tmp_path)]
+    assert main(argv) == 2
+    assert "error" in capsys.readouterr().err

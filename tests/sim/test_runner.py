@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+from typing import Any
 
 import pytest
 from sim_profiles import make_profile
@@ -151,3 +153,41 @@ def test_pool_max_model_len_and_tensor_parallel_degree_come_from_the_profile() -
 def test_unknown_profile_is_a_clear_error() -> None:
     with pytest.raises(ProfileError, match="not a built-in"):
         load_profile("no-such-profile")
+
+
+def test_profiles_and_pools_out_of_bounds_are_refused(tmp_path: Any) -> None:
+    data = make_profile().model_dump()
+    for section, key, value in [
+        ("iteration", "fixed_s", float("inf")),
+        ("iteration", "fixed_s", 1e300),
+        ("kv_cache", "num_blocks", 10**12),
+        ("output_lengths", "sigma", 1000.0),
+    ]:
+        bad = {**data, section: {**data[section], key: value}}
+        path = tmp_path / "p.json"
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ProfileError):
+            load_profile(path)
+    with pytest.raises(ConfigError, match="blocks is more than"):
+        _engine(num_kv_blocks=10**8)
+    with pytest.raises(ConfigError, match="blocks is more than"):
+        _engine(swap_space=1e6)
+
+
+def test_wide_lognormal_lengths_do_not_overflow() -> None:
+    rng = random.Random(0)
+    dist = parse_output_lengths("lognormal:200:10")
+    assert all(1 <= draw_output_len(dist, rng) <= 2048 for _ in range(2000))
+
+
+def test_logprobs_are_made_up_but_well_formed() -> None:
+    engine, _ = _engine()
+    engine.add_request("a", [10, 11, 12], SamplingParams(max_tokens=3, logprobs=2, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs = engine.step() or outs
+    completion = outs[-1].outputs[0]
+    assert completion.logprobs is not None and len(completion.logprobs) == 3
+    for token_id, lp in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert lp.token_id == token_id and lp.top[0] == (token_id, lp.logprob)
+        assert len(lp.top) == 2 and lp.top[1][1] < lp.logprob
