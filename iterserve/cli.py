@@ -23,6 +23,7 @@ from iterserve.config import (
     load_config_file,
     read_tiers_file,
 )
+from iterserve.router.cli_args import add_router_args
 from iterserve.sim.cli_args import add_simulate_args
 
 _EXAMPLE_PROMPTS = [
@@ -167,6 +168,12 @@ def _pop_fields(kwargs: dict[str, Any], cls: type) -> dict[str, Any]:
     return {k: kwargs.pop(k) for k in list(kwargs) if k in names}
 
 
+def _cmd_router(args: argparse.Namespace) -> int:
+    from iterserve.router.server import main
+
+    return main(args)
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from iterserve.sim.simulate import main
 
@@ -194,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="apply the model's chat template to each prompt"
     )
     gen.set_defaults(func=_cmd_generate, subparser=gen)
+    rtr = sub.add_parser("router", help="route requests to the replica with the least KV pressure")
+    add_router_args(rtr)
+    rtr.set_defaults(func=_cmd_router)
     sim = sub.add_parser(
         "simulate", help="what-if replay of a trace under candidate configs, in virtual time"
     )

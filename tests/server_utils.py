@@ -39,9 +39,12 @@ class Server:
 
 
 @contextmanager
-def run_server(*flags: str, startup_timeout_s: float = 240.0) -> Iterator[Server]:
-    """``iterserve serve --host 127.0.0.1 --port <free> *flags``, ready; stopped on exit."""
-    port = free_port()
+def run_server(
+    *flags: str, startup_timeout_s: float = 240.0, port: int | None = None
+) -> Iterator[Server]:
+    """``iterserve serve --host 127.0.0.1 --port <port or a free one> *flags``, ready;
+    stopped on exit."""
+    port = port or free_port()
     log = Path(tempfile.mkstemp(prefix="iterserve-server-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "iterserve.cli", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *flags]

@@ -45,6 +45,7 @@ COMMANDS = [
     "",
     "serve",
     "generate",
+    "router",
     "simulate",
     "bench",
     "bench decode",

@@ -1,0 +1,57 @@
+"""Flags of ``iterserve router`` (argparse only: building the parser loads nothing else)."""
+
+from __future__ import annotations
+
+import argparse
+
+from iterserve.router.scoring import POLICIES
+
+_BACKEND_TYPES = ("auto", "iterserve", "vllm", "sglang")
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeatable)",
+    )
+    p.add_argument(
+        "--backend-type",
+        choices=_BACKEND_TYPES,
+        default="auto",
+        help="how replicas report load: iterserve /load, or vLLM / SGLang /metrics "
+        "(default: auto-detected per replica)",
+    )
+    p.add_argument("--k8s-service", default=None, help="discover replicas from this Service")
+    p.add_argument("--namespace", default="default", help="the Service's namespace")
+    p.add_argument("--k8s-port-name", default="http", help="the EndpointSlice port to use")
+    p.add_argument("--policy", choices=POLICIES, default="least_kv")
+    p.add_argument(
+        "--session-header", default="x-session-id", help="policy session: the sticky header"
+    )
+    p.add_argument(
+        "--no-prefix-affinity",
+        dest="prefix_affinity",
+        action="store_false",
+        help="least_kv without prefix affinity",
+    )
+    p.add_argument("--poll-interval-ms", type=float, default=50.0)
+    p.add_argument("--poll-timeout-ms", type=float, default=1000.0)
+    p.add_argument(
+        "--stale-after-ms", type=float, default=500.0, help="older reports score as saturated"
+    )
+    p.add_argument("--eject-after", type=int, default=3, help="consecutive failures that eject")
+    p.add_argument("--connect-timeout-s", type=float, default=2.0)
+    p.add_argument(
+        "--first-byte-timeout-s",
+        type=float,
+        default=300.0,
+        help="until a replica's response headers (non-streamed answers come whole)",
+    )
+    p.add_argument("--read-timeout-s", type=float, default=600.0, help="between stream chunks")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", default=None, help="Bearer key clients must send (/v1/*)")
+    p.add_argument("--backend-api-key", default=None, help="the key the replicas expect")

@@ -1,0 +1,47 @@
+"""The router's Prometheus metrics (DESIGN.md: ``iterserve_router_*``), on prometheus-client."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
+
+# No ``*_created`` series (as the server's).
+disable_created_metrics()
+
+# Seconds the router adds before a request leaves for its replica.
+_OVERHEAD_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+
+
+class RouterMetrics:
+    """Every router metric, in its own registry."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "iterserve_router_"
+        self.requests = Counter(
+            p + "requests",
+            "Proxied requests by replica and status",
+            ["replica", "code"],
+            registry=r,
+        )
+        self.retries = Counter(
+            p + "retries", "Requests retried on another replica", ["reason"], registry=r
+        )
+        self.ejections = Counter(p + "ejections", "Replicas ejected", ["replica"], registry=r)
+        self.picks = Counter(p + "picks", "Routing decisions", ["policy", "reason"], registry=r)
+        self.proxy_overhead = Histogram(
+            p + "proxy_overhead_seconds",
+            "Arrival at the router to the request leaving for its replica",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.ready_replicas = Gauge(p + "ready_replicas", "Replicas receiving traffic", registry=r)
+        for reason in ("connect", "timeout", "status_5xx", "status_429"):
+            self.retries.labels(reason=reason)

@@ -1,0 +1,199 @@
+"""The router's replicas: their load reports, in-flight counts, ejection and probing back.
+
+Each replica is polled every ``poll_interval_s`` with a bounded timeout (iterserve: ``/load``;
+vLLM and SGLang: ``/metrics``; see :mod:`iterserve.router.backends`). A replica is *ready*
+while its last poll succeeded and it is not ejected. ``eject_after`` consecutive failures
+(polls or proxied requests failing before their first byte) eject it; it is probed back after
+a backoff that doubles on every failed probe (``backoff_s`` .. ``max_backoff_s``); one good
+poll re-admits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from iterserve.router.backends import (
+    LoadFormatError,
+    detect_prometheus_type,
+    parse_iterserve_load,
+    parse_prometheus_load,
+)
+from iterserve.router.scoring import ReplicaState
+
+logger = logging.getLogger("iterserve.router")
+
+
+@dataclass
+class Backend:
+    """One replica as the router tracks it."""
+
+    url: str
+    kind: str  # iterserve | vllm | sglang | auto (until the first good poll)
+    state: ReplicaState
+    consecutive_failures: int = 0
+    ejected: bool = False
+    next_probe_at: float = 0.0
+    backoff_s: float = 0.0
+    in_flight: int = 0  # requests being proxied to it now
+    polls_ok: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.state.name
+
+
+@dataclass
+class ReplicaPool:
+    """The replicas behind the router (see the module docstring).
+
+    Args:
+        http: the client polls go through.
+        backend_type: ``auto``, ``iterserve``, ``vllm`` or ``sglang`` for every replica.
+        api_key: the replicas' key (``--backend-api-key``), sent on polls.
+        on_eject: called with a replica's name when it is ejected (metrics).
+    """
+
+    http: httpx.AsyncClient
+    backend_type: str = "auto"
+    poll_interval_s: float = 0.05
+    poll_timeout_s: float = 1.0
+    eject_after: int = 3
+    backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+    api_key: str | None = None
+    clock: Callable[[], float] = time.monotonic
+    on_eject: Callable[[str], None] | None = None
+    backends: dict[str, Backend] = field(default_factory=dict)
+
+    def set_urls(self, urls: list[str]) -> None:
+        """The replica set now (discovery's answer): new ones are added unready until their
+        first poll, gone ones dropped."""
+        wanted = {u.rstrip("/") for u in urls}
+        for url in list(self.backends):
+            if url not in wanted:
+                del self.backends[url]
+        for url in wanted:
+            if url not in self.backends:
+                self.backends[url] = Backend(url, self.backend_type, ReplicaState(url, ready=False))
+
+    def states(self) -> list[ReplicaState]:
+        return [b.state for b in self.backends.values()]
+
+    def ready(self) -> list[Backend]:
+        return [b for b in self.backends.values() if b.state.ready]
+
+    # ----------------------------------------------------------------- polling
+
+    async def run(self) -> None:
+        """Poll every replica every interval, forever (cancel to stop)."""
+        while True:
+            start = self.clock()
+            await self.poll_all()
+            await asyncio.sleep(max(0.0, self.poll_interval_s - (self.clock() - start)))
+
+    async def poll_all(self) -> None:
+        now = self.clock()
+        due = [b for b in self.backends.values() if not b.ejected or now >= b.next_probe_at]
+        await asyncio.gather(*(self.poll(b) for b in due))
+
+    async def poll(self, b: Backend) -> None:
+        """One poll of ``b``; its report, readiness and failure count follow."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            report = await asyncio.wait_for(self._fetch(b, headers), self.poll_timeout_s)
+        except (httpx.HTTPError, LoadFormatError, TimeoutError, ValueError) as e:
+            self.record_failure(b, f"poll: {type(e).__name__}: {e}")
+            return
+        b.state.report = report
+        b.state.in_flight_since_report = 0
+        b.polls_ok += 1
+        self.record_success(b)
+
+    async def _fetch(self, b: Backend, headers: dict[str, str]) -> Any:
+        now = self.clock
+        if b.kind in ("auto", "iterserve"):
+            r = await self.http.get(b.url + "/load", headers=headers)
+            if r.status_code == 200 or b.kind == "iterserve":
+                r.raise_for_status()
+                report = parse_iterserve_load(r.json(), now())
+                b.kind = "iterserve"
+                return report
+        r = await self.http.get(b.url + "/metrics", headers=headers)
+        r.raise_for_status()
+        kind = b.kind if b.kind in ("vllm", "sglang") else detect_prometheus_type(r.text)
+        if kind is None:
+            raise LoadFormatError("neither /load nor vLLM / SGLang metrics")
+        b.kind = kind
+        return parse_prometheus_load(r.text, kind, now())
+
+    # ----------------------------------------------------------------- health
+
+    def record_failure(self, b: Backend, why: str) -> None:
+        b.consecutive_failures += 1
+        if b.ejected:
+            b.backoff_s = min(self.max_backoff_s, b.backoff_s * 2)
+            b.next_probe_at = self.clock() + b.backoff_s
+            return
+        if b.consecutive_failures >= self.eject_after or b.polls_ok == 0:
+            # Never seen well, or failing repeatedly: no traffic until a probe succeeds.
+            b.state.ready = False
+        if b.consecutive_failures >= self.eject_after:
+            b.ejected = True
+            b.backoff_s = self.backoff_s
+            b.next_probe_at = self.clock() + b.backoff_s
+            logger.warning(
+                "replica %s ejected after %d failures (%s)", b.name, b.consecutive_failures, why
+            )
+            if self.on_eject is not None:
+                self.on_eject(b.name)
+
+    def record_success_request(self, b: Backend) -> None:
+        """A proxied request got its answer: the failure streak ends (polls re-admit)."""
+        b.consecutive_failures = 0
+
+    def record_success(self, b: Backend) -> None:
+        if b.ejected:
+            logger.info("replica %s is back", b.name)
+        b.consecutive_failures = 0
+        b.ejected = False
+        b.state.ready = True
+
+    # ----------------------------------------------------------------- aggregates
+
+    def aggregated_load(self) -> dict[str, Any]:
+        """The router's ``/load`` (DESIGN.md): block-weighted KV usage, summed queues."""
+        ready = self.ready()
+        reports = [b.state.report for b in ready if b.state.report is not None]
+        blocks = sum(r.num_total_blocks for r in reports)
+        if blocks:
+            usage = sum(r.kv_cache_usage * r.num_total_blocks for r in reports) / blocks
+        else:
+            usage = sum(r.kv_cache_usage for r in reports) / len(reports) if reports else 0.0
+        return {
+            "kv_cache_usage": usage,
+            "num_running": sum(r.num_running for r in reports),
+            "num_waiting": sum(r.num_waiting for r in reports),
+            "num_ready_replicas": len(ready),
+            "num_replicas": len(self.backends),
+        }
+
+
+@contextlib.asynccontextmanager
+async def polling(pool: ReplicaPool) -> Any:
+    """Run ``pool``'s polling on a task for the duration of the block."""
+    await pool.poll_all()
+    task = asyncio.create_task(pool.run())
+    try:
+        yield pool
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,277 @@
+"""The router's HTTP app: ``/v1/*`` proxied to the picked replica, streams passed through.
+
+Per request: read the body (for the prefix key and ``stream``), pick a ready replica
+(:mod:`iterserve.router.scoring`), send it on with the replicas' key, and relay the answer:
+SSE chunk by chunk as the replica writes them (``aiter_raw``, nothing buffered), or whole.
+A client that goes away closes the upstream request, so the replica aborts it and frees its
+KV blocks. Before the first byte has reached the client a request is retried once on another
+replica after a connect error, a timeout or a 5xx, and after a 429 when another replica has
+room; a replica's 429 is otherwise passed through with its ``Retry-After``. No ready replica:
+503 with ``Retry-After``. Every attempt counts in the replica's in-flight number and gives it
+back in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from iterserve.router.metrics import RouterMetrics
+from iterserve.router.pool import Backend, ReplicaPool
+from iterserve.router.scoring import NoReplicaError, Picker, prefix_key
+
+logger = logging.getLogger("iterserve.router")
+
+# Request headers passed to the replica, and response headers passed back.
+_FORWARD = ("content-type", "accept", "x-request-id", "x-tenant-id", "user-agent")
+_BACK = ("content-type", "x-request-id", "retry-after", "cache-control")
+_RETRY_AFTER_S = "1"
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """Knobs of the proxy (``iterserve router`` flags)."""
+
+    api_key: str | None = None
+    backend_api_key: str | None = None
+    session_header: str = "x-session-id"
+    connect_timeout_s: float = 2.0
+    # Until the replica's response headers (a non-streamed answer comes whole: allow for it).
+    first_byte_timeout_s: float = 300.0
+    # Between two chunks of a stream.
+    read_timeout_s: float = 600.0
+
+
+def _error(status: int, message: str, kind: str, retry: bool = False) -> JSONResponse:
+    headers = {"Retry-After": _RETRY_AFTER_S} if retry else {}
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class _Failed(Exception):
+    """An attempt that failed before any byte went to the client (retryable)."""
+
+    def __init__(self, reason: str, response: httpx.Response | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.response = response
+
+
+Background = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
+
+
+def build_router_app(
+    pool: ReplicaPool,
+    picker: Picker,
+    settings: ProxySettings,
+    background: Background | None = None,
+) -> FastAPI:
+    """The router's FastAPI app over ``pool``.
+
+    Args:
+        background: entered for the app's lifetime (the pool's polling, discovery).
+    """
+    metrics = RouterMetrics()
+    pool.on_eject = lambda name: metrics.ejections.labels(replica=name).inc()
+    timeout = httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    upstream = httpx.AsyncClient(timeout=timeout, limits=limits)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with upstream, background() if background else contextlib.nullcontext():
+            yield
+
+    app = FastAPI(title="iterserve router", lifespan=lifespan)
+    app.state.router = {"pool": pool, "metrics": metrics, "http": upstream}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        n = len(pool.ready())
+        if n:
+            return JSONResponse({"status": "ready", "num_ready_replicas": n})
+        return JSONResponse({"status": "no ready replica"}, status_code=503)
+
+    @app.get("/load")
+    async def load() -> dict[str, Any]:
+        return pool.aggregated_load()
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        metrics.ready_replicas.set(len(pool.ready()))
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/v1/{path:path}", methods=["GET", "POST"])
+    async def proxy(path: str, request: Request) -> Response:
+        arrival = time.perf_counter()
+        if settings.api_key is not None and not _authorized(request, settings.api_key):
+            return _error(401, "invalid or missing API key", "authentication_error")
+        body = await request.body()
+        key, stream = _inspect(body) if request.method == "POST" else (None, False)
+        session = request.headers.get(settings.session_header)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
+        if settings.backend_api_key:
+            headers["authorization"] = f"Bearer {settings.backend_api_key}"
+        tried: set[str] = set()
+        last: _Failed | None = None
+        for attempt in range(2):
+            candidates = [s for s in pool.states() if s.name not in tried]
+            try:
+                pick = picker.pick(candidates, time.monotonic(), key, session)
+            except NoReplicaError:
+                break
+            metrics.picks.labels(policy=picker.policy, reason=pick.reason).inc()
+            backend = pool.backends[pick.replica.name]
+            tried.add(backend.name)
+            backend.state.in_flight_since_report += 1
+            if attempt == 0:
+                metrics.proxy_overhead.observe(time.perf_counter() - arrival)
+            try:
+                return await _forward(request, backend, path, body, headers, stream)
+            except _Failed as e:
+                last = e
+                metrics.retries.labels(reason=e.reason).inc()
+                if e.reason != "status_429":
+                    pool.record_failure(backend, e.reason)
+        if last is not None and last.response is not None:
+            return _passthrough(last.response)
+        if last is not None:
+            return _error(502, f"the replicas failed ({last.reason})", "bad_gateway", retry=True)
+        return _error(503, "no ready replica; retry later", "service_unavailable_error", True)
+
+    async def _forward(
+        request: Request,
+        backend: Backend,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        stream: bool,
+    ) -> Response:
+        url = f"{backend.url}/v1/{path}"
+        if request.url.query:
+            url += "?" + request.url.query
+        outgoing = upstream.build_request(request.method, url, content=body, headers=headers)
+        backend.in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                backend.in_flight -= 1
+
+        try:
+            response = await asyncio.wait_for(
+                upstream.send(outgoing, stream=True), settings.first_byte_timeout_s
+            )
+        except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
+            release()
+            raise _Failed("connect") from e
+        except (TimeoutError, httpx.TimeoutException) as e:
+            release()
+            raise _Failed("timeout") from e
+        except BaseException:
+            release()
+            raise
+        code = response.status_code
+        metrics.requests.labels(replica=backend.name, code=str(code)).inc()
+        if code >= 500 or code == 429:
+            await response.aread()
+            await response.aclose()
+            release()
+            raise _Failed("status_5xx" if code >= 500 else "status_429", response)
+        pool.record_success_request(backend)
+        if not stream or not response.headers.get("content-type", "").startswith(
+            "text/event-stream"
+        ):
+            try:
+                content = await _read_unless_disconnected(request, response)
+            finally:
+                await response.aclose()
+                release()
+            if content is None:
+                return Response(status_code=499)
+            return Response(content, code, _back_headers(response))
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            finally:  # also when the client went away: the replica sees its disconnect
+                await response.aclose()
+                release()
+
+        return StreamingResponse(relay(), code, _back_headers(response))
+
+    return app
+
+
+def _authorized(request: Request, api_key: str) -> bool:
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), api_key.encode())
+
+
+def _inspect(body: bytes) -> tuple[bytes | None, bool]:
+    """(prefix key, streamed) of a generation body; (None, False) when it is not JSON."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None, False
+    if not isinstance(data, dict):
+        return None, False
+    messages = data.get("messages")
+    prompt = data.get("prompt")
+    if isinstance(messages, list):
+        key = prefix_key(messages=[m for m in messages if isinstance(m, dict)])
+    elif isinstance(prompt, str):
+        key = prefix_key(prompt)
+    else:
+        key = None
+    return key or None, data.get("stream") is True
+
+
+async def _read_unless_disconnected(request: Request, response: httpx.Response) -> bytes | None:
+    """The whole body, or None when the client disconnects first (the upstream is closed,
+    so the replica aborts)."""
+    read = asyncio.ensure_future(response.aread())
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    done, _ = await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if read in done:
+        gone.cancel()
+        return read.result()
+    read.cancel()
+    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        await read
+    return None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _back_headers(response: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k.lower() in _BACK}
+
+
+def _passthrough(response: httpx.Response) -> Response:
+    return Response(response.content, response.status_code, _back_headers(response))

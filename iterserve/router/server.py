@@ -1,0 +1,94 @@
+"""``iterserve router``: discovery, the replica pool's polling and the proxy app under
+uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import uvicorn
+
+from iterserve.router.pool import ReplicaPool, polling
+from iterserve.router.proxy import ProxySettings, build_router_app
+from iterserve.router.scoring import Picker
+
+logger = logging.getLogger("iterserve.router")
+
+
+def build(args: argparse.Namespace) -> Any:
+    """The router's app from its flags.
+
+    Raises:
+        ValueError: inconsistent flags.
+    """
+    if not args.backend and not args.k8s_service:
+        raise ValueError("give --backend URL (repeatable) or --k8s-service NAME")
+    if args.backend and args.k8s_service:
+        raise ValueError("give either --backend or --k8s-service, not both")
+    for name in ("poll_interval_ms", "poll_timeout_ms", "stale_after_ms"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if args.eject_after < 1:
+        raise ValueError("--eject-after must be >= 1")
+    poll_client = httpx.AsyncClient(timeout=args.poll_timeout_ms / 1000)
+    pool = ReplicaPool(
+        poll_client,
+        backend_type=args.backend_type,
+        poll_interval_s=args.poll_interval_ms / 1000,
+        poll_timeout_s=args.poll_timeout_ms / 1000,
+        eject_after=args.eject_after,
+        api_key=args.backend_api_key,
+    )
+    picker = Picker(args.policy, args.prefix_affinity, stale_after_s=args.stale_after_ms / 1000)
+    settings = ProxySettings(
+        api_key=args.api_key,
+        backend_api_key=args.backend_api_key,
+        session_header=args.session_header.lower(),
+        connect_timeout_s=args.connect_timeout_s,
+        first_byte_timeout_s=args.first_byte_timeout_s,
+        read_timeout_s=args.read_timeout_s,
+    )
+    if args.backend:
+        pool.set_urls(list(args.backend))
+        discovery = None
+    else:
+        from iterserve.router.discovery import EndpointSliceDiscovery
+
+        discovery = EndpointSliceDiscovery(args.k8s_service, args.namespace, args.k8s_port_name)
+
+    @contextlib.asynccontextmanager
+    async def background() -> AsyncIterator[None]:
+        tasks = []
+        if discovery is not None:
+            on_change = lambda endpoints: pool.set_urls([e.url for e in endpoints])  # noqa: E731
+            tasks.append(asyncio.create_task(discovery.run(on_change)))
+        async with poll_client, polling(pool):
+            try:
+                yield
+            finally:
+                for task in tasks:
+                    task.cancel()
+                for task in tasks:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+
+    return build_router_app(pool, picker, settings, background)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        app = build(args)
+    except ValueError as e:
+        print(f"iterserve router: error: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
+    return 0

@@ -1,0 +1,357 @@
+"""The router in front of simulated replicas (real servers over the simulated runner): load-
+aware picks, streams passed through as they are written, fail-over, ejection and return,
+hung replicas, 429s, no replica, a vLLM-style replica, keys, and in-flight counts."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+from server_utils import Server, free_port, run_server
+from sim_profiles import make_profile, write_profile
+
+from iterserve.cli import build_parser
+from iterserve.router.server import build
+
+# 20 ms per iteration: streams take visible time, tests stay short.
+PROFILE = make_profile(fixed_s=0.020)
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_profile(tmp_path_factory.mktemp("router") / "profile.json", PROFILE)
+
+
+@contextlib.contextmanager
+def replicas(profile_file: Path, n: int, *flags: str) -> Iterator[list[Server]]:
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(run_server("--simulate", str(profile_file), *flags))
+            for _ in range(n)
+        ]
+
+
+@contextlib.asynccontextmanager
+async def router(*flags: str) -> AsyncIterator[tuple[str, Any]]:
+    """``iterserve router FLAGS`` in this event loop; (its URL, its app)."""
+    args = build_parser().parse_args(["router", "--poll-interval-ms", "20", *flags])
+    assert isinstance(args, argparse.Namespace)
+    app = build(args)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            assert not task.done(), "the router did not start"
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+def _backends(servers: list[Server]) -> list[str]:
+    return [x for s in servers for x in ("--backend", s.url)]
+
+
+async def _until(condition: Any, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+def _pool(app: Any) -> Any:
+    return app.state.router["pool"]
+
+
+def test_new_requests_go_to_the_idle_replica(profile_file: Path) -> None:
+    with replicas(profile_file, 2) as (busy, idle):
+
+        async def run() -> None:
+            async with router(*_backends([busy, idle]), "--no-prefix-affinity") as (url, app):
+                pool = _pool(app)
+                await _until(lambda: len(pool.ready()) == 2, "both replicas ready")
+                async with httpx.AsyncClient(timeout=60) as http:
+                    # Load one replica directly with long requests.
+                    body = {"prompt": "x" * 400, "max_tokens": 400, "ignore_eos": True}
+                    loaders = [
+                        asyncio.create_task(http.post(busy.url + "/v1/completions", json=body))
+                        for _ in range(6)
+                    ]
+                    report = lambda: pool.backends[busy.url].state.report  # noqa: E731
+                    await _until(lambda: report() and report().num_running == 6, "load seen")
+                    answers = [
+                        await http.post(
+                            url + "/v1/completions", json={"prompt": f"q{i}", "max_tokens": 2}
+                        )
+                        for i in range(6)
+                    ]
+                    assert all(a.status_code == 200 for a in answers)
+                    counts = _requests_by_replica(await http.get(url + "/metrics"))
+                    assert counts == {idle.url: 6}, counts
+                    for t in loaders:
+                        t.cancel()
+                await _until(lambda: all(b.in_flight == 0 for b in pool.backends.values()), "zero")
+
+        asyncio.run(run())
+
+
+def _requests_by_replica(response: httpx.Response) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for line in response.text.splitlines():
+        if line.startswith("iterserve_router_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            replica = labels.split('replica="')[1].split('"')[0]
+            counts[replica] = counts.get(replica, 0) + int(float(value))
+    return counts
+
+
+def test_streams_pass_through_as_they_are_written(profile_file: Path) -> None:
+    with replicas(profile_file, 1) as (only,):
+
+        async def stamps(http: httpx.AsyncClient, base: str) -> list[float]:
+            body = {"prompt": "stream me", "max_tokens": 10, "ignore_eos": True, "stream": True}
+            out = []
+            async with http.stream("POST", base + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        out.append(time.perf_counter())
+            return out
+
+        async def run() -> None:
+            async with router(*_backends([only])) as (url, app):
+                await _until(lambda: len(_pool(app).ready()) == 1, "ready")
+                async with httpx.AsyncClient(timeout=30) as http:
+                    direct, routed = await stamps(http, only.url), await stamps(http, url)
+            assert len(direct) == len(routed) == 10
+            # Events spread over ~9 iterations of >= 21 ms, through the router as direct.
+            assert routed[-1] - routed[0] >= 0.8 * (direct[-1] - direct[0]) >= 0.8 * 9 * 0.021
+
+        asyncio.run(run())
+
+
+def test_a_dead_replica_is_ejected_and_readmitted(profile_file: Path) -> None:
+    port = free_port()
+    with replicas(profile_file, 1) as (alive,):
+
+        async def run() -> None:
+            dead_url = f"http://127.0.0.1:{port}"
+            async with router("--backend", alive.url, "--backend", dead_url) as (url, app):
+                pool = _pool(app)
+                await _until(lambda: pool.backends[dead_url].ejected, "the dead one ejected")
+                async with httpx.AsyncClient(timeout=30) as http:
+                    for i in range(6):
+                        r = await http.post(
+                            url + "/v1/completions", json={"prompt": f"p{i}", "max_tokens": 2}
+                        )
+                        assert r.status_code == 200
+                    assert (await http.get(url + "/load")).json()["num_ready_replicas"] == 1
+                    # It comes back: a probe re-admits it.
+                    revived = run_server("--simulate", str(profile_file), port=port)
+                    await asyncio.to_thread(revived.__enter__)
+                    try:
+                        await _until(lambda: pool.backends[dead_url].state.ready, "re-admitted", 40)
+                        assert (await http.get(url + "/load")).json()["num_ready_replicas"] == 2
+                    finally:
+                        await asyncio.to_thread(revived.__exit__, None, None, None)
+                    await _until(lambda: not pool.backends[dead_url].state.ready, "gone again")
+                    r = await http.post(
+                        url + "/v1/completions", json={"prompt": "after", "max_tokens": 2}
+                    )
+                    assert r.status_code == 200
+                assert all(b.in_flight == 0 for b in pool.backends.values())
+
+        asyncio.run(run())
+
+
+class _Silent:
+    """A TCP server that accepts connections and never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_replica_that_never_answers_cannot_stall_the_router(profile_file: Path) -> None:
+    silent = _Silent()
+    with replicas(profile_file, 1) as (alive,):
+
+        async def run() -> None:
+            flags = ("--backend", silent.url, "--backend", alive.url, "--first-byte-timeout-s", "1")
+            async with router(*flags, "--policy", "round_robin") as (url, app):
+                pool = _pool(app)
+                # The silent one never reports, so it never turns ready; force it in, as a
+                # replica that hangs after its last good poll would be.
+                await _until(lambda: pool.backends[alive.url].state.ready, "alive ready")
+                pool.backends[silent.url].state.ready = True
+                async with httpx.AsyncClient(timeout=30) as http:
+                    start = time.perf_counter()
+                    body = {"prompt": "hung?", "max_tokens": 2}
+                    results = await asyncio.gather(
+                        *(http.post(url + "/v1/completions", json=body) for _ in range(4))
+                    )
+                    assert [r.status_code for r in results] == [200] * 4
+                    assert time.perf_counter() - start < 5
+                    retries = [
+                        line for line in (await http.get(url + "/metrics")).text.splitlines()
+                        if line.startswith('iterserve_router_retries_total{reason="timeout"}')
+                    ]  # fmt: skip
+                    assert float(retries[0].split()[-1]) >= 1
+                assert all(b.in_flight == 0 for b in pool.backends.values())
+
+        asyncio.run(run())
+    silent.close()
+
+
+def test_no_ready_replica_is_a_503_with_retry_after() -> None:
+    async def run() -> None:
+        dead = f"http://127.0.0.1:{free_port()}"
+        async with router("--backend", dead) as (url, _), httpx.AsyncClient(timeout=10) as http:
+            r = await http.post(url + "/v1/completions", json={"prompt": "x"})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "service_unavailable_error"
+            assert (await http.get(url + "/ready")).status_code == 503
+            assert (await http.get(url + "/health")).status_code == 200
+
+    asyncio.run(run())
+
+
+def test_a_full_replica_passes_the_request_on_and_429_comes_through_last(
+    profile_file: Path,
+) -> None:
+    flags = ("--max-waiting", "1", "--max-num-seqs", "1")
+    with replicas(profile_file, 2, *flags) as servers:
+
+        async def run() -> None:
+            async with router(*_backends(servers), "--no-prefix-affinity") as (url, app):
+                await _until(lambda: len(_pool(app).ready()) == 2, "ready")
+                async with httpx.AsyncClient(timeout=60) as http:
+                    body = {"prompt": "y" * 40, "max_tokens": 60, "ignore_eos": True}
+                    results = await asyncio.gather(
+                        *(http.post(url + "/v1/completions", json=body) for _ in range(12))
+                    )
+                    metrics = (await http.get(url + "/metrics")).text.splitlines()
+                codes = [r.status_code for r in results]
+                # Each replica queues one request at a time (max_waiting 1 counts it until its
+                # first token): one each was accepted, a 429 was first passed on to the other
+                # replica, and the rest came back as 429s with Retry-After.
+                assert codes.count(200) == 2 and codes.count(429) == 10
+                assert all("retry-after" in r.headers for r in results if r.status_code == 429)
+                served = [m for m in metrics if m.startswith("iterserve_router_requests_total")]
+                assert len([m for m in served if 'code="200"' in m]) == 2  # one on each
+                retried = [m for m in metrics if m.startswith("iterserve_router_retries_total")]
+                assert any(
+                    'reason="status_429"' in m and float(m.split()[-1]) >= 10 for m in retried
+                )
+                assert all(b.in_flight == 0 for b in _pool(app).backends.values())
+
+        asyncio.run(run())
+
+
+def _vllm_like(waiting: int, usage: float) -> FastAPI:
+    app = FastAPI()
+    text = (
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n'
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{model_name="m"} 3\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f'vllm:kv_cache_usage_perc{{model_name="m"}} {usage}\n'
+    )
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(text)
+
+    @app.post("/v1/completions")
+    async def completions() -> dict[str, str]:
+        return {"served_by": "vllm-like"}
+
+    return app
+
+
+def test_vllm_style_replicas_are_scored_from_their_metrics(profile_file: Path) -> None:
+    with replicas(profile_file, 1) as (ours,):
+
+        async def run() -> None:
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            fake = uvicorn.Server(uvicorn.Config(_vllm_like(0, 0.05), log_config=None))
+            task = asyncio.create_task(fake.serve(sockets=[sock]))
+            fake_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            try:
+                async with router("--backend", ours.url, "--backend", fake_url) as (url, app):
+                    pool = _pool(app)
+                    await _until(lambda: len(pool.ready()) == 2, "both ready")
+                    b = pool.backends[fake_url]
+                    assert b.kind == "vllm" and pool.backends[ours.url].kind == "iterserve"
+                    assert b.state.report.kv_cache_usage == pytest.approx(0.05)
+                    assert b.state.report.num_running == 3
+                    # Fill ours (KV ~40%): the vLLM-like one, at 5% by its metrics, wins.
+                    async with httpx.AsyncClient(timeout=60) as http:
+                        body = {"prompt": "x" * 1600, "max_tokens": 300, "ignore_eos": True}
+                        loaders = [
+                            asyncio.create_task(http.post(ours.url + "/v1/completions", json=body))
+                            for _ in range(4)
+                        ]
+                        mine = pool.backends[ours.url].state
+                        await _until(
+                            lambda: mine.report.kv_cache_usage > 0.3, "ours reports its load"
+                        )
+                        r = await http.post(url + "/v1/completions", json={"prompt": "z"})
+                        assert r.json() == {"served_by": "vllm-like"}
+                        for t in loaders:
+                            t.cancel()
+            finally:
+                fake.should_exit = True
+                await task
+                sock.close()
+
+        asyncio.run(run())
+
+
+def test_router_keys(profile_file: Path) -> None:
+    with replicas(profile_file, 1, "--api-key", "replica-key") as (only,):
+
+        async def run() -> None:
+            flags = ("--backend", only.url, "--api-key", "router-key")
+            async with router(*flags, "--backend-api-key", "replica-key") as (url, app):
+                await _until(lambda: len(_pool(app).ready()) == 1, "ready")
+                async with httpx.AsyncClient(timeout=10) as http:
+                    body = {"prompt": "k", "max_tokens": 2}
+                    assert (await http.post(url + "/v1/completions", json=body)).status_code == 401
+                    ok = await http.post(
+                        url + "/v1/completions",
+                        json=body,
+                        headers={"Authorization": "Bearer router-key"},
+                    )
+                    assert ok.status_code == 200
+
+        asyncio.run(run())
+
+
+def test_flags_are_checked() -> None:
+    for argv in (["router"], ["router", "--backend", "http://a:1", "--k8s-service", "s"]):
+        args = build_parser().parse_args(argv)
+        with pytest.raises(ValueError, match="--backend"):
+            build(args)
