@@ -113,7 +113,11 @@ class ReplicaPool:
             self.record_failure(b, f"poll: {type(e).__name__}: {e}")
             return
         b.state.report = report
-        b.state.in_flight_since_report = 0
+        # Requests the router has open there that the report does not count yet (sent after
+        # the replica took its numbers): a burst keeps counting until the replica sees it.
+        b.state.in_flight_since_report = max(
+            0, b.in_flight - report.num_running - report.num_waiting
+        )
         b.polls_ok += 1
         self.record_success(b)
 

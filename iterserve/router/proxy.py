@@ -1,4 +1,5 @@
-"""The router's HTTP app: ``/v1/*`` proxied to the picked replica, streams passed through.
+"""The router's HTTP app: ``/v1/*``, ``/tokenize`` and ``/detokenize`` proxied to the picked
+replica, streams passed through.
 
 Per request: read the body (for the prefix key and ``stream``), pick a ready replica
 (:mod:`iterserve.router.scoring`), send it on with the replicas' key, and relay the answer:
@@ -118,6 +119,17 @@ def build_router_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST"])
+    async def proxy_v1(path: str, request: Request) -> Response:
+        return await proxy(f"v1/{path}", request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await proxy("tokenize", request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await proxy("detokenize", request)
+
     async def proxy(path: str, request: Request) -> Response:
         arrival = time.perf_counter()
         if settings.api_key is not None and not _authorized(request, settings.api_key):
@@ -163,7 +175,7 @@ def build_router_app(
         headers: dict[str, str],
         stream: bool,
     ) -> Response:
-        url = f"{backend.url}/v1/{path}"
+        url = f"{backend.url}/{path}"
         if request.url.query:
             url += "?" + request.url.query
         outgoing = upstream.build_request(request.method, url, content=body, headers=headers)
@@ -207,7 +219,7 @@ def build_router_app(
                 release()
             if content is None:
                 return Response(status_code=499)
-            return Response(content, code, _back_headers(response))
+            return Response(content, code, _back_headers(response, backend))
 
         async def relay() -> AsyncIterator[bytes]:
             try:
@@ -217,7 +229,7 @@ def build_router_app(
                 await response.aclose()
                 release()
 
-        return StreamingResponse(relay(), code, _back_headers(response))
+        return StreamingResponse(relay(), code, _back_headers(response, backend))
 
     return app
 
@@ -269,8 +281,12 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def _back_headers(response: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in response.headers.items() if k.lower() in _BACK}
+def _back_headers(response: httpx.Response, backend: Backend | None = None) -> dict[str, str]:
+    """The replica's headers a client needs, and which replica answered (``x-routed-to``)."""
+    headers = {k: v for k, v in response.headers.items() if k.lower() in _BACK}
+    if backend is not None:
+        headers["x-routed-to"] = backend.name
+    return headers
 
 
 def _passthrough(response: httpx.Response) -> Response:

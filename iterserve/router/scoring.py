@@ -19,12 +19,13 @@ saturated (every term at its maximum). Ties are broken at random.
 Prefix affinity (with ``least_kv``): a request whose prefix key the picker has seen goes
 back to the replica that served that prefix last, as long as that replica's load (running +
 waiting + in flight) is below the bound of consistent hashing with bounded loads (Mirrokni,
-Thorup and Zadimoghaddam, SODA 2018; as KubeAI's PrefixHash): ``ceil(load_bound * (total +
-1) / n)``. Otherwise, and for a prefix never seen, the ``least_kv`` score picks and the key
-is remembered there (the last ``MAX_PREFIXES`` keys). Unlike a pure hash ring this never
-sends a new prefix to a loaded replica only because of where its hash falls: with unshared
-prompts affinity costs no balance (docs/simulator.md has the measurement); the ring is kept
-for ``session`` stickiness, which must agree across router replicas.
+Thorup and Zadimoghaddam, SODA 2018; as KubeAI's PrefixHash), ``ceil(load_bound * (total +
+1) / n)``, or below ``MIN_CAPACITY`` (at low load the strict bound would scatter a burst's
+requests for one prefix for no gain). Otherwise, and for a prefix never seen, the
+``least_kv`` score picks and the key is remembered there (the last ``MAX_PREFIXES`` keys).
+Unlike a pure hash ring this never sends a new prefix to a loaded replica only because of
+where its hash falls, so unshared prompts balance as without affinity; the ring is kept for
+``session`` stickiness, which must agree across router replicas.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ POLICIES = ("least_kv", "round_robin", "session", "random")
 PREFIX_KEY_BYTES = 512
 VIRTUAL_NODES = 64
 MAX_PREFIXES = 65536
+MIN_CAPACITY = 4
 
 
 class NoReplicaError(RuntimeError):
@@ -240,18 +242,23 @@ class Picker:
     def _affine(self, ready: list[ReplicaState], now: float, key: bytes) -> Pick:
         name = self._homes.get(key)
         home = next((r for r in ready if r.name == name), None)
-        if home is not None:
-            total = sum(r.load for r in ready)
-            capacity = math.ceil(self.load_bound * (total + 1) / len(ready))
-            if home.load < capacity:
-                self._homes.move_to_end(key)
-                return Pick(home, "prefix")
+        if home is not None and home.load < self.capacity(ready):
+            self._homes.move_to_end(key)
+            return Pick(home, "prefix")
         chosen = self._least_kv(ready, now)
         self._homes[key] = chosen.name
         self._homes.move_to_end(key)
         if len(self._homes) > MAX_PREFIXES:
             self._homes.popitem(last=False)
         return Pick(chosen, "prefix_new" if home is None else "prefix_passed_on")
+
+    def capacity(self, ready: Sequence[ReplicaState]) -> int:
+        """How many requests a replica may hold and still take a prefix it is home to:
+        ``ceil(load_bound * (total + 1) / n)``, and at least ``MIN_CAPACITY`` so that at low
+        load (a burst of a few requests) a home keeps its prefixes instead of balancing
+        requests that cost nothing to pile up."""
+        total = sum(r.load for r in ready)
+        return max(MIN_CAPACITY, math.ceil(self.load_bound * (total + 1) / len(ready)))
 
     def _least_kv(self, ready: list[ReplicaState], now: float) -> ReplicaState:
         s = scores(ready, now, self.stale_after_s, self.weights)

@@ -340,12 +340,15 @@ def test_router_keys(profile_file: Path) -> None:
                 async with httpx.AsyncClient(timeout=10) as http:
                     body = {"prompt": "k", "max_tokens": 2}
                     assert (await http.post(url + "/v1/completions", json=body)).status_code == 401
-                    ok = await http.post(
-                        url + "/v1/completions",
-                        json=body,
-                        headers={"Authorization": "Bearer router-key"},
-                    )
+                    auth = {"Authorization": "Bearer router-key"}
+                    ok = await http.post(url + "/v1/completions", json=body, headers=auth)
                     assert ok.status_code == 200
+                    tokens = await http.post(
+                        url + "/tokenize", json={"prompt": "abcdefgh"}, headers=auth
+                    )
+                    assert tokens.status_code == 200 and len(tokens.json()["tokens"]) == 2
+                    models = await http.get(url + "/v1/models", headers=auth)
+                    assert models.json()["data"][0]["id"] == "Test-Model"
 
         asyncio.run(run())
 
@@ -355,3 +358,30 @@ def test_flags_are_checked() -> None:
         args = build_parser().parse_args(argv)
         with pytest.raises(ValueError, match="--backend"):
             build(args)
+
+
+def test_prefix_affinity_keeps_each_prefix_on_one_replica(profile_file: Path) -> None:
+    with replicas(profile_file, 4, "--simulate-speed", "4") as servers:
+
+        async def run() -> None:
+            async with router(*_backends(servers)) as (url, app):
+                await _until(lambda: len(_pool(app).ready()) == 4, "ready")
+                prompts = [(p, f"system prompt {p}: " + "be helpful. " * 60) for p in range(8)]
+                homes: dict[int, list[str]] = {}
+                served: dict[str, int] = {}
+                async with httpx.AsyncClient(timeout=60) as http:
+
+                    async def one(p: int, prefix: str, i: int) -> None:
+                        body = {"prompt": prefix + f" question {i}", "max_tokens": 4}
+                        r = await http.post(url + "/v1/completions", json=body)
+                        assert r.status_code == 200
+                        replica = r.headers["x-routed-to"]
+                        homes.setdefault(p, []).append(replica)
+                        served[replica] = served.get(replica, 0) + 1
+
+                    for i in range(5):  # rounds of 8 concurrent requests, one per prefix
+                        await asyncio.gather(*(one(p, prefix, i) for p, prefix in prompts))
+            assert all(len(set(h)) == 1 for h in homes.values()), homes  # 8 prefixes, 4 homes
+            assert len(served) == 4 and max(served.values()) <= 15, served  # 40 requests
+
+        asyncio.run(run())
