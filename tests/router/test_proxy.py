@@ -4,20 +4,19 @@ hung replicas, 429s, no replica, a vLLM-style replica, keys, and in-flight count
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
+from router_utils import pool_of, router, until
 from server_utils import Server, free_port, run_server
 from sim_profiles import make_profile, write_profile
 
@@ -42,40 +41,8 @@ def replicas(profile_file: Path, n: int, *flags: str) -> Iterator[list[Server]]:
         ]
 
 
-@contextlib.asynccontextmanager
-async def router(*flags: str) -> AsyncIterator[tuple[str, Any]]:
-    """``iterserve router FLAGS`` in this event loop; (its URL, its app)."""
-    args = build_parser().parse_args(["router", "--poll-interval-ms", "20", *flags])
-    assert isinstance(args, argparse.Namespace)
-    app = build(args)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            assert not task.done(), "the router did not start"
-            await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
-
-
 def _backends(servers: list[Server]) -> list[str]:
     return [x for s in servers for x in ("--backend", s.url)]
-
-
-async def _until(condition: Any, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.02)
-
-
-def _pool(app: Any) -> Any:
-    return app.state.router["pool"]
 
 
 def test_new_requests_go_to_the_idle_replica(profile_file: Path) -> None:
@@ -83,8 +50,8 @@ def test_new_requests_go_to_the_idle_replica(profile_file: Path) -> None:
 
         async def run() -> None:
             async with router(*_backends([busy, idle]), "--no-prefix-affinity") as (url, app):
-                pool = _pool(app)
-                await _until(lambda: len(pool.ready()) == 2, "both replicas ready")
+                pool = pool_of(app)
+                await until(lambda: len(pool.ready()) == 2, "both replicas ready")
                 async with httpx.AsyncClient(timeout=60) as http:
                     # Load one replica directly with long requests.
                     body = {"prompt": "x" * 400, "max_tokens": 400, "ignore_eos": True}
@@ -93,7 +60,7 @@ def test_new_requests_go_to_the_idle_replica(profile_file: Path) -> None:
                         for _ in range(6)
                     ]
                     report = lambda: pool.backends[busy.url].state.report  # noqa: E731
-                    await _until(lambda: report() and report().num_running == 6, "load seen")
+                    await until(lambda: report() and report().num_running == 6, "load seen")
                     answers = [
                         await http.post(
                             url + "/v1/completions", json={"prompt": f"q{i}", "max_tokens": 2}
@@ -105,7 +72,7 @@ def test_new_requests_go_to_the_idle_replica(profile_file: Path) -> None:
                     assert counts == {idle.url: 6}, counts
                     for t in loaders:
                         t.cancel()
-                await _until(lambda: all(b.in_flight == 0 for b in pool.backends.values()), "zero")
+                await until(lambda: all(b.in_flight == 0 for b in pool.backends.values()), "zero")
 
         asyncio.run(run())
 
@@ -135,7 +102,7 @@ def test_streams_pass_through_as_they_are_written(profile_file: Path) -> None:
 
         async def run() -> None:
             async with router(*_backends([only])) as (url, app):
-                await _until(lambda: len(_pool(app).ready()) == 1, "ready")
+                await until(lambda: len(pool_of(app).ready()) == 1, "ready")
                 async with httpx.AsyncClient(timeout=30) as http:
                     direct, routed = await stamps(http, only.url), await stamps(http, url)
             assert len(direct) == len(routed) == 10
@@ -152,8 +119,8 @@ def test_a_dead_replica_is_ejected_and_readmitted(profile_file: Path) -> None:
         async def run() -> None:
             dead_url = f"http://127.0.0.1:{port}"
             async with router("--backend", alive.url, "--backend", dead_url) as (url, app):
-                pool = _pool(app)
-                await _until(lambda: pool.backends[dead_url].ejected, "the dead one ejected")
+                pool = pool_of(app)
+                await until(lambda: pool.backends[dead_url].ejected, "the dead one ejected")
                 async with httpx.AsyncClient(timeout=30) as http:
                     for i in range(6):
                         r = await http.post(
@@ -165,11 +132,11 @@ def test_a_dead_replica_is_ejected_and_readmitted(profile_file: Path) -> None:
                     revived = run_server("--simulate", str(profile_file), port=port)
                     await asyncio.to_thread(revived.__enter__)
                     try:
-                        await _until(lambda: pool.backends[dead_url].state.ready, "re-admitted", 40)
+                        await until(lambda: pool.backends[dead_url].state.ready, "re-admitted", 40)
                         assert (await http.get(url + "/load")).json()["num_ready_replicas"] == 2
                     finally:
                         await asyncio.to_thread(revived.__exit__, None, None, None)
-                    await _until(lambda: not pool.backends[dead_url].state.ready, "gone again")
+                    await until(lambda: not pool.backends[dead_url].state.ready, "gone again")
                     r = await http.post(
                         url + "/v1/completions", json={"prompt": "after", "max_tokens": 2}
                     )
@@ -199,10 +166,10 @@ def test_a_replica_that_never_answers_cannot_stall_the_router(profile_file: Path
         async def run() -> None:
             flags = ("--backend", silent.url, "--backend", alive.url, "--first-byte-timeout-s", "1")
             async with router(*flags, "--policy", "round_robin") as (url, app):
-                pool = _pool(app)
+                pool = pool_of(app)
                 # The silent one never reports, so it never turns ready; force it in, as a
                 # replica that hangs after its last good poll would be.
-                await _until(lambda: pool.backends[alive.url].state.ready, "alive ready")
+                await until(lambda: pool.backends[alive.url].state.ready, "alive ready")
                 pool.backends[silent.url].state.ready = True
                 async with httpx.AsyncClient(timeout=30) as http:
                     start = time.perf_counter()
@@ -244,7 +211,7 @@ def test_a_full_replica_passes_the_request_on_and_429_comes_through_last(
 
         async def run() -> None:
             async with router(*_backends(servers), "--no-prefix-affinity") as (url, app):
-                await _until(lambda: len(_pool(app).ready()) == 2, "ready")
+                await until(lambda: len(pool_of(app).ready()) == 2, "ready")
                 async with httpx.AsyncClient(timeout=60) as http:
                     body = {"prompt": "y" * 40, "max_tokens": 60, "ignore_eos": True}
                     results = await asyncio.gather(
@@ -263,7 +230,7 @@ def test_a_full_replica_passes_the_request_on_and_429_comes_through_last(
                 assert any(
                     'reason="status_429"' in m and float(m.split()[-1]) >= 10 for m in retried
                 )
-                assert all(b.in_flight == 0 for b in _pool(app).backends.values())
+                assert all(b.in_flight == 0 for b in pool_of(app).backends.values())
 
         asyncio.run(run())
 
@@ -301,8 +268,8 @@ def test_vllm_style_replicas_are_scored_from_their_metrics(profile_file: Path) -
             fake_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
             try:
                 async with router("--backend", ours.url, "--backend", fake_url) as (url, app):
-                    pool = _pool(app)
-                    await _until(lambda: len(pool.ready()) == 2, "both ready")
+                    pool = pool_of(app)
+                    await until(lambda: len(pool.ready()) == 2, "both ready")
                     b = pool.backends[fake_url]
                     assert b.kind == "vllm" and pool.backends[ours.url].kind == "iterserve"
                     assert b.state.report.kv_cache_usage == pytest.approx(0.05)
@@ -315,7 +282,7 @@ def test_vllm_style_replicas_are_scored_from_their_metrics(profile_file: Path) -
                             for _ in range(4)
                         ]
                         mine = pool.backends[ours.url].state
-                        await _until(
+                        await until(
                             lambda: mine.report.kv_cache_usage > 0.3, "ours reports its load"
                         )
                         r = await http.post(url + "/v1/completions", json={"prompt": "z"})
@@ -336,7 +303,7 @@ def test_router_keys(profile_file: Path) -> None:
         async def run() -> None:
             flags = ("--backend", only.url, "--api-key", "router-key")
             async with router(*flags, "--backend-api-key", "replica-key") as (url, app):
-                await _until(lambda: len(_pool(app).ready()) == 1, "ready")
+                await until(lambda: len(pool_of(app).ready()) == 1, "ready")
                 async with httpx.AsyncClient(timeout=10) as http:
                     body = {"prompt": "k", "max_tokens": 2}
                     assert (await http.post(url + "/v1/completions", json=body)).status_code == 401
@@ -365,7 +332,7 @@ def test_prefix_affinity_keeps_each_prefix_on_one_replica(profile_file: Path) ->
 
         async def run() -> None:
             async with router(*_backends(servers)) as (url, app):
-                await _until(lambda: len(_pool(app).ready()) == 4, "ready")
+                await until(lambda: len(pool_of(app).ready()) == 4, "ready")
                 prompts = [(p, f"system prompt {p}: " + "be helpful. " * 60) for p in range(8)]
                 homes: dict[int, list[str]] = {}
                 served: dict[str, int] = {}
