@@ -350,3 +350,35 @@ def test_prefix_affinity_keeps_each_prefix_on_one_replica(profile_file: Path) ->
             assert len(served) == 4 and max(served.values()) <= 15, served  # 40 requests
 
         asyncio.run(run())
+
+
+def test_a_replica_killed_mid_run(profile_file: Path) -> None:
+    with replicas(profile_file, 2) as (victim, survivor):
+
+        async def run() -> None:
+            flags = (*_backends([victim, survivor]), "--policy", "round_robin")
+            async with router(*flags) as (url, app), httpx.AsyncClient(timeout=30) as http:
+                pool = pool_of(app)
+                await until(lambda: len(pool.ready()) == 2, "ready")
+                body = {"prompt": "long", "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+                async def stream() -> int:
+                    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+                        with contextlib.suppress(httpx.HTTPError):
+                            async for _ in r.aiter_raw():
+                                pass
+                        return r.status_code
+
+                running = [asyncio.create_task(stream()) for _ in range(4)]
+                await until(lambda: pool.backends[victim.url].in_flight == 2, "both serving")
+                victim.proc.kill()
+                victim.proc.wait()
+                await asyncio.gather(*running)  # cut streams end (they had begun: no retry)
+                short = {"prompt": "after the kill", "max_tokens": 2}
+                answers = [await http.post(url + "/v1/completions", json=short) for _ in range(6)]
+                assert [a.status_code for a in answers] == [200] * 6
+                assert {a.headers["x-routed-to"] for a in answers} == {survivor.url}
+                await until(lambda: pool.backends[victim.url].ejected, "the dead one ejected")
+                assert all(b.in_flight == 0 for b in pool.backends.values())
+
+        asyncio.run(run())
