@@ -188,22 +188,37 @@ def build_router_app(
                 released = True
                 backend.in_flight -= 1
 
+        # The client may leave while the replica works (a non-streamed answer comes whole):
+        # watch for it all along, and close the upstream request when it happens.
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        sending = asyncio.ensure_future(
+            asyncio.wait_for(upstream.send(outgoing, stream=True), settings.first_byte_timeout_s)
+        )
         try:
-            response = await asyncio.wait_for(
-                upstream.send(outgoing, stream=True), settings.first_byte_timeout_s
-            )
+            await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not sending.done():
+                sending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await sending
+                release()
+                return Response(status_code=499)  # nobody reads it
+            response = sending.result()
         except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
+            gone.cancel()
             release()
             raise _Failed("connect") from e
         except (TimeoutError, httpx.TimeoutException) as e:
+            gone.cancel()
             release()
             raise _Failed("timeout") from e
         except BaseException:
+            gone.cancel()
             release()
             raise
         code = response.status_code
         metrics.requests.labels(replica=backend.name, code=str(code)).inc()
         if code >= 500 or code == 429:
+            gone.cancel()
             await response.aread()
             await response.aclose()
             release()
@@ -213,13 +228,15 @@ def build_router_app(
             "text/event-stream"
         ):
             try:
-                content = await _read_unless_disconnected(request, response)
+                content = await _read_unless_disconnected(gone, response)
             finally:
                 await response.aclose()
                 release()
             if content is None:
                 return Response(status_code=499)
             return Response(content, code, _back_headers(response, backend))
+
+        gone.cancel()  # the streaming response listens for the disconnect itself
 
         async def relay() -> AsyncIterator[bytes]:
             try:
@@ -259,12 +276,14 @@ def _inspect(body: bytes) -> tuple[bytes | None, bool]:
     return key or None, data.get("stream") is True
 
 
-async def _read_unless_disconnected(request: Request, response: httpx.Response) -> bytes | None:
-    """The whole body, or None when the client disconnects first (the upstream is closed,
-    so the replica aborts)."""
+async def _read_unless_disconnected(
+    gone: asyncio.Future[None], response: httpx.Response
+) -> bytes | None:
+    """The whole body, or None when the client disconnects first (``gone``; the upstream is
+    then closed, so the replica aborts)."""
     read = asyncio.ensure_future(response.aread())
-    gone = asyncio.ensure_future(_wait_disconnect(request))
-    done, _ = await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
+    waiting: set[asyncio.Future[Any]] = {read, gone}
+    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     if read in done:
         gone.cancel()
         return read.result()

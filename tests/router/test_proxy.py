@@ -382,3 +382,39 @@ def test_a_replica_killed_mid_run(profile_file: Path) -> None:
                 assert all(b.in_flight == 0 for b in pool.backends.values())
 
         asyncio.run(run())
+
+
+def test_a_client_leaving_the_router_aborts_the_replica_request(profile_file: Path) -> None:
+    with replicas(profile_file, 1) as (only,):
+
+        async def run() -> None:
+            async with (
+                router(*_backends([only])) as (url, app),
+                httpx.AsyncClient(timeout=30) as http,
+            ):
+                pool = pool_of(app)
+                await until(lambda: len(pool.ready()) == 1, "ready")
+                body = {"prompt": "go on", "max_tokens": 1000, "ignore_eos": True}
+
+                async def leave_streamed() -> None:
+                    headers = {"X-Request-Id": "client-chosen-id"}
+                    streamed = {**body, "stream": True}
+                    async with http.stream(
+                        "POST", url + "/v1/completions", json=streamed, headers=headers
+                    ) as r:
+                        async for chunk in r.aiter_raw():
+                            # The replica's request id comes through, as its chunks do.
+                            assert r.headers["x-request-id"].encode() in chunk
+                            break  # the first chunk, then hang up
+
+                async def leave_whole() -> None:
+                    with contextlib.suppress(httpx.TimeoutException):
+                        await http.post(url + "/v1/completions", json=body, timeout=0.3)
+
+                await asyncio.gather(leave_streamed(), leave_whole())
+                replica = lambda: httpx.get(only.url + "/load").json()  # noqa: E731
+                await until(lambda: replica()["num_running"] == 0, "both aborted at the replica")
+                assert replica()["num_free_blocks"] == replica()["num_total_blocks"]
+                await until(lambda: pool.backends[only.url].in_flight == 0, "router let go")
+
+        asyncio.run(run())

@@ -25,7 +25,9 @@ def test_a_busy_real_replica_gets_no_new_requests(tmp_path: Path) -> None:
     ):
 
         async def run() -> None:
+            # Generous staleness: a busy 2-core machine can delay a poll past 500 ms.
             flags = ("--backend", real.url, "--backend", sim.url, "--no-prefix-affinity")
+            flags += ("--stale-after-ms", "5000")
             async with router(*flags) as (url, app), httpx.AsyncClient(timeout=120) as http:
                 pool = pool_of(app)
                 await until(lambda: len(pool.ready()) == 2, "both ready", 30)
