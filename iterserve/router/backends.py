@@ -46,21 +46,36 @@ class LoadFormatError(ValueError):
     """A replica's answer does not carry the load fields of its type."""
 
 
+def _count(value: Any, name: str) -> int:
+    """A non-negative finite count (a replica's numbers are not trusted blindly)."""
+    number = float(value)
+    if not 0 <= number < 1e12:
+        raise LoadFormatError(f"{name} = {value!r} is not a count")
+    return int(number)
+
+
+def _usage(value: Any) -> float:
+    number = float(value)
+    if not 0 <= number <= 1.0 + 1e-9:
+        raise LoadFormatError(f"KV usage {value!r} is not a fraction in [0, 1]")
+    return min(number, 1.0)
+
+
 def parse_iterserve_load(data: Any, received_at: float) -> LoadReport:
     """``/load``'s JSON as a report.
 
     Raises:
-        LoadFormatError: not an object with the fields above.
+        LoadFormatError: not an object with the fields above, or values out of range.
     """
     try:
         return LoadReport(
-            kv_cache_usage=float(data["kv_cache_usage"]),
-            num_waiting=int(data["num_waiting"]),
-            num_running=int(data["num_running"]),
-            num_total_blocks=int(data.get("num_total_blocks", 0)),
+            kv_cache_usage=_usage(data["kv_cache_usage"]),
+            num_waiting=_count(data["num_waiting"], "num_waiting"),
+            num_running=_count(data["num_running"], "num_running"),
+            num_total_blocks=_count(data.get("num_total_blocks", 0), "num_total_blocks"),
             received_at=received_at,
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise LoadFormatError(f"not an iterserve /load answer: {e!r}") from e
 
 
@@ -108,10 +123,13 @@ def parse_prometheus_load(text: str, kind: str, received_at: float) -> LoadRepor
     for labels, _ in samples.get("vllm:cache_config_info", []):
         if labels.get("num_gpu_blocks", "").isdigit():
             num_blocks += int(labels["num_gpu_blocks"])
-    return LoadReport(
-        kv_cache_usage=sum(usage) / len(usage) if usage else 0.0,
-        num_waiting=int(sum(waiting)),
-        num_running=int(sum(running)),
-        num_total_blocks=num_blocks,
-        received_at=received_at,
-    )
+    try:
+        return LoadReport(
+            kv_cache_usage=_usage(sum(usage) / len(usage) if usage else 0.0),
+            num_waiting=_count(sum(waiting), waiting_names[0]),
+            num_running=_count(sum(running), running_names[0]),
+            num_total_blocks=num_blocks,
+            received_at=received_at,
+        )
+    except (ValueError, OverflowError) as e:
+        raise LoadFormatError(f"bad {kind} load metrics: {e}") from e

@@ -38,7 +38,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="least_kv without prefix affinity",
     )
     p.add_argument("--poll-interval-ms", type=float, default=50.0)
-    p.add_argument("--poll-timeout-ms", type=float, default=1000.0)
+    p.add_argument("--poll-timeout-ms", type=float, default=400.0, help="(below --stale-after-ms)")
     p.add_argument(
         "--stale-after-ms", type=float, default=500.0, help="older reports score as saturated"
     )
@@ -51,6 +51,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="until a replica's response headers (non-streamed answers come whole)",
     )
     p.add_argument("--read-timeout-s", type=float, default=600.0, help="between stream chunks")
+    p.add_argument(
+        "--max-request-body-bytes", type=int, default=4 << 20, help="larger bodies get 413"
+    )
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=None, help="Bearer key clients must send (/v1/*)")

@@ -38,7 +38,8 @@ class Backend:
     url: str
     kind: str  # iterserve | vllm | sglang | auto (until the first good poll)
     state: ReplicaState
-    consecutive_failures: int = 0
+    poll_failures: int = 0  # consecutive
+    request_failures: int = 0  # consecutive, before a first byte
     ejected: bool = False
     next_probe_at: float = 0.0
     backoff_s: float = 0.0
@@ -64,7 +65,7 @@ class ReplicaPool:
     http: httpx.AsyncClient
     backend_type: str = "auto"
     poll_interval_s: float = 0.05
-    poll_timeout_s: float = 1.0
+    poll_timeout_s: float = 0.4
     eject_after: int = 3
     backoff_s: float = 0.5
     max_backoff_s: float = 30.0
@@ -93,13 +94,29 @@ class ReplicaPool:
     # ----------------------------------------------------------------- polling
 
     async def run(self) -> None:
-        """Poll every replica every interval, forever (cancel to stop)."""
-        while True:
-            start = self.clock()
-            await self.poll_all()
-            await asyncio.sleep(max(0.0, self.poll_interval_s - (self.clock() - start)))
+        """Poll every replica every interval, each on its own task (a slow replica does not
+        delay the others' reports), forever (cancel to stop)."""
+        tasks: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                for url, b in self.backends.items():
+                    if url not in tasks or tasks[url].done():
+                        tasks[url] = asyncio.create_task(self._poll_loop(b))
+                for url in [u for u in tasks if u not in self.backends]:
+                    tasks.pop(url).cancel()
+                await asyncio.sleep(self.poll_interval_s)
+        finally:
+            for task in tasks.values():
+                task.cancel()
+
+    async def _poll_loop(self, b: Backend) -> None:
+        while self.backends.get(b.url) is b:
+            if not b.ejected or self.clock() >= b.next_probe_at:
+                await self.poll(b)
+            await asyncio.sleep(self.poll_interval_s)
 
     async def poll_all(self) -> None:
+        """One poll of every replica that is due, at once (start-up, tests)."""
         now = self.clock()
         due = [b for b in self.backends.values() if not b.ejected or now >= b.next_probe_at]
         await asyncio.gather(*(self.poll(b) for b in due))
@@ -109,7 +126,7 @@ class ReplicaPool:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
             report = await asyncio.wait_for(self._fetch(b, headers), self.poll_timeout_s)
-        except (httpx.HTTPError, LoadFormatError, TimeoutError, ValueError) as e:
+        except Exception as e:  # whatever a replica answers, only its own poll fails
             self.record_failure(b, f"poll: {type(e).__name__}: {e}")
             return
         b.state.report = report
@@ -140,34 +157,42 @@ class ReplicaPool:
 
     # ----------------------------------------------------------------- health
 
-    def record_failure(self, b: Backend, why: str) -> None:
-        b.consecutive_failures += 1
+    def record_failure(self, b: Backend, why: str, request: bool = False) -> None:
+        """A failed poll, or (``request``) a proxied request that failed before its first
+        byte. Polls and requests keep separate streaks: a replica whose ``/load`` answers
+        while its generations hang is still ejected."""
+        if request:
+            b.request_failures += 1
+        else:
+            b.poll_failures += 1
         if b.ejected:
             b.backoff_s = min(self.max_backoff_s, b.backoff_s * 2)
             b.next_probe_at = self.clock() + b.backoff_s
             return
-        if b.consecutive_failures >= self.eject_after or b.polls_ok == 0:
+        failures = max(b.poll_failures, b.request_failures)
+        if failures >= self.eject_after or b.polls_ok == 0:
             # Never seen well, or failing repeatedly: no traffic until a probe succeeds.
             b.state.ready = False
-        if b.consecutive_failures >= self.eject_after:
+        if failures >= self.eject_after:
             b.ejected = True
             b.backoff_s = self.backoff_s
             b.next_probe_at = self.clock() + b.backoff_s
-            logger.warning(
-                "replica %s ejected after %d failures (%s)", b.name, b.consecutive_failures, why
-            )
+            logger.warning("replica %s ejected after %d failures (%s)", b.name, failures, why)
             if self.on_eject is not None:
                 self.on_eject(b.name)
 
     def record_success_request(self, b: Backend) -> None:
-        """A proxied request got its answer: the failure streak ends (polls re-admit)."""
-        b.consecutive_failures = 0
+        """A proxied request got its answer: the request failure streak ends."""
+        b.request_failures = 0
 
     def record_success(self, b: Backend) -> None:
+        """A good poll: the poll streak ends; an ejected replica (its probe came) is back.
+        Its request streak stays until a request succeeds, so one more failure ejects it
+        again, with a doubled backoff."""
         if b.ejected:
             logger.info("replica %s is back", b.name)
-        b.consecutive_failures = 0
-        b.ejected = False
+            b.ejected = False
+        b.poll_failures = 0
         b.state.ready = True
 
     # ----------------------------------------------------------------- aggregates

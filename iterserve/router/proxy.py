@@ -36,8 +36,12 @@ from iterserve.router.scoring import NoReplicaError, Picker, prefix_key
 logger = logging.getLogger("iterserve.router")
 
 # Request headers passed to the replica, and response headers passed back.
-_FORWARD = ("content-type", "accept", "x-request-id", "x-tenant-id", "user-agent")
-_BACK = ("content-type", "x-request-id", "retry-after", "cache-control")
+_FORWARD = (
+    "content-type", "accept", "accept-encoding", "x-request-id", "x-tenant-id", "user-agent",
+)  # fmt: skip
+_BACK = (
+    "content-type", "content-encoding", "x-request-id", "retry-after", "cache-control", "location",
+)  # fmt: skip
 _RETRY_AFTER_S = "1"
 
 
@@ -53,6 +57,7 @@ class ProxySettings:
     first_byte_timeout_s: float = 300.0
     # Between two chunks of a stream.
     read_timeout_s: float = 600.0
+    max_request_body_bytes: int = 4 << 20  # the replicas' default limit
 
 
 def _error(status: int, message: str, kind: str, retry: bool = False) -> JSONResponse:
@@ -134,10 +139,16 @@ def build_router_app(
         arrival = time.perf_counter()
         if settings.api_key is not None and not _authorized(request, settings.api_key):
             return _error(401, "invalid or missing API key", "authentication_error")
-        body = await request.body()
+        if any(part in (".", "..") for part in path.split("/")):
+            return _error(404, f"no such path /{path}", "not_found_error")
+        body = await _read_body(request, settings.max_request_body_bytes)
+        if body is None:
+            limit = settings.max_request_body_bytes
+            return _error(413, f"the request body is over {limit} bytes", "invalid_request_error")
         key, stream = _inspect(body) if request.method == "POST" else (None, False)
         session = request.headers.get(settings.session_header)
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
+        headers.setdefault("accept-encoding", "identity")  # relayed as is: no re-encoding
         if settings.backend_api_key:
             headers["authorization"] = f"Bearer {settings.backend_api_key}"
         tried: set[str] = set()
@@ -148,6 +159,8 @@ def build_router_app(
                 pick = picker.pick(candidates, time.monotonic(), key, session)
             except NoReplicaError:
                 break
+            if last is not None:  # this attempt is a retry
+                metrics.retries.labels(reason=last.reason).inc()
             metrics.picks.labels(policy=picker.policy, reason=pick.reason).inc()
             backend = pool.backends[pick.replica.name]
             tried.add(backend.name)
@@ -158,9 +171,8 @@ def build_router_app(
                 return await _forward(request, backend, path, body, headers, stream)
             except _Failed as e:
                 last = e
-                metrics.retries.labels(reason=e.reason).inc()
                 if e.reason != "status_429":
-                    pool.record_failure(backend, e.reason)
+                    pool.record_failure(backend, e.reason, request=True)
         if last is not None and last.response is not None:
             return _passthrough(last.response)
         if last is not None:
@@ -203,14 +215,14 @@ def build_router_app(
                 release()
                 return Response(status_code=499)  # nobody reads it
             response = sending.result()
-        except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
-            gone.cancel()
-            release()
-            raise _Failed("connect") from e
         except (TimeoutError, httpx.TimeoutException) as e:
             gone.cancel()
             release()
             raise _Failed("timeout") from e
+        except httpx.TransportError as e:  # refused, reset, closed before the headers
+            gone.cancel()
+            release()
+            raise _Failed("connect") from e
         except BaseException:
             gone.cancel()
             release()
@@ -229,6 +241,9 @@ def build_router_app(
         ):
             try:
                 content = await _read_unless_disconnected(gone, response)
+            except httpx.HTTPError as e:  # cut off after the headers: nothing sent yet
+                pool.record_failure(backend, f"body: {type(e).__name__}", request=True)
+                return _error(502, "the replica's answer was cut off", "bad_gateway", retry=True)
             finally:
                 await response.aclose()
                 release()
@@ -261,7 +276,7 @@ def _inspect(body: bytes) -> tuple[bytes | None, bool]:
     """(prefix key, streamed) of a generation body; (None, False) when it is not JSON."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None, False
     if not isinstance(data, dict):
         return None, False
@@ -291,6 +306,20 @@ async def _read_unless_disconnected(
     with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
         await read
     return None
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The request body, or None once it is over ``limit`` bytes (not read further)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _wait_disconnect(request: Request) -> None:

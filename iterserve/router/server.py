@@ -7,7 +7,9 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import sys
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,9 +33,15 @@ def build(args: argparse.Namespace) -> Any:
         raise ValueError("give --backend URL (repeatable) or --k8s-service NAME")
     if args.backend and args.k8s_service:
         raise ValueError("give either --backend or --k8s-service, not both")
-    for name in ("poll_interval_ms", "poll_timeout_ms", "stale_after_ms"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    for name in (
+        "poll_interval_ms", "poll_timeout_ms", "stale_after_ms", "connect_timeout_s",
+        "first_byte_timeout_s", "read_timeout_s", "max_request_body_bytes",
+    ):  # fmt: skip
+        value = getattr(args, name)
+        if not 0 < value < math.inf:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+    for url in args.backend:
+        _check_url(url)
     if args.eject_after < 1:
         raise ValueError("--eject-after must be >= 1")
     poll_client = httpx.AsyncClient(timeout=args.poll_timeout_ms / 1000)
@@ -53,14 +61,21 @@ def build(args: argparse.Namespace) -> Any:
         connect_timeout_s=args.connect_timeout_s,
         first_byte_timeout_s=args.first_byte_timeout_s,
         read_timeout_s=args.read_timeout_s,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
     if args.backend:
         pool.set_urls(list(args.backend))
         discovery = None
     else:
-        from iterserve.router.discovery import EndpointSliceDiscovery
+        from iterserve.router.discovery import EndpointSliceDiscovery, load_api_client
 
-        discovery = EndpointSliceDiscovery(args.k8s_service, args.namespace, args.k8s_port_name)
+        try:
+            api_client = load_api_client()  # fail at start, not silently later
+        except Exception as e:
+            raise ValueError(f"--k8s-service: no Kubernetes configuration ({e})") from e
+        discovery = EndpointSliceDiscovery(
+            args.k8s_service, args.namespace, args.k8s_port_name, api_client=api_client
+        )
 
     @contextlib.asynccontextmanager
     async def background() -> AsyncIterator[None]:
@@ -81,6 +96,16 @@ def build(args: argparse.Namespace) -> Any:
     return build_router_app(pool, picker, settings, background)
 
 
+def _check_url(url: str) -> None:
+    parsed = urllib.parse.urlparse(url)
+    try:
+        port = parsed.port
+    except ValueError as e:
+        raise ValueError(f"--backend {url!r}: {e}") from e
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or port == 0:
+        raise ValueError(f"--backend must look like http://host:port, got {url!r}")
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -90,5 +115,12 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"iterserve router: error: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=30,  # then open requests are cut
+    )
     return 0

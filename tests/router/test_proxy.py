@@ -318,11 +318,27 @@ def test_router_keys(profile_file: Path) -> None:
         asyncio.run(run())
 
 
-def test_flags_are_checked() -> None:
+def test_flags_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     for argv in (["router"], ["router", "--backend", "http://a:1", "--k8s-service", "s"]):
         args = build_parser().parse_args(argv)
         with pytest.raises(ValueError, match="--backend"):
             build(args)
+    for argv, message in [
+        (["--backend", "foo"], "http://host:port"),
+        (["--backend", "ftp://a:1"], "http://host:port"),
+        (["--backend", "http://a:99999"], "--backend"),
+        (["--backend", "http://a:1", "--read-timeout-s", "0"], "read-timeout-s"),
+        (["--backend", "http://a:1", "--poll-interval-ms", "-5"], "poll-interval-ms"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            build(build_parser().parse_args(["router", *argv]))
+    # No cluster configuration: an error at start, not a router that is never ready.
+    monkeypatch.setattr(
+        "kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", "/nonexistent"
+    )
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(ValueError, match="no Kubernetes configuration"):
+        build(build_parser().parse_args(["router", "--k8s-service", "llm"]))
 
 
 def test_prefix_affinity_keeps_each_prefix_on_one_replica(profile_file: Path) -> None:
@@ -418,3 +434,54 @@ def test_a_client_leaving_the_router_aborts_the_replica_request(profile_file: Pa
                 await until(lambda: pool.backends[only.url].in_flight == 0, "router let go")
 
         asyncio.run(run())
+
+
+class _Hangup:
+    """A TCP server that reads a request and closes the connection without answering."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with contextlib.suppress(OSError):
+                conn.recv(65536)
+                conn.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+                )
+            conn.close()  # a reset: no status line at all
+
+
+def test_a_replica_resetting_connections_is_retried_and_ejected(profile_file: Path) -> None:
+    hangup = _Hangup()
+    with replicas(profile_file, 1) as (alive,):
+
+        async def run() -> None:
+            flags = ("--backend", hangup.url, "--backend", alive.url, "--policy", "round_robin")
+            async with router(*flags) as (url, app), httpx.AsyncClient(timeout=30) as http:
+                pool = pool_of(app)
+                await until(lambda: pool.backends[alive.url].state.ready, "alive ready")
+                pool.backends[hangup.url].state.ready = True  # as if its /load still answered
+                body = {"prompt": "reset?", "max_tokens": 2}
+                answers = [await http.post(url + "/v1/completions", json=body) for _ in range(6)]
+                assert [a.status_code for a in answers] == [200] * 6
+                assert {a.headers["x-routed-to"] for a in answers} == {alive.url}
+                assert pool.backends[hangup.url].ejected  # requests failing eject it too
+                # Bodies over the limit and paths out of /v1 are refused at the router.
+                big = await http.post(url + "/v1/completions", content=b"x" * (5 << 20))
+                assert big.status_code == 413
+                escape = await http.get(url + "/v1/%2e%2e/version")
+                assert escape.status_code == 404
+
+        asyncio.run(run())
+    hangup.sock.close()

@@ -138,3 +138,42 @@ def test_no_ready_replica_and_bad_settings() -> None:
         Picker("fastest")
     with pytest.raises(ValueError, match="load_bound"):
         Picker(load_bound=0.5)
+
+
+def test_a_replica_answering_nonsense_fails_only_its_own_poll() -> None:
+    import asyncio
+
+    import httpx
+
+    from iterserve.router.backends import LoadFormatError, parse_iterserve_load
+    from iterserve.router.pool import ReplicaPool
+
+    for bad in ({"kv_cache_usage": 0, "num_waiting": 1e999, "num_running": 0},
+                {"kv_cache_usage": 2.0, "num_waiting": 0, "num_running": 0},
+                {"kv_cache_usage": 0.1, "num_waiting": -5, "num_running": 0}):  # fmt: skip
+        with pytest.raises(LoadFormatError):
+            parse_iterserve_load(bad, 0.0)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "bad":
+            return httpx.Response(
+                200, text='{"kv_cache_usage": 0, "num_waiting": 1e999, "num_running": 0}'
+            )
+        return httpx.Response(
+            200, json={"kv_cache_usage": 0.25, "num_waiting": 1, "num_running": 2}
+        )
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+            pool = ReplicaPool(http, poll_interval_s=0.01, eject_after=2)
+            pool.set_urls(["http://good:1", "http://bad:1"])
+            task = asyncio.create_task(pool.run())
+            await asyncio.sleep(0.2)
+            good, bad = pool.backends["http://good:1"], pool.backends["http://bad:1"]
+            polls = good.polls_ok
+            await asyncio.sleep(0.1)
+            assert good.polls_ok > polls and good.state.ready  # polling goes on
+            assert bad.ejected and not bad.state.ready
+            task.cancel()
+
+    asyncio.run(run())
