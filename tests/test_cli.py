@@ -56,6 +56,7 @@ COMMANDS = [
     "bench messages",
     "bench calibrate",
     "bench fidelity",
+    "bench router",
 ]
 
 

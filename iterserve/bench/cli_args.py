@@ -37,6 +37,7 @@ def add_bench_parsers(sub: Any) -> None:
     _add_messages(sub)
     _add_calibrate(sub)
     _add_fidelity(sub)
+    _add_router(sub)
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -183,3 +184,32 @@ def _add_fidelity(sub: Any) -> None:
     p.add_argument("--production-requests", type=int, default=1024)
     p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
     p.set_defaults(func=_main_of("fidelity"))
+
+
+def _add_router(sub: Any) -> None:
+    p = sub.add_parser(
+        "router", help="the router's overhead, balance per policy and prefix affinity (sim)"
+    )
+    p.add_argument(
+        "--parts", default="overhead,balance,affinity", help="comma-separated parts to run"
+    )
+    p.add_argument("--num-replicas", type=int, default=4, help="balance and affinity replicas")
+    p.add_argument(
+        "--simulate-speed", type=float, default=2.0, help="balance and affinity replicas' speed"
+    )
+    p.add_argument("--num-requests", type=int, default=300, help="balance and affinity requests")
+    p.add_argument("--load-factor", type=float, default=1.0, help="x the burst capacity")
+    p.add_argument("--prefix-groups", type=int, default=8, help="affinity: system prompts")
+    p.add_argument("--overhead-requests", type=int, default=100, help="per run")
+    p.add_argument("--repeats", type=int, default=2, help="overhead runs per mode, alternating")
+    p.add_argument("--overhead-rate", type=float, default=4.0, help="overhead: Poisson req/s")
+    p.add_argument(
+        "--tokenizer",
+        default="char",
+        help="char (~4 characters per token, no model files), default or a model directory",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--base-port", type=int, default=8680, help="first replica; router after")
+    p.add_argument("--output-dir", type=Path, default=None, help=_SMOKE_DIR_HELP)
+    p.add_argument("--smoke", action="store_true", help="2 replicas, tiny workloads (tests)")
+    p.set_defaults(func=_main_of("router"))
