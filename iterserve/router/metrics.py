@@ -38,7 +38,8 @@ class RouterMetrics:
         self.picks = Counter(p + "picks", "Routing decisions", ["policy", "reason"], registry=r)
         self.proxy_overhead = Histogram(
             p + "proxy_overhead_seconds",
-            "Arrival at the router to the request leaving for its replica",
+            "Arrival at the router to the request handed to its replica's connection "
+            "(body read, parsed, picked; not the network hop, not the relay back)",
             buckets=_OVERHEAD_BUCKETS,
             registry=r,
         )

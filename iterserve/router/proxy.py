@@ -165,10 +165,10 @@ def build_router_app(
             backend = pool.backends[pick.replica.name]
             tried.add(backend.name)
             backend.state.in_flight_since_report += 1
-            if attempt == 0:
-                metrics.proxy_overhead.observe(time.perf_counter() - arrival)
             try:
-                return await _forward(request, backend, path, body, headers, stream)
+                return await _forward(
+                    request, backend, path, body, headers, stream, arrival if attempt == 0 else None
+                )
             except _Failed as e:
                 last = e
                 if e.reason != "status_429":
@@ -186,6 +186,7 @@ def build_router_app(
         body: bytes,
         headers: dict[str, str],
         stream: bool,
+        arrival: float | None,
     ) -> Response:
         url = f"{backend.url}/{path}"
         if request.url.query:
@@ -203,6 +204,8 @@ def build_router_app(
         # The client may leave while the replica works (a non-streamed answer comes whole):
         # watch for it all along, and close the upstream request when it happens.
         gone = asyncio.ensure_future(_wait_disconnect(request))
+        if arrival is not None:  # body read, parsed, picked, built: what the router adds
+            metrics.proxy_overhead.observe(time.perf_counter() - arrival)
         sending = asyncio.ensure_future(
             asyncio.wait_for(upstream.send(outgoing, stream=True), settings.first_byte_timeout_s)
         )

@@ -240,6 +240,7 @@ class Picker:
         return Pick(self._least_kv(ready, now), "least_kv")
 
     def _affine(self, ready: list[ReplicaState], now: float, key: bytes) -> Pick:
+        key = hashlib.blake2b(key, digest_size=16).digest()  # remember digests, not prompts
         name = self._homes.get(key)
         home = next((r for r in ready if r.name == name), None)
         if home is not None and home.load < self.capacity(ready):

@@ -110,6 +110,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per poll and request else
     try:
         app = build(args)
     except ValueError as e:
