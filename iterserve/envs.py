@@ -10,6 +10,8 @@ ITERSERVE_CACHE_DIR: str | None = os.environ.get("ITERSERVE_CACHE_DIR") or None
 # Secrets for the server, so that they need not appear on a command line (Kubernetes Secrets).
 ITERSERVE_API_KEY: str | None = os.environ.get("ITERSERVE_API_KEY") or None
 ITERSERVE_ADMIN_TOKEN: str | None = os.environ.get("ITERSERVE_ADMIN_TOKEN") or None
+# The router: the key its clients send is ITERSERVE_API_KEY; the one the replicas expect:
+ITERSERVE_BACKEND_API_KEY: str | None = os.environ.get("ITERSERVE_BACKEND_API_KEY") or None
 
 # Extra C compiler flags for the CPU kernels (tests build them with AddressSanitizer this way).
 ITERSERVE_KERNEL_CFLAGS: str = os.environ.get("ITERSERVE_KERNEL_CFLAGS", "")

@@ -74,6 +74,7 @@ def parse_iterserve_load(data: Any, received_at: float) -> LoadReport:
             num_running=_count(data["num_running"], "num_running"),
             num_total_blocks=_count(data.get("num_total_blocks", 0), "num_total_blocks"),
             received_at=received_at,
+            draining=data.get("draining") is True,
         )
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise LoadFormatError(f"not an iterserve /load answer: {e!r}") from e

@@ -10,6 +10,7 @@ _BACKEND_TYPES = ("auto", "iterserve", "vllm", "sglang")
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument(
         "--backend",
         action="append",
@@ -27,7 +28,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k8s-service", default=None, help="discover replicas from this Service")
     p.add_argument("--namespace", default="default", help="the Service's namespace")
     p.add_argument("--k8s-port-name", default="http", help="the EndpointSlice port to use")
-    p.add_argument("--policy", choices=POLICIES, default="least_kv")
+    p.add_argument("--policy", choices=POLICIES, default="least_kv", help="how replicas are picked")
     p.add_argument(
         "--session-header", default="x-session-id", help="policy session: the sticky header"
     )
@@ -37,13 +38,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="least_kv without prefix affinity",
     )
-    p.add_argument("--poll-interval-ms", type=float, default=50.0)
+    p.add_argument("--poll-interval-ms", type=float, default=50.0, help="load polls per replica")
     p.add_argument("--poll-timeout-ms", type=float, default=400.0, help="(below --stale-after-ms)")
     p.add_argument(
         "--stale-after-ms", type=float, default=500.0, help="older reports score as saturated"
     )
     p.add_argument("--eject-after", type=int, default=3, help="consecutive failures that eject")
-    p.add_argument("--connect-timeout-s", type=float, default=2.0)
+    p.add_argument("--connect-timeout-s", type=float, default=2.0, help="to a replica")
     p.add_argument(
         "--first-byte-timeout-s",
         type=float,
@@ -54,7 +55,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-request-body-bytes", type=int, default=4 << 20, help="larger bodies get 413"
     )
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--api-key", default=None, help="Bearer key clients must send (/v1/*)")
-    p.add_argument("--backend-api-key", default=None, help="the key the replicas expect")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="TCP port")
+    p.add_argument(
+        "--api-key", default=None, help="Bearer key clients must send (env ITERSERVE_API_KEY)"
+    )
+    p.add_argument(
+        "--backend-api-key",
+        default=None,
+        help="the key the replicas expect; clients' own keys are not forwarded "
+        "(env ITERSERVE_BACKEND_API_KEY)",
+    )

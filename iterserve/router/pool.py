@@ -137,6 +137,8 @@ class ReplicaPool:
         )
         b.polls_ok += 1
         self.record_success(b)
+        if report.draining:  # answering, but refusing new work: no traffic, no failure
+            b.state.ready = False
 
     async def _fetch(self, b: Backend, headers: dict[str, str]) -> Any:
         now = self.clock

@@ -43,6 +43,11 @@ _BACK = (
     "content-type", "content-encoding", "x-request-id", "retry-after", "cache-control", "location",
 )  # fmt: skip
 _RETRY_AFTER_S = "1"
+# The last event of a stream whose replica went away (OpenAI's error shape, as the server's).
+_CUT_EVENT = (
+    b'data: {"error": {"message": "the replica serving this stream went away", '
+    b'"type": "bad_gateway", "param": null, "code": null}}\n\n'
+)
 
 
 @dataclass(frozen=True)
@@ -69,10 +74,13 @@ def _error(status: int, message: str, kind: str, retry: bool = False) -> JSONRes
 class _Failed(Exception):
     """An attempt that failed before any byte went to the client (retryable)."""
 
-    def __init__(self, reason: str, response: httpx.Response | None = None) -> None:
+    def __init__(
+        self, reason: str, response: httpx.Response | None = None, backend: Backend | None = None
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.response = response
+        self.backend = backend
 
 
 Background = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
@@ -174,9 +182,11 @@ def build_router_app(
                 if e.reason != "status_429":
                     pool.record_failure(backend, e.reason, request=True)
         if last is not None and last.response is not None:
-            return _passthrough(last.response)
+            return _passthrough(last.response, last.backend)
         if last is not None:
+            metrics.requests.labels(replica="none", code="502").inc()
             return _error(502, f"the replicas failed ({last.reason})", "bad_gateway", retry=True)
+        metrics.requests.labels(replica="none", code="503").inc()
         return _error(503, "no ready replica; retry later", "service_unavailable_error", True)
 
     async def _forward(
@@ -237,7 +247,7 @@ def build_router_app(
             await response.aread()
             await response.aclose()
             release()
-            raise _Failed("status_5xx" if code >= 500 else "status_429", response)
+            raise _Failed("status_5xx" if code >= 500 else "status_429", response, backend)
         pool.record_success_request(backend)
         if not stream or not response.headers.get("content-type", "").startswith(
             "text/event-stream"
@@ -260,6 +270,11 @@ def build_router_app(
             try:
                 async for chunk in response.aiter_raw():
                     yield chunk
+            except httpx.HTTPError as e:  # the replica died or hung mid-stream
+                logger.warning("stream from %s cut off: %s: %s", backend.name, type(e).__name__, e)
+                metrics.requests.labels(replica=backend.name, code="stream_cut").inc()
+                pool.record_failure(backend, "stream cut off", request=True)
+                yield _CUT_EVENT
             finally:  # also when the client went away: the replica sees its disconnect
                 await response.aclose()
                 release()
@@ -340,5 +355,5 @@ def _back_headers(response: httpx.Response, backend: Backend | None = None) -> d
     return headers
 
 
-def _passthrough(response: httpx.Response) -> Response:
-    return Response(response.content, response.status_code, _back_headers(response))
+def _passthrough(response: httpx.Response, backend: Backend | None) -> Response:
+    return Response(response.content, response.status_code, _back_headers(response, backend))

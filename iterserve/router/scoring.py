@@ -60,6 +60,7 @@ class LoadReport:
         num_waiting, num_running: requests.
         num_total_blocks: the replica's KV pool (weights its usage in aggregates; 0 unknown).
         received_at: when the router got it (seconds of the router's clock).
+        draining: the replica is shutting down (iterserve's ``/load`` says so).
     """
 
     kv_cache_usage: float
@@ -67,6 +68,7 @@ class LoadReport:
     num_running: int
     num_total_blocks: int = 0
     received_at: float = 0.0
+    draining: bool = False  # the replica refuses new requests (shutting down)
 
 
 @dataclass

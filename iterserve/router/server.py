@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from iterserve import envs
 from iterserve.router.pool import ReplicaPool, polling
 from iterserve.router.proxy import ProxySettings, build_router_app
 from iterserve.router.scoring import Picker
@@ -40,6 +41,8 @@ def build(args: argparse.Namespace) -> Any:
         value = getattr(args, name)
         if not 0 < value < math.inf:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+    if args.poll_timeout_ms >= args.stale_after_ms:
+        raise ValueError("--poll-timeout-ms must be below --stale-after-ms")
     for url in args.backend:
         _check_url(url)
     if args.eject_after < 1:
@@ -51,12 +54,12 @@ def build(args: argparse.Namespace) -> Any:
         poll_interval_s=args.poll_interval_ms / 1000,
         poll_timeout_s=args.poll_timeout_ms / 1000,
         eject_after=args.eject_after,
-        api_key=args.backend_api_key,
+        api_key=args.backend_api_key or envs.ITERSERVE_BACKEND_API_KEY,
     )
     picker = Picker(args.policy, args.prefix_affinity, stale_after_s=args.stale_after_ms / 1000)
     settings = ProxySettings(
-        api_key=args.api_key,
-        backend_api_key=args.backend_api_key,
+        api_key=args.api_key or envs.ITERSERVE_API_KEY,
+        backend_api_key=args.backend_api_key or envs.ITERSERVE_BACKEND_API_KEY,
         session_header=args.session_header.lower(),
         connect_timeout_s=args.connect_timeout_s,
         first_byte_timeout_s=args.first_byte_timeout_s,

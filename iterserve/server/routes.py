@@ -147,6 +147,8 @@ async def load(request: Request) -> Any:
         "num_total_blocks": load.num_total_blocks,
         "config_version": state.settings.version,
         "config_hash": state.settings.view()["config_hash"],
+        # A router stops sending new requests here at once (they would get 503).
+        "draining": state.admission.draining,
     }
 
 

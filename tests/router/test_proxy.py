@@ -378,18 +378,29 @@ def test_a_replica_killed_mid_run(profile_file: Path) -> None:
                 await until(lambda: len(pool.ready()) == 2, "ready")
                 body = {"prompt": "long", "max_tokens": 200, "ignore_eos": True, "stream": True}
 
-                async def stream() -> int:
+                async def stream() -> bytes:
+                    got = b""
                     async with http.stream("POST", url + "/v1/completions", json=body) as r:
                         with contextlib.suppress(httpx.HTTPError):
-                            async for _ in r.aiter_raw():
-                                pass
-                        return r.status_code
+                            async for chunk in r.aiter_raw():
+                                got += chunk
+                    return got
 
                 running = [asyncio.create_task(stream()) for _ in range(4)]
-                await until(lambda: pool.backends[victim.url].in_flight == 2, "both serving")
+                victim_state = pool.backends[victim.url].state
+                await until(
+                    lambda: (
+                        victim_state.report is not None and victim_state.report.num_running == 2
+                    ),
+                    "the victim streams two",
+                )
+                await asyncio.sleep(0.2)  # their first chunks have reached the clients
                 victim.proc.kill()
                 victim.proc.wait()
-                await asyncio.gather(*running)  # cut streams end (they had begun: no retry)
+                outs = await asyncio.gather(*running)  # cut streams end (begun: no retry)
+                # The victim's two streams end with an error event, the others with [DONE].
+                assert sum(b"went away" in o for o in outs) == 2
+                assert sum(o.rstrip().endswith(b"data: [DONE]") for o in outs) == 2
                 short = {"prompt": "after the kill", "max_tokens": 2}
                 answers = [await http.post(url + "/v1/completions", json=short) for _ in range(6)]
                 assert [a.status_code for a in answers] == [200] * 6

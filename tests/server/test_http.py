@@ -391,7 +391,7 @@ def test_load_and_metrics_change_by_exactly_one_request(tokenizer: Any) -> None:
             "kv_cache_usage": 0.0, "num_running": 0, "num_waiting": 0, "num_swapped": 0,
             "max_num_seqs": 32, "num_free_blocks": NUM_KV_BLOCKS, "num_cached_blocks": 0,
             "num_total_blocks": NUM_KV_BLOCKS, "config_version": 1,
-            "config_hash": load["config_hash"],
+            "config_hash": load["config_hash"], "draining": False,
         }  # fmt: skip
         # While a request runs, /load and the gauges show its blocks (the same numbers).
         fake.auto_step = False
