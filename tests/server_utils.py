@@ -40,13 +40,13 @@ class Server:
 
 @contextmanager
 def run_server(
-    *flags: str, startup_timeout_s: float = 240.0, port: int | None = None
+    *flags: str, startup_timeout_s: float = 240.0, port: int | None = None, command: str = "serve"
 ) -> Iterator[Server]:
-    """``iterserve serve --host 127.0.0.1 --port <port or a free one> *flags``, ready;
-    stopped on exit."""
+    """``iterserve COMMAND --host 127.0.0.1 --port <port or a free one> *flags`` (``serve``
+    or ``router``), ready; stopped on exit."""
     port = port or free_port()
     log = Path(tempfile.mkstemp(prefix="iterserve-server-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "iterserve.cli", "serve", "--host", "127.0.0.1"]
+    cmd = [sys.executable, "-m", "iterserve.cli", command, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *flags]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))

@@ -200,9 +200,11 @@ def _add_router(sub: Any) -> None:
     p.add_argument("--num-requests", type=int, default=300, help="balance and affinity requests")
     p.add_argument("--load-factor", type=float, default=1.0, help="x the burst capacity")
     p.add_argument("--prefix-groups", type=int, default=8, help="affinity: system prompts")
-    p.add_argument("--overhead-requests", type=int, default=100, help="per run")
-    p.add_argument("--repeats", type=int, default=2, help="overhead runs per mode, alternating")
-    p.add_argument("--overhead-rate", type=float, default=4.0, help="overhead: Poisson req/s")
+    p.add_argument("--overhead-requests", type=int, default=100, help="per path and run")
+    p.add_argument("--repeats", type=int, default=2, help="overhead runs")
+    p.add_argument(
+        "--overhead-rate", type=float, default=4.0, help="overhead: Poisson req/s, both paths"
+    )
     p.add_argument(
         "--tokenizer",
         default="char",

@@ -13,7 +13,7 @@ def format_overhead(o: dict[str, Any]) -> str:
         f"{o['prompt_len']}-token prompts; idle: {o['num_idle_requests']} one at a time, "
         f"4 tokens out; loaded: "
         f"{o['num_requests']} at Poisson {o['rate_rps']:g} req/s, {o['output_len']} tokens out; "
-        f"x {o['repeats']} repeats per mode",
+        f"x {o['repeats']} repeats per path, alternating",
         f"  {'':<8}{'idle TTFT':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}"
         "   (ms; idle: p50)",
     ]
@@ -22,6 +22,11 @@ def format_overhead(o: dict[str, Any]) -> str:
     lines.append(f"  {'added':<8}" + "".join(f"{o['added_ms'][k]:>+10.2f}" for k in keys))
     per_run = ", ".join(f"{r['mode']} {r['ttft_p50_ms']:.1f}" for r in o["runs"])
     lines.append(f"  loaded TTFT p50 of each run, in order: {per_run}")
+    lines.append(
+        "  each request's TTFT through the router - directly: "
+        f"p50 {o['added_ms']['paired_ttft_p50_ms']:+.2f} ms, "
+        f"p90 {o['added_ms']['paired_ttft_p90_ms']:+.2f} ms"
+    )
     lines.append(
         f"  router CPU: {o['router_cpu_s_per_request'] * 1e3:.2f} ms per loaded request "
         f"({o['router_proxy_cpu_s_per_request'] * 1e3:.2f} ms without its polling, which "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -127,13 +128,21 @@ def arrival_times(
 
 
 async def run_load(
-    url: str,
+    url: str | list[str],
     requests: list[BenchRequest],
     model: str,
     args: argparse.Namespace,
     rate: float,
+    targets: list[int] | None = None,
 ) -> tuple[list[RequestRecord], float, float]:
-    """Drive one run; (records, wall seconds, client CPU seconds)."""
+    """Drive one run; (records, wall seconds, client CPU seconds).
+
+    Args:
+        url: the server, or several (request ``i`` goes to ``url[targets[i]]``: paths
+            compared in one run, under the same load).
+    """
+    urls = [url] if isinstance(url, str) else url
+    targets = targets if targets is not None else [0] * len(requests)
     from tqdm import tqdm
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -145,12 +154,17 @@ async def run_load(
         offsets = arrival_times(len(requests), rate, args.burst, args.burst_interval_s, args.seed)
     semaphore = asyncio.Semaphore(args.concurrency) if args.concurrency else None
     bar = tqdm(total=len(requests), desc=f"rate {rate:g}/s", unit="req", disable=args.no_progress)
-    async with httpx.AsyncClient(
-        base_url=url, headers=headers, limits=limits, timeout=timeout
-    ) as http:
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(base_url=u, headers=headers, limits=limits, timeout=timeout)
+            )
+            for u in urls
+        ]
         cpu0, t0 = time.process_time(), time.perf_counter()
 
-        async def one(req: BenchRequest, offset: float) -> RequestRecord:
+        async def one(req: BenchRequest, offset: float, target: int) -> RequestRecord:
+            http = clients[target]
             if semaphore is None:
                 await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
                 record = await send(http, req, model, args.endpoint, args.plain)
@@ -160,7 +174,9 @@ async def run_load(
             bar.update(1)
             return record
 
-        records = await asyncio.gather(*[one(r, o) for r, o in zip(requests, offsets, strict=True)])
+        records = await asyncio.gather(
+            *[one(r, o, t) for r, o, t in zip(requests, offsets, targets, strict=True)]
+        )
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     bar.close()
     return list(records), wall, cpu

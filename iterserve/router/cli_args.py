@@ -55,6 +55,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-request-body-bytes", type=int, default=4 << 20, help="larger bodies get 413"
     )
+    p.add_argument(
+        "--shutdown-grace-period-s",
+        type=float,
+        default=30.0,
+        help="after SIGTERM: /ready 503, open requests served for up to this long",
+    )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=8080, help="TCP port")
     p.add_argument(

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from iterserve.router.backends import (
     LoadFormatError,
@@ -51,18 +52,36 @@ class Backend:
         return self.state.name
 
 
+# GET a URL with headers: (status, body). Polls go through one (aiohttp's in the router).
+Fetch = Callable[[str, dict[str, str]], Awaitable[tuple[int, bytes]]]
+
+
+def aiohttp_fetch(session: aiohttp.ClientSession) -> Fetch:
+    """A :data:`Fetch` over ``session``."""
+
+    async def fetch(url: str, headers: dict[str, str]) -> tuple[int, bytes]:
+        async with session.get(url, headers=headers) as r:
+            return r.status, await r.read()
+
+    return fetch
+
+
+class PollStatusError(Exception):
+    """A poll answered with an error status."""
+
+
 @dataclass
 class ReplicaPool:
     """The replicas behind the router (see the module docstring).
 
     Args:
-        http: the client polls go through.
+        fetch: what polls go through (set before polling starts).
         backend_type: ``auto``, ``iterserve``, ``vllm`` or ``sglang`` for every replica.
         api_key: the replicas' key (``--backend-api-key``), sent on polls.
         on_eject: called with a replica's name when it is ejected (metrics).
     """
 
-    http: httpx.AsyncClient
+    fetch: Fetch | None = None
     backend_type: str = "auto"
     poll_interval_s: float = 0.05
     poll_timeout_s: float = 0.4
@@ -141,21 +160,23 @@ class ReplicaPool:
             b.state.ready = False
 
     async def _fetch(self, b: Backend, headers: dict[str, str]) -> Any:
+        assert self.fetch is not None, "the pool polls through a fetch function"
         now = self.clock
         if b.kind in ("auto", "iterserve"):
-            r = await self.http.get(b.url + "/load", headers=headers)
-            if r.status_code == 200 or b.kind == "iterserve":
-                r.raise_for_status()
-                report = parse_iterserve_load(r.json(), now())
+            status, body = await self.fetch(b.url + "/load", headers)
+            if status == 200 or b.kind == "iterserve":
+                _check_status(status, "/load")
+                report = parse_iterserve_load(json.loads(body), now())
                 b.kind = "iterserve"
                 return report
-        r = await self.http.get(b.url + "/metrics", headers=headers)
-        r.raise_for_status()
-        kind = b.kind if b.kind in ("vllm", "sglang") else detect_prometheus_type(r.text)
+        status, body = await self.fetch(b.url + "/metrics", headers)
+        _check_status(status, "/metrics")
+        text = body.decode("utf-8", "replace")
+        kind = b.kind if b.kind in ("vllm", "sglang") else detect_prometheus_type(text)
         if kind is None:
             raise LoadFormatError("neither /load nor vLLM / SGLang metrics")
         b.kind = kind
-        return parse_prometheus_load(r.text, kind, now())
+        return parse_prometheus_load(text, kind, now())
 
     # ----------------------------------------------------------------- health
 
@@ -228,3 +249,8 @@ async def polling(pool: ReplicaPool) -> Any:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def _check_status(status: int, path: str) -> None:
+    if status != 200:
+        raise PollStatusError(f"{path} answered {status}")

@@ -3,13 +3,16 @@ replica, streams passed through.
 
 Per request: read the body (for the prefix key and ``stream``), pick a ready replica
 (:mod:`iterserve.router.scoring`), send it on with the replicas' key, and relay the answer:
-SSE chunk by chunk as the replica writes them (``aiter_raw``, nothing buffered), or whole.
-A client that goes away closes the upstream request, so the replica aborts it and frees its
-KV blocks. Before the first byte has reached the client a request is retried once on another
-replica after a connect error, a timeout or a 5xx, and after a 429 when another replica has
-room; a replica's 429 is otherwise passed through with its ``Retry-After``. No ready replica:
-503 with ``Retry-After``. Every attempt counts in the replica's in-flight number and gives it
-back in a ``finally``.
+SSE chunk by chunk as the replica writes them, or whole. A client that goes away closes the
+upstream request, so the replica aborts it and frees its KV blocks. Before the first byte has
+reached the client a request is retried once on another replica after a connect error, a
+timeout or a 5xx, and after a 429 when another replica has room; a replica's 429 is otherwise
+passed through with its ``Retry-After``. No ready replica: 503 with ``Retry-After``. Every
+attempt counts in the replica's in-flight number and gives it back in a ``finally``.
+
+The proxied paths are plain ASGI over an aiohttp client: a relayed chunk costs one read and
+one ``send``, no framework layer, which is most of what a router does (the control endpoints,
+``/health``, ``/ready``, ``/load`` and ``/metrics``, are a FastAPI app).
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+import aiohttp
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from iterserve.router.metrics import RouterMetrics
@@ -35,13 +38,17 @@ from iterserve.router.scoring import NoReplicaError, Picker, prefix_key
 
 logger = logging.getLogger("iterserve.router")
 
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
 # Request headers passed to the replica, and response headers passed back.
-_FORWARD = (
+_FORWARD = frozenset((
     "content-type", "accept", "accept-encoding", "x-request-id", "x-tenant-id", "user-agent",
-)  # fmt: skip
-_BACK = (
+))  # fmt: skip
+_BACK = frozenset((
     "content-type", "content-encoding", "x-request-id", "retry-after", "cache-control", "location",
-)  # fmt: skip
+))  # fmt: skip
 _RETRY_AFTER_S = "1"
 # The last event of a stream whose replica went away (OpenAI's error shape, as the server's).
 _CUT_EVENT = (
@@ -65,25 +72,67 @@ class ProxySettings:
     max_request_body_bytes: int = 4 << 20  # the replicas' default limit
 
 
-def _error(status: int, message: str, kind: str, retry: bool = False) -> JSONResponse:
-    headers = {"Retry-After": _RETRY_AFTER_S} if retry else {}
-    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 class _Failed(Exception):
     """An attempt that failed before any byte went to the client (retryable)."""
 
-    def __init__(
-        self, reason: str, response: httpx.Response | None = None, backend: Backend | None = None
-    ) -> None:
+    def __init__(self, reason: str, answer: _Answer | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
-        self.response = response
-        self.backend = backend
+        self.answer = answer
+
+
+@dataclass
+class _Answer:
+    """A replica's whole answer, kept to pass it through when no retry does better."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+@dataclass
+class _Request:
+    """What the proxy reads of an incoming request."""
+
+    method: str
+    path: str  # without the leading slash
+    query: str
+    headers: dict[str, str]  # lower-case names
+    body: bytes = b""
+    # Set when the client has gone away; closes the upstream response it was reading.
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 Background = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
+
+
+class RouterApp:
+    """The router's ASGI app: proxied paths handled here, the rest by ``control`` (FastAPI,
+    which also runs the lifespan). ``state`` is the control app's; ``num_active`` counts the
+    proxied requests being answered (the drain waits for 0)."""
+
+    def __init__(self, control: FastAPI, proxy: Callable[[Scope, Receive, Send], Awaitable[None]]):
+        self.control = control
+        self.proxy = proxy
+        self.num_active = 0
+
+    @property
+    def state(self) -> Any:
+        return self.control.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _proxied(scope["path"]):
+            self.num_active += 1
+            try:
+                await self.proxy(scope, receive, send)
+            finally:
+                self.num_active -= 1
+        else:
+            await self.control(scope, receive, send)
+
+
+def _proxied(path: str) -> bool:
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
 def build_router_app(
@@ -91,71 +140,98 @@ def build_router_app(
     picker: Picker,
     settings: ProxySettings,
     background: Background | None = None,
-) -> FastAPI:
-    """The router's FastAPI app over ``pool``.
+) -> RouterApp:
+    """The router's ASGI app over ``pool``.
 
     Args:
         background: entered for the app's lifetime (the pool's polling, discovery).
     """
     metrics = RouterMetrics()
     pool.on_eject = lambda name: metrics.ejections.labels(replica=name).inc()
-    timeout = httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    upstream = httpx.AsyncClient(timeout=timeout, limits=limits)
+    upstream: aiohttp.ClientSession | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with upstream, background() if background else contextlib.nullcontext():
-            yield
+        nonlocal upstream
+        upstream = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60),
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
+            ),
+            auto_decompress=False,  # relayed as the replica encoded it
+            skip_auto_headers=("User-Agent", "Content-Type"),
+        )
+        app.state.router["http"] = upstream
+        try:
+            async with background() if background else contextlib.nullcontext():
+                yield
+        finally:
+            await upstream.close()
 
-    app = FastAPI(title="iterserve router", lifespan=lifespan)
-    app.state.router = {"pool": pool, "metrics": metrics, "http": upstream}
+    control = FastAPI(title="iterserve router", lifespan=lifespan)
+    control.state.router = {"pool": pool, "metrics": metrics, "http": None}
 
-    @app.get("/health")
+    @control.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @control.get("/ready")
     async def ready() -> Response:
+        if getattr(control.state, "draining", False):
+            return JSONResponse({"status": "draining"}, status_code=503)
         n = len(pool.ready())
         if n:
             return JSONResponse({"status": "ready", "num_ready_replicas": n})
         return JSONResponse({"status": "no ready replica"}, status_code=503)
 
-    @app.get("/load")
+    @control.get("/load")
     async def load() -> dict[str, Any]:
         return pool.aggregated_load()
 
-    @app.get("/metrics")
+    @control.get("/metrics")
     async def get_metrics() -> Response:
         metrics.ready_replicas.set(len(pool.ready()))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route("/v1/{path:path}", methods=["GET", "POST"])
-    async def proxy_v1(path: str, request: Request) -> Response:
-        return await proxy(f"v1/{path}", request)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await proxy("tokenize", request)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await proxy("detokenize", request)
-
-    async def proxy(path: str, request: Request) -> Response:
+    async def proxy(scope: Scope, receive: Receive, send: Send) -> None:
         arrival = time.perf_counter()
+        request = _Request(
+            method=scope["method"],
+            path=scope["path"].lstrip("/"),
+            query=scope.get("query_string", b"").decode("latin-1"),
+            headers={k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]},
+        )
+        allowed = ("GET", "POST") if request.path.startswith("v1/") else ("POST",)
+        if request.method not in allowed:
+            message = f"{request.method} is not allowed on /{request.path}"
+            await _send_error(send, 405, message, "invalid_request_error")
+            return
         if settings.api_key is not None and not _authorized(request, settings.api_key):
-            return _error(401, "invalid or missing API key", "authentication_error")
-        if any(part in (".", "..") for part in path.split("/")):
-            return _error(404, f"no such path /{path}", "not_found_error")
-        body = await _read_body(request, settings.max_request_body_bytes)
-        if body is None:
+            await _send_error(send, 401, "invalid or missing API key", "authentication_error")
+            return
+        if any(part in (".", "..") for part in request.path.split("/")):
+            await _send_error(send, 404, f"no such path /{request.path}", "not_found_error")
+            return
+        try:
+            request.body = await _read_body(receive, request, settings.max_request_body_bytes)
+        except _BodyTooLarge:
             limit = settings.max_request_body_bytes
-            return _error(413, f"the request body is over {limit} bytes", "invalid_request_error")
-        key, stream = _inspect(body) if request.method == "POST" else (None, False)
+            await _send_error(
+                send, 413, f"the request body is over {limit} bytes", "invalid_request_error"
+            )
+            return
+        except _ClientGone:
+            return
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, request.gone))
+        try:
+            await route(request, send, arrival)
+        finally:
+            watcher.cancel()
+
+    async def route(request: _Request, send: Send, arrival: float) -> None:
+        key, stream = _inspect(request.body) if request.method == "POST" else (None, False)
         session = request.headers.get(settings.session_header)
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
+        headers = {k: v for k, v in request.headers.items() if k in _FORWARD}
         headers.setdefault("accept-encoding", "identity")  # relayed as is: no re-encoding
         if settings.backend_api_key:
             headers["authorization"] = f"Bearer {settings.backend_api_key}"
@@ -174,119 +250,150 @@ def build_router_app(
             tried.add(backend.name)
             backend.state.in_flight_since_report += 1
             try:
-                return await _forward(
-                    request, backend, path, body, headers, stream, arrival if attempt == 0 else None
+                await forward(
+                    request, send, backend, headers, stream, arrival if attempt == 0 else None
                 )
+                return
             except _Failed as e:
                 last = e
                 if e.reason != "status_429":
                     pool.record_failure(backend, e.reason, request=True)
-        if last is not None and last.response is not None:
-            return _passthrough(last.response, last.backend)
-        if last is not None:
+        if last is not None and last.answer is not None:
+            answer = last.answer
+            await _send_whole(send, answer.status, answer.headers, answer.body)
+        elif last is not None:
             metrics.requests.labels(replica="none", code="502").inc()
-            return _error(502, f"the replicas failed ({last.reason})", "bad_gateway", retry=True)
-        metrics.requests.labels(replica="none", code="503").inc()
-        return _error(503, "no ready replica; retry later", "service_unavailable_error", True)
+            message = f"the replicas failed ({last.reason})"
+            await _send_error(send, 502, message, "bad_gateway", retry=True)
+        else:
+            metrics.requests.labels(replica="none", code="503").inc()
+            message = "no ready replica; retry later"
+            await _send_error(send, 503, message, "service_unavailable_error", retry=True)
 
-    async def _forward(
-        request: Request,
+    async def forward(
+        request: _Request,
+        send: Send,
         backend: Backend,
-        path: str,
-        body: bytes,
         headers: dict[str, str],
         stream: bool,
         arrival: float | None,
-    ) -> Response:
-        url = f"{backend.url}/{path}"
-        if request.url.query:
-            url += "?" + request.url.query
-        outgoing = upstream.build_request(request.method, url, content=body, headers=headers)
+    ) -> None:
+        assert upstream is not None, "the router's lifespan has not started"
+        url = f"{backend.url}/{request.path}"
+        if request.query:
+            url += "?" + request.query
         backend.in_flight += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                backend.in_flight -= 1
-
-        # The client may leave while the replica works (a non-streamed answer comes whole):
-        # watch for it all along, and close the upstream request when it happens.
-        gone = asyncio.ensure_future(_wait_disconnect(request))
-        if arrival is not None:  # body read, parsed, picked, built: what the router adds
-            metrics.proxy_overhead.observe(time.perf_counter() - arrival)
-        sending = asyncio.ensure_future(
-            asyncio.wait_for(upstream.send(outgoing, stream=True), settings.first_byte_timeout_s)
-        )
         try:
-            await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not sending.done():
+            await _exchange(request, send, backend, upstream, url, headers, stream, arrival)
+        finally:
+            backend.in_flight -= 1
+
+    async def _exchange(
+        request: _Request,
+        send: Send,
+        backend: Backend,
+        http: aiohttp.ClientSession,
+        url: str,
+        headers: dict[str, str],
+        stream: bool,
+        arrival: float | None,
+    ) -> None:
+        sending = asyncio.ensure_future(
+            http.request(request.method, url, data=request.body or None, headers=headers)
+        )
+        if arrival is not None:  # body read, parsed, picked, sent: what the router adds
+            metrics.proxy_overhead.observe(time.perf_counter() - arrival)
+        gone = asyncio.ensure_future(request.gone.wait())
+        try:
+            # The client may leave while the replica works (a non-streamed answer comes
+            # whole): watch for it all along, and close the upstream request when it happens.
+            done, _ = await asyncio.wait(
+                {sending, gone},
+                timeout=settings.first_byte_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if sending not in done:
                 sending.cancel()
-                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                    await sending
-                release()
-                return Response(status_code=499)  # nobody reads it
+                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                    (await sending).close()
+                if gone in done:
+                    return  # nobody reads an answer
+                raise _Failed("timeout")
             response = sending.result()
-        except (TimeoutError, httpx.TimeoutException) as e:
-            gone.cancel()
-            release()
+        except (TimeoutError, aiohttp.ServerTimeoutError) as e:
             raise _Failed("timeout") from e
-        except httpx.TransportError as e:  # refused, reset, closed before the headers
-            gone.cancel()
-            release()
+        except aiohttp.ClientError as e:  # refused, reset, closed before the headers
             raise _Failed("connect") from e
-        except BaseException:
+        finally:
             gone.cancel()
-            release()
-            raise
-        code = response.status_code
+        # From here the response is ours to close; a disconnect closes it too.
+        closer = asyncio.ensure_future(_close_when(request.gone, response))
+        try:
+            await _relay(request, send, backend, response, stream)
+        finally:
+            closer.cancel()
+            response.close()
+
+    async def _relay(
+        request: _Request,
+        send: Send,
+        backend: Backend,
+        response: aiohttp.ClientResponse,
+        stream: bool,
+    ) -> None:
+        code = response.status
         metrics.requests.labels(replica=backend.name, code=str(code)).inc()
+        back = _back_headers(response, backend)
         if code >= 500 or code == 429:
-            gone.cancel()
-            await response.aread()
-            await response.aclose()
-            release()
-            raise _Failed("status_5xx" if code >= 500 else "status_429", response, backend)
+            try:
+                body = await response.read()
+            except aiohttp.ClientError:
+                body = b""
+            reason = "status_5xx" if code >= 500 else "status_429"
+            raise _Failed(reason, _Answer(code, back, body))
         pool.record_success_request(backend)
         if not stream or not response.headers.get("content-type", "").startswith(
             "text/event-stream"
         ):
             try:
-                content = await _read_unless_disconnected(gone, response)
-            except httpx.HTTPError as e:  # cut off after the headers: nothing sent yet
+                body = await response.read()
+            except (aiohttp.ClientError, TimeoutError) as e:  # cut off after the headers
+                if request.gone.is_set():
+                    return
                 pool.record_failure(backend, f"body: {type(e).__name__}", request=True)
-                return _error(502, "the replica's answer was cut off", "bad_gateway", retry=True)
-            finally:
-                await response.aclose()
-                release()
-            if content is None:
-                return Response(status_code=499)
-            return Response(content, code, _back_headers(response, backend))
+                await _send_error(
+                    send, 502, "the replica's answer was cut off", "bad_gateway", True
+                )
+                return
+            if not request.gone.is_set():
+                await _send_whole(send, code, back, body)
+            return
+        await send({"type": "http.response.start", "status": code, "headers": back})
+        try:
+            async for chunk in response.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (aiohttp.ClientError, TimeoutError) as e:  # the replica died or hung mid-stream
+            if request.gone.is_set():
+                return  # we closed it: the client left
+            logger.warning("stream from %s cut off: %s: %s", backend.name, type(e).__name__, e)
+            metrics.requests.labels(replica=backend.name, code="stream_cut").inc()
+            pool.record_failure(backend, "stream cut off", request=True)
+            await send({"type": "http.response.body", "body": _CUT_EVENT, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        gone.cancel()  # the streaming response listens for the disconnect itself
-
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in response.aiter_raw():
-                    yield chunk
-            except httpx.HTTPError as e:  # the replica died or hung mid-stream
-                logger.warning("stream from %s cut off: %s: %s", backend.name, type(e).__name__, e)
-                metrics.requests.labels(replica=backend.name, code="stream_cut").inc()
-                pool.record_failure(backend, "stream cut off", request=True)
-                yield _CUT_EVENT
-            finally:  # also when the client went away: the replica sees its disconnect
-                await response.aclose()
-                release()
-
-        return StreamingResponse(relay(), code, _back_headers(response, backend))
-
-    return app
+    return RouterApp(control, proxy)
 
 
-def _authorized(request: Request, api_key: str) -> bool:
-    auth = request.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _authorized(request: _Request, api_key: str) -> bool:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), api_key.encode())
 
 
@@ -309,51 +416,71 @@ def _inspect(body: bytes) -> tuple[bytes | None, bool]:
     return key or None, data.get("stream") is True
 
 
-async def _read_unless_disconnected(
-    gone: asyncio.Future[None], response: httpx.Response
-) -> bytes | None:
-    """The whole body, or None when the client disconnects first (``gone``; the upstream is
-    then closed, so the replica aborts)."""
-    read = asyncio.ensure_future(response.aread())
-    waiting: set[asyncio.Future[Any]] = {read, gone}
-    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-    if read in done:
-        gone.cancel()
-        return read.result()
-    read.cancel()
-    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-        await read
-    return None
+async def _read_body(receive: Receive, request: _Request, limit: int) -> bytes:
+    """The request body.
 
-
-async def _read_body(request: Request, limit: int) -> bytes | None:
-    """The request body, or None once it is over ``limit`` bytes (not read further)."""
+    Raises:
+        _BodyTooLarge: it is over ``limit`` bytes (declared or read; not read further).
+        _ClientGone: the client disconnected first.
+    """
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        return None
+        raise _BodyTooLarge
     chunks, size = [], 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            return None
+            raise _BodyTooLarge
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+async def _watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
 
 
-def _back_headers(response: httpx.Response, backend: Backend | None = None) -> dict[str, str]:
+async def _close_when(gone: asyncio.Event, response: aiohttp.ClientResponse) -> None:
+    """Close ``response`` once the client has gone: the replica sees the disconnect and
+    aborts (a read waiting on it ends with a connection error)."""
+    await gone.wait()
+    response.close()
+
+
+def _back_headers(
+    response: aiohttp.ClientResponse, backend: Backend | None = None
+) -> list[tuple[bytes, bytes]]:
     """The replica's headers a client needs, and which replica answered (``x-routed-to``)."""
-    headers = {k: v for k, v in response.headers.items() if k.lower() in _BACK}
+    headers = [
+        (k.lower().encode("latin-1"), v.encode("latin-1"))
+        for k, v in response.headers.items()
+        if k.lower() in _BACK
+    ]
     if backend is not None:
-        headers["x-routed-to"] = backend.name
+        headers.append((b"x-routed-to", backend.name.encode("latin-1")))
     return headers
 
 
-def _passthrough(response: httpx.Response, backend: Backend | None) -> Response:
-    return Response(response.content, response.status_code, _back_headers(response, backend))
+async def _send_whole(
+    send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+) -> None:
+    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_error(
+    send: Send, status: int, message: str, kind: str, retry: bool = False
+) -> None:
+    """OpenAI's error shape, as the replicas answer."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    headers = [(b"content-type", b"application/json")]
+    if retry:
+        headers.append((b"retry-after", _RETRY_AFTER_S.encode()))
+    await _send_whole(send, status, headers, json.dumps(body).encode())

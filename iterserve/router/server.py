@@ -1,5 +1,7 @@
 """``iterserve router``: discovery, the replica pool's polling and the proxy app under
-uvicorn."""
+uvicorn, with a drain on SIGTERM (:mod:`iterserve.draining`): ``/ready`` turns 503 so the
+router's own Service stops sending to it, proxied requests keep being served, and the router
+exits once none is open or ``--shutdown-grace-period-s`` is over."""
 
 from __future__ import annotations
 
@@ -11,20 +13,20 @@ import math
 import sys
 import urllib.parse
 from collections.abc import AsyncIterator
-from typing import Any
 
-import httpx
+import aiohttp
 import uvicorn
 
 from iterserve import envs
-from iterserve.router.pool import ReplicaPool, polling
-from iterserve.router.proxy import ProxySettings, build_router_app
+from iterserve.draining import DrainingServer
+from iterserve.router.pool import ReplicaPool, aiohttp_fetch, polling
+from iterserve.router.proxy import ProxySettings, RouterApp, build_router_app
 from iterserve.router.scoring import Picker
 
 logger = logging.getLogger("iterserve.router")
 
 
-def build(args: argparse.Namespace) -> Any:
+def build(args: argparse.Namespace) -> RouterApp:
     """The router's app from its flags.
 
     Raises:
@@ -37,6 +39,7 @@ def build(args: argparse.Namespace) -> Any:
     for name in (
         "poll_interval_ms", "poll_timeout_ms", "stale_after_ms", "connect_timeout_s",
         "first_byte_timeout_s", "read_timeout_s", "max_request_body_bytes",
+        "shutdown_grace_period_s",
     ):  # fmt: skip
         value = getattr(args, name)
         if not 0 < value < math.inf:
@@ -47,9 +50,7 @@ def build(args: argparse.Namespace) -> Any:
         _check_url(url)
     if args.eject_after < 1:
         raise ValueError("--eject-after must be >= 1")
-    poll_client = httpx.AsyncClient(timeout=args.poll_timeout_ms / 1000)
     pool = ReplicaPool(
-        poll_client,
         backend_type=args.backend_type,
         poll_interval_s=args.poll_interval_ms / 1000,
         poll_timeout_s=args.poll_timeout_ms / 1000,
@@ -86,15 +87,19 @@ def build(args: argparse.Namespace) -> Any:
         if discovery is not None:
             on_change = lambda endpoints: pool.set_urls([e.url for e in endpoints])  # noqa: E731
             tasks.append(asyncio.create_task(discovery.run(on_change)))
-        async with poll_client, polling(pool):
-            try:
-                yield
-            finally:
-                for task in tasks:
-                    task.cancel()
-                for task in tasks:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+        timeout = aiohttp.ClientTimeout(total=args.poll_timeout_ms / 1000)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+            pool.fetch = aiohttp_fetch(http)
+            async with polling(pool):
+                try:
+                    yield
+                finally:
+                    for task in tasks:
+                        task.cancel()
+                    for task in tasks:
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await task
 
     return build_router_app(pool, picker, settings, background)
 
@@ -109,22 +114,39 @@ def _check_url(url: str) -> None:
         raise ValueError(f"--backend must look like http://host:port, got {url!r}")
 
 
+class DrainingRouter(DrainingServer):
+    """The router's drain: ``/ready`` 503, proxied requests served to their end."""
+
+    def __init__(self, config: uvicorn.Config, app: RouterApp, grace_period_s: float) -> None:
+        super().__init__(config, grace_period_s)
+        self.app = app
+
+    def begin_drain(self) -> bool:
+        self.app.state.draining = True
+        return True
+
+    def num_active(self) -> int:
+        return self.app.num_active
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per poll and request else
     try:
         app = build(args)
     except ValueError as e:
         print(f"iterserve router: error: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=30,  # then open requests are cut
+        lifespan="on",
+        timeout_graceful_shutdown=5,  # after the drain: then open requests are cut
     )
-    return 0
+    server = DrainingRouter(config, app, args.shutdown_grace_period_s)
+    server.run()
+    return 0 if server.started else 1

@@ -29,7 +29,7 @@ def test_smoke_run_writes_three_parts(tmp_path: Path, capsys: pytest.CaptureFixt
 
     overhead = data["overhead"]
     latency = ("idle_ttft_p50_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
-    assert _finite(overhead["added_ms"], latency)
+    assert _finite(overhead["added_ms"], (*latency, "paired_ttft_p50_ms", "paired_ttft_p90_ms"))
     for mode in ("direct", "router"):
         assert overhead[mode]["num_ok"] == overhead[mode]["num_requests"] == 6
         assert _finite(overhead[mode], latency)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -496,3 +497,39 @@ def test_a_replica_resetting_connections_is_retried_and_ejected(profile_file: Pa
 
         asyncio.run(run())
     hangup.sock.close()
+
+
+def test_sigterm_drains_the_router(profile_file: Path) -> None:
+    """First SIGTERM: /ready 503 (the router's Service stops sending), /health 200, the open
+    stream runs to its end and new requests are still served; then the router exits 0."""
+    with (
+        replicas(profile_file, 1) as (replica,),
+        run_server(*_backends([replica]), "--poll-interval-ms", "20", command="router") as r,
+    ):
+
+        async def run() -> None:
+            async with httpx.AsyncClient(base_url=r.url, timeout=60) as http:
+                body = {"prompt": "x", "max_tokens": 50, "ignore_eos": True, "stream": True}
+                events: list[str] = []
+                async with http.stream("POST", "/v1/completions", json=body) as s:
+                    async for line in s.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        events.append(line)
+                        if len(events) == 2:
+                            r.proc.send_signal(signal.SIGTERM)
+                            await asyncio.sleep(0.3)  # the signal has been handled
+                            ready = await http.get("/ready")
+                            assert ready.status_code == 503, ready.text
+                            assert ready.json()["status"] == "draining"
+                            assert (await http.get("/health")).status_code == 200
+                            late = {"prompt": "late", "max_tokens": 2}
+                            answer = await http.post("/v1/completions", json=late)
+                            assert answer.status_code == 200, answer.text
+                            assert r.proc.poll() is None
+                assert events[-1] == "data: [DONE]"
+                assert len(events) == 51  # 50 tokens, none lost
+
+        asyncio.run(run())
+        assert r.proc.wait(15) == 0
+        assert "drained; shutting down" in r.log_text()

@@ -142,8 +142,7 @@ def test_no_ready_replica_and_bad_settings() -> None:
 
 def test_a_replica_answering_nonsense_fails_only_its_own_poll() -> None:
     import asyncio
-
-    import httpx
+    import json
 
     from iterserve.router.backends import LoadFormatError, parse_iterserve_load
     from iterserve.router.pool import ReplicaPool
@@ -154,31 +153,26 @@ def test_a_replica_answering_nonsense_fails_only_its_own_poll() -> None:
         with pytest.raises(LoadFormatError):
             parse_iterserve_load(bad, 0.0)
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        if request.url.host == "draining":
+    async def fetch(url: str, headers: dict[str, str]) -> tuple[int, bytes]:
+        if url.startswith("http://draining"):
             load = {"kv_cache_usage": 0, "num_waiting": 0, "num_running": 1, "draining": True}
-            return httpx.Response(200, json=load)
-        if request.url.host == "bad":
-            return httpx.Response(
-                200, text='{"kv_cache_usage": 0, "num_waiting": 1e999, "num_running": 0}'
-            )
-        return httpx.Response(
-            200, json={"kv_cache_usage": 0.25, "num_waiting": 1, "num_running": 2}
-        )
+            return 200, json.dumps(load).encode()
+        if url.startswith("http://bad"):
+            return 200, b'{"kv_cache_usage": 0, "num_waiting": 1e999, "num_running": 0}'
+        return 200, b'{"kv_cache_usage": 0.25, "num_waiting": 1, "num_running": 2}'
 
     async def run() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
-            pool = ReplicaPool(http, poll_interval_s=0.01, eject_after=2)
-            pool.set_urls(["http://good:1", "http://bad:1", "http://draining:1"])
-            task = asyncio.create_task(pool.run())
-            await asyncio.sleep(0.2)
-            good, bad = pool.backends["http://good:1"], pool.backends["http://bad:1"]
-            polls = good.polls_ok
-            await asyncio.sleep(0.1)
-            assert good.polls_ok > polls and good.state.ready  # polling goes on
-            assert bad.ejected and not bad.state.ready
-            draining = pool.backends["http://draining:1"]
-            assert not draining.state.ready and not draining.ejected  # no traffic, no failure
-            task.cancel()
+        pool = ReplicaPool(fetch, poll_interval_s=0.01, eject_after=2)
+        pool.set_urls(["http://good:1", "http://bad:1", "http://draining:1"])
+        task = asyncio.create_task(pool.run())
+        await asyncio.sleep(0.2)
+        good, bad = pool.backends["http://good:1"], pool.backends["http://bad:1"]
+        polls = good.polls_ok
+        await asyncio.sleep(0.1)
+        assert good.polls_ok > polls and good.state.ready  # polling goes on
+        assert bad.ejected and not bad.state.ready
+        draining = pool.backends["http://draining:1"]
+        assert not draining.state.ready and not draining.ejected  # no traffic, no failure
+        task.cancel()
 
     asyncio.run(run())
