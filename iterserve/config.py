@@ -352,6 +352,13 @@ class ServerConfig:
     log_prompts: bool = field(
         default=False, metadata={"help": "put prompt text into the access log"}
     )
+    config_version: int = field(
+        default=1,
+        metadata={
+            "help": "version of the live scheduler settings at start (the operator's "
+            "ConfigMap sets it to the resource's generation)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -363,6 +370,10 @@ class ServerConfig:
         _require(
             self.max_request_body_bytes >= 1024,
             f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}",
+        )
+        _require(
+            0 <= self.config_version < 2**53,
+            f"config_version must be in [0, 2**53), got {self.config_version}",
         )
 
 

@@ -113,12 +113,12 @@ def _server_state(
         max_model_len=config.model.max_model_len,
         swap_space=config.cache.swap_space,
         server_config=server_config,
-        settings=VersionedSettings(engine.limits.scheduler, 1),
+        settings=VersionedSettings(engine.limits.scheduler, server_config.config_version),
         metrics=metrics,
         clock=clock,
         admission=Admission(clock),
     )
-    metrics.config_version.set(1)
+    metrics.config_version.set(server_config.config_version)
     metrics.set_cache_config(engine.limits.block_size, engine.limits.num_kv_blocks)
     engine.on_iteration = metrics.observe_iterations
     metrics.set_load(engine.load)
