@@ -1,0 +1,325 @@
+"""The ``LLMDeployment`` CustomResourceDefinition, generated from the spec models.
+
+One source of truth: ``spec``'s OpenAPI schema is :class:`~iterserve.operator.spec.
+LLMDeploymentSpec`'s JSON schema made *structural* (what the API server requires of a CRD):
+``$ref`` inlined, ``X | None`` as ``nullable``, no ``title``, exclusive bounds as OpenAPI v3
+booleans, free-form objects marked ``x-kubernetes-preserve-unknown-fields``, and ``default:
+{}`` on sub-objects the models build with ``default_factory`` (so the API server fills their
+fields' defaults into ``{}`` as pydantic does). The rules across fields are :data:`RULES`,
+CEL twins of :func:`~iterserve.operator.spec.cross_field_errors` with the same messages.
+
+``python -m iterserve.operator.crd > crds/llmdeployments.iterserve.io.yaml`` regenerates the
+committed manifest (a test checks that it is current).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from iterserve.operator.spec import GROUP, KIND, PLURAL, VERSION, LLMDeploymentSpec
+
+CRD_NAME = f"{PLURAL}.{GROUP}"
+SINGULAR = "llmdeployment"
+CRD_FILE = f"crds/{CRD_NAME}.yaml"
+
+HEADER = (
+    f"# Generated from iterserve/operator/spec.py by iterserve/operator/crd.py: do not edit.\n"
+    f"# Regenerate: python -m iterserve.operator.crd > {CRD_FILE}\n"
+)
+
+
+def _rule(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    entry = {"rule": rule, "message": message}
+    if field_path is not None:
+        entry["fieldPath"] = field_path
+    return entry
+
+
+# The CEL rules, keyed by the path (inside spec) of the node that holds the fields they read.
+# CEL runs after defaulting, so defaulted fields need no has(); a null nullable field reads
+# as absent. Lists are bounded by maxItems, which keeps the quadratic uniqueness checks cheap.
+RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
+    (): [
+        _rule(
+            "!has(self.tensorParallelSize) || self.resources.gpus == 0"
+            " || self.resources.gpus % self.tensorParallelSize == 0",
+            "tensorParallelSize must divide resources.gpus",
+            ".tensorParallelSize",
+        ),
+        _rule(
+            "self.scheduler.preemptionMode != 'swap' || self.engine.swapSpace > 0.0",
+            "scheduler.preemptionMode swap needs engine.swapSpace > 0",
+            ".scheduler.preemptionMode",
+        ),
+    ],
+    ("model", "source"): [
+        _rule(
+            "(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0)"
+            " + (has(self.image) ? 1 : 0) + (has(self.uri) ? 1 : 0) == 1",
+            "give exactly one of pvc, hostPath, image, uri",
+        ),
+        _rule("has(self.uri) == has(self.initImage)", "uri and initImage go together"),
+    ],
+    ("scheduler",): [
+        _rule(
+            "self.maxNumBatchedTokens >= self.maxNumSeqs",
+            "scheduler.maxNumBatchedTokens must be >= scheduler.maxNumSeqs",
+        ),
+        _rule(
+            "self.chunkSize <= self.maxNumBatchedTokens",
+            "scheduler.chunkSize must be <= scheduler.maxNumBatchedTokens",
+        ),
+    ],
+    ("slaTiers",): [
+        _rule("self.all(t, self.exists_one(u, u.name == t.name))", "slaTiers names must be unique"),
+        _rule(
+            "self.all(t, self.exists_one(u, u.priority == t.priority))",
+            "slaTiers priorities must be unique",
+        ),
+        _rule("size(self) > 0", "slaTiers, when given, must not be empty"),
+    ],
+    ("autoscaling",): [
+        _rule(
+            "self.minReplicas <= self.maxReplicas",
+            "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+        ),
+        _rule(
+            "!(self.enabled && self.via == 'keda')"
+            " || (has(self.prometheusURL) && size(self.prometheusURL) > 0)",
+            "autoscaling.via keda needs autoscaling.prometheusURL",
+        ),
+        _rule(
+            "!(self.enabled && self.via == 'hpa') || self.minReplicas >= 1",
+            "autoscaling.minReplicas 0 (scale to zero) needs via keda",
+        ),
+    ],
+}
+
+# Keywords copied as they are, in this order (the order the YAML shows).
+_COPIED = ("minLength", "maxLength", "minItems", "maxItems", "pattern")
+# Keywords handled by _structural; anything else in the models' schema is an error, so a
+# construct the conversion does not know fails here instead of reaching the API server.
+_KNOWN = {
+    *_COPIED,
+    *("$ref", "anyOf", "title", "description", "type", "format", "default", "enum"),
+    *("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
+    *("properties", "required", "items"),
+    "additionalProperties",
+}
+
+
+def _inline(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with a ``$ref`` replaced by its target and ``X | None`` by ``X`` + nullable.
+
+    The field's own keywords (its description, its default) win over the target's.
+    """
+    node = dict(node)
+    if "$ref" in node:
+        target = defs[node.pop("$ref").removeprefix("#/$defs/")]
+        node = {**_inline(target, defs), **node}
+    if "anyOf" in node:
+        options = [o for o in node.pop("anyOf") if o != {"type": "null"}]
+        if len(options) != 1:
+            raise ValueError(f"only `X | None` unions have a structural schema: {options}")
+        node = {**_inline(options[0], defs), **node, "nullable": True}
+    return node
+
+
+def _structural(raw: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """The structural OpenAPI v3 schema of one JSON-schema node of the models."""
+    node = _inline(raw, defs)
+    unknown = set(node) - _KNOWN - {"nullable"}
+    if unknown:
+        raise ValueError(f"no structural form for {sorted(unknown)} (keys {sorted(node)})")
+    out: dict[str, Any] = {}
+    if "description" in node:
+        out["description"] = node["description"].replace("``", "`")
+    out["type"] = node["type"]
+    if "format" in node:
+        out["format"] = node["format"]
+    if node.get("nullable"):
+        out["nullable"] = True
+    if node.get("default") is not None:  # a null default is the same as none
+        out["default"] = node["default"]
+    if "enum" in node:
+        out["enum"] = node["enum"]
+    for side in ("minimum", "maximum"):  # JSON Schema's exclusive bound: OpenAPI v3's flag
+        exclusive = f"exclusive{side.title()}"
+        if exclusive in node:
+            out[side], out[exclusive] = node[exclusive], True
+        elif side in node:
+            out[side] = node[side]
+    for key in _COPIED:
+        if key in node:
+            out[key] = node[key]
+    if node["type"] == "array":
+        out["items"] = _structural(node["items"], defs)
+    if node["type"] == "object":
+        out.update(_object_body(node, defs))
+    return out
+
+
+def _object_body(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    extra = node.get("additionalProperties")
+    if "properties" not in node:
+        if isinstance(extra, dict):  # dict[str, X]
+            return {"additionalProperties": _structural(extra, defs)}
+        return {"x-kubernetes-preserve-unknown-fields": True}  # dict[str, Any]
+    required = node.get("required", [])
+    properties = {}
+    for name, raw in node["properties"].items():
+        prop = _structural(raw, defs)
+        # Optional with no default in the JSON schema: a default_factory. For a sub-model
+        # whose fields all have defaults, `{}` lets the API server fill them in.
+        if (
+            name not in required
+            and "default" not in raw
+            and prop["type"] == "object"
+            and "properties" in prop
+            and not prop.get("required")
+        ):
+            prop["default"] = {}
+        properties[name] = prop
+    # No additionalProperties: false (structural schemas forbid it; pruning drops unknowns).
+    return {"properties": properties, **({"required": required} if required else {})}
+
+
+def spec_schema() -> dict[str, Any]:
+    """``spec``'s structural OpenAPI v3 schema, :data:`RULES` included."""
+    raw = LLMDeploymentSpec.model_json_schema(by_alias=True)
+    defs = raw.pop("$defs", {})
+    schema = _structural(raw, defs)
+    for path, rules in RULES.items():
+        node = schema
+        for name in path:
+            node = node["properties"][name]
+        node["x-kubernetes-validations"] = rules
+    return schema
+
+
+def _condition_schema() -> dict[str, Any]:
+    text = {"type": "string"}
+    return {
+        "type": "object",
+        "required": ["type", "status"],
+        "properties": {
+            "type": {"description": "Ready, Progressing or SchedulerConfigApplied", **text},
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+            "reason": {"description": "CamelCase reason of the last transition", **text},
+            "message": text,
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
+            "observedGeneration": {"type": "integer", "format": "int64"},
+        },
+    }
+
+
+def status_schema() -> dict[str, Any]:
+    """``status``: what the operator reports. Unknown fields are kept because kopf writes
+    its own bookkeeping there (handler progress under ``status.kopf``, handler results)."""
+    integer = {"type": "integer", "format": "int64"}
+    return {
+        "description": "Written by the operator",
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": True,
+        "properties": {
+            "conditions": {
+                "type": "array",
+                "maxItems": 16,
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+                "items": _condition_schema(),
+            },
+            "readyReplicas": {"description": "server pods ready", **integer},
+            "replicas": {"description": "server pods (the scale subresource's)", **integer},
+            "observedGeneration": {"description": "the generation last reconciled", **integer},
+            "schedulerConfigVersion": {
+                "description": "the generation of the last change to spec.scheduler or "
+                "spec.slaTiers",
+                **integer,
+            },
+            "podConfigVersions": {
+                "description": "pod name -> the scheduler config version it acknowledged",
+                "type": "object",
+                "additionalProperties": integer,
+            },
+            "routerURL": {"description": "the router Service's URL", "type": "string"},
+            "selector": {
+                "description": "label selector of the server pods (the scale subresource's)",
+                "type": "string",
+            },
+            "kopf": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        },
+    }
+
+
+_PRINTER_COLUMNS = [
+    ("Model", "string", ".spec.model.name"),
+    ("Ready", "integer", ".status.readyReplicas"),
+    ("Replicas", "integer", ".status.replicas"),
+    ("Config", "integer", ".status.schedulerConfigVersion"),
+    ("Applied", "string", '.status.conditions[?(@.type=="SchedulerConfigApplied")].status'),
+    ("Age", "date", ".metadata.creationTimestamp"),
+]
+
+
+def build_crd() -> dict[str, Any]:
+    """The ``llmdeployments.iterserve.io`` CustomResourceDefinition (apiextensions/v1)."""
+    schema = {
+        "description": "A served model: server pods, router, autoscaler and live scheduler "
+        "settings (see DESIGN.md, 'Custom resource LLMDeployment')",
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema(),
+            "status": status_schema(),
+        },
+    }
+    version = {
+        "name": VERSION,
+        "served": True,
+        "storage": True,
+        "schema": {"openAPIV3Schema": schema},
+        "subresources": {
+            "status": {},
+            "scale": {
+                "specReplicasPath": ".spec.replicas",
+                "statusReplicasPath": ".status.replicas",
+                "labelSelectorPath": ".status.selector",
+            },
+        },
+        "additionalPrinterColumns": [
+            {"name": name, "type": kind, "jsonPath": path} for name, kind, path in _PRINTER_COLUMNS
+        ],
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": ["llmd"],
+                "categories": ["iterserve"],
+            },
+            "versions": [version],
+        },
+    }
+
+
+def render_yaml() -> str:
+    """The committed manifest: :data:`HEADER` and :func:`build_crd` as YAML."""
+    return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, width=100)
+
+
+if __name__ == "__main__":
+    print(render_yaml(), end="")

@@ -1,0 +1,389 @@
+"""The generated CRD: current on disk, structural, a valid CustomResourceDefinition, and its
+OpenAPI schema and CEL rules agreeing with the spec models on the DESIGN.md example and on
+one broken variant per rule.
+
+The API server is played by three helpers: defaulting as it does it (before validation),
+the OpenAPI schema checked with ``jsonschema`` (unknown fields refused, as kubectl's strict
+field validation does) and the CEL rules evaluated with ``celpy`` (null fields absent).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import celpy
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from celpy import celtypes
+
+from iterserve.operator.crd import CRD_FILE, RULES, build_crd, render_yaml
+from iterserve.operator.spec import LLMDeploymentSpec, SpecError, cross_field_errors, parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = yaml.safe_load((Path(__file__).parent / "examples" / "chat-70b.yaml").read_text())
+MINIMAL = {
+    "apiVersion": "iterserve.io/v1alpha1",
+    "kind": "LLMDeployment",
+    "metadata": {"name": "tiny", "namespace": "demo"},
+    "spec": {
+        "model": {"name": "tiny", "source": {"hostPath": "/models/tiny"}},
+        "image": "ghcr.io/example/iterserve:0.2.0",
+    },
+}
+SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+SPEC_SCHEMA = SCHEMA["properties"]["spec"]
+ALL_MESSAGES = {rule["message"] for rules in RULES.values() for rule in rules}
+
+
+# -- the API server's parts, played here ---------------------------------------------------
+
+
+def schema_nodes(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """Every schema node under ``node`` (itself included), with its path."""
+    nodes = [(path or ".", node)]
+    for name, sub in node.get("properties", {}).items():
+        nodes += schema_nodes(sub, f"{path}.{name}")
+    if "items" in node:
+        nodes += schema_nodes(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        nodes += schema_nodes(node["additionalProperties"], f"{path}{{}}")
+    return nodes
+
+
+def to_json_schema(node: dict[str, Any]) -> dict[str, Any]:
+    """The JSON Schema (2020-12) of an OpenAPI v3 structural schema node."""
+    out = {k: v for k, v in node.items() if not k.startswith("x-kubernetes-")}
+    if out.pop("nullable", False):
+        out["type"] = [out["type"], "null"]
+        if "enum" in out:
+            out["enum"] = [*out["enum"], None]
+    for side in ("minimum", "maximum"):
+        exclusive = f"exclusive{side.title()}"
+        if out.pop(exclusive, False):
+            out[exclusive] = out.pop(side)
+    if "properties" in node:
+        out["properties"] = {k: to_json_schema(v) for k, v in node["properties"].items()}
+        if not node.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    if "items" in node:
+        out["items"] = to_json_schema(node["items"])
+    if isinstance(node.get("additionalProperties"), dict):
+        out["additionalProperties"] = to_json_schema(node["additionalProperties"])
+    return out
+
+
+VALIDATOR = jsonschema.Draft202012Validator(to_json_schema(SCHEMA))
+
+
+def apply_defaults(node: dict[str, Any], value: Any) -> Any:
+    """``value`` with the schema's defaults filled in, recursively (in place)."""
+    if isinstance(value, dict) and "properties" in node:
+        for name, sub in node["properties"].items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if value.get(name) is not None:
+                apply_defaults(sub, value[name])
+    elif isinstance(value, dict) and isinstance(node.get("additionalProperties"), dict):
+        for item in value.values():
+            apply_defaults(node["additionalProperties"], item)
+    elif isinstance(value, list) and "items" in node:
+        for item in value:
+            apply_defaults(node["items"], item)
+    return value
+
+
+def to_cel(node: dict[str, Any], value: Any) -> Any:
+    """``value`` as the API server hands it to CEL: typed by the schema (a number is a
+    double even when written as an integer), null fields of an object absent."""
+    kind = node["type"]
+    if kind == "object" and "properties" in node:
+        return celtypes.MapType(
+            {
+                celtypes.StringType(k): to_cel(node["properties"][k], v)
+                for k, v in value.items()
+                if v is not None
+            }
+        )
+    if kind == "object" and isinstance(node.get("additionalProperties"), dict):
+        sub = node["additionalProperties"]
+        return celtypes.MapType({celtypes.StringType(k): to_cel(sub, v) for k, v in value.items()})
+    if kind == "object":
+        return celpy.json_to_cel(value)
+    if kind == "array":
+        return celtypes.ListType([to_cel(node["items"], v) for v in value])
+    scalar = {
+        "string": celtypes.StringType,
+        "integer": celtypes.IntType,
+        "number": celtypes.DoubleType,
+        "boolean": celtypes.BoolType,
+    }
+    return scalar[kind](value)
+
+
+@functools.cache
+def cel_program(rule: str) -> Any:
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def cel_failures(node: dict[str, Any], value: Any) -> tuple[int, list[str]]:
+    """(how many rules ran, the messages of those that refused ``value``). As the API
+    server does, rules do not run on an absent or null value."""
+    if value is None:
+        return 0, []
+    num_run, failed = 0, []
+    for rule in node.get("x-kubernetes-validations", []):
+        result = cel_program(rule["rule"]).evaluate({"self": to_cel(node, value)})
+        assert isinstance(result, celtypes.BoolType), (rule["rule"], result)  # no CEL error
+        num_run += 1
+        if not result:
+            failed.append(rule["message"])
+    children: list[tuple[dict[str, Any], Any]] = []
+    if isinstance(value, dict) and "properties" in node:
+        children = [(node["properties"][k], v) for k, v in value.items()]
+    elif isinstance(value, list):
+        children = [(node["items"], v) for v in value]
+    for sub, item in children:
+        sub_run, sub_failed = cel_failures(sub, item)
+        num_run, failed = num_run + sub_run, failed + sub_failed
+    return num_run, failed
+
+
+def admit(resource: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """What the API server makes of ``resource``: (defaulted, CEL messages refusing it).
+    Fails the test on a schema error (every case here is schema-valid)."""
+    defaulted = apply_defaults(SCHEMA, copy.deepcopy(resource))
+    VALIDATOR.validate(defaulted)
+    VALIDATOR.validate(resource)
+    return defaulted, cel_failures(SPEC_SCHEMA, defaulted["spec"])[1]
+
+
+def python_errors(spec: dict[str, Any]) -> list[str]:
+    """The spec models' reasons to refuse ``spec``, without locations or details."""
+    try:
+        parsed = parse_spec(spec)
+    except SpecError as e:
+        reasons = [re.sub(r"^spec\.[\w.]+: ", "", m) for m in str(e).split("; ")]
+        return [re.sub(r" \(got \[.*\]\)$", "", m) for m in reasons]
+    return cross_field_errors(parsed)
+
+
+def patched(resource: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``resource`` with ``spec``'s dotted paths set (``DELETE``: removed)."""
+    out = copy.deepcopy(resource)
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        node = out["spec"]
+        for name in parents:
+            node = node[name]
+        if value is DELETE:
+            del node[leaf]
+        else:
+            node[leaf] = value
+    return out
+
+
+DELETE = object()
+
+
+# -- the manifest --------------------------------------------------------------------------
+
+
+def test_committed_yaml_is_the_generators_output() -> None:
+    committed = (ROOT / CRD_FILE).read_text()
+    assert committed == render_yaml(), f"stale: run python -m iterserve.operator.crd > {CRD_FILE}"
+    assert committed.startswith("# Generated")
+    assert yaml.safe_load(committed) == build_crd()
+
+
+def test_module_prints_the_yaml() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "iterserve.operator.crd"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out == render_yaml()
+
+
+def test_names_subresources_and_columns() -> None:
+    crd = build_crd()
+    assert crd["metadata"]["name"] == "llmdeployments.iterserve.io"
+    spec = crd["spec"]
+    assert spec["group"] == "iterserve.io"
+    assert spec["names"]["shortNames"] == ["llmd"]
+    (version,) = spec["versions"]
+    assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    columns = {c["name"]: (c["type"], c["jsonPath"]) for c in version["additionalPrinterColumns"]}
+    assert list(columns) == ["Model", "Ready", "Replicas", "Config", "Applied", "Age"]
+    assert columns["Age"] == ("date", ".metadata.creationTimestamp")
+    status = SCHEMA["properties"]["status"]
+    assert status["x-kubernetes-preserve-unknown-fields"] is True  # kopf's bookkeeping
+    assert status["properties"]["podConfigVersions"]["additionalProperties"]["type"] == "integer"
+
+
+@pytest.mark.parametrize("k8s_version", ["1.33.0", "1.35.0"])
+def test_is_a_valid_custom_resource_definition(k8s_version: str) -> None:
+    assert kubernetes_validate.validate(build_crd(), k8s_version, strict=True)
+
+
+def test_schema_is_structural() -> None:
+    nodes = schema_nodes(SCHEMA)
+    assert len(nodes) > 80
+    for path, node in nodes:
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
+        assert not {"$ref", "$defs", "anyOf", "oneOf", "allOf", "not", "title"} & set(node), path
+        assert not ("properties" in node and "additionalProperties" in node), path
+        assert node.get("additionalProperties", {}) is not False, path
+        for bound in ("exclusiveMinimum", "exclusiveMaximum"):
+            assert node.get(bound, True) is True, path  # OpenAPI v3: a flag
+        if node.get("type") == "object" and "properties" not in node and path != ".metadata":
+            assert "additionalProperties" in node or node["x-kubernetes-preserve-unknown-fields"]
+
+
+def descriptions(value: Any) -> set[str]:
+    """Every ``description`` value anywhere in a JSON-schema document."""
+    if isinstance(value, dict):
+        found = {value["description"]} if isinstance(value.get("description"), str) else set()
+        return found.union(*(descriptions(v) for v in value.values()))
+    if isinstance(value, list):
+        return set().union(*(descriptions(v) for v in value))
+    return set()
+
+
+def test_keeps_every_description_of_the_models() -> None:
+    wanted = descriptions(LLMDeploymentSpec.model_json_schema(by_alias=True))
+    assert len(wanted) > 20
+    assert {d.replace("``", "`") for d in wanted} <= descriptions(SPEC_SCHEMA)
+
+
+def test_free_form_and_string_maps() -> None:
+    pod = SPEC_SCHEMA["properties"]["pod"]["properties"]
+    for name in ("tolerations", "imagePullSecrets", "env"):
+        assert pod[name]["items"] == {
+            "type": "object",
+            "x-kubernetes-preserve-unknown-fields": True,
+        }
+    assert pod["affinity"]["x-kubernetes-preserve-unknown-fields"] is True
+    for name in ("nodeSelector", "annotations", "labels"):
+        assert pod[name]["additionalProperties"] == {"type": "string"}
+
+
+# -- the schema and the models agree -------------------------------------------------------
+
+
+@pytest.mark.parametrize("resource", [EXAMPLE, MINIMAL], ids=["chat-70b", "minimal"])
+def test_examples_are_valid_and_defaults_agree(resource: dict[str, Any]) -> None:
+    defaulted, failures = admit(resource)
+    assert failures == []
+    assert python_errors(resource["spec"]) == []
+    # The API server's defaults are the models' defaults.
+    assert parse_spec(defaulted["spec"]) == parse_spec(resource["spec"])
+    model_dump = parse_spec(resource["spec"]).model_dump()
+    assert without_empties(defaulted["spec"]) == without_empties(model_dump)
+
+
+def without_empties(value: Any) -> Any:
+    """``value`` without null values and empty maps or lists, recursively."""
+    if isinstance(value, dict):
+        items = {k: without_empties(v) for k, v in value.items()}
+        return {k: v for k, v in items.items() if v not in (None, {}, [])}
+    if isinstance(value, list):
+        return [without_empties(v) for v in value]
+    return value
+
+
+def test_minimal_gets_every_default_filled() -> None:
+    spec = admit(MINIMAL)[0]["spec"]
+    assert spec["scheduler"]["maxNumBatchedTokens"] == 2048
+    assert spec["autoscaling"] == {
+        "enabled": False,
+        "via": "hpa",
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "targetQueueDepth": 8,
+    }
+    assert spec["pod"] == {}
+
+
+def test_every_rule_runs_on_the_example() -> None:
+    num_run, failed = cel_failures(SPEC_SCHEMA, admit(EXAMPLE)[0]["spec"])
+    assert (num_run, failed) == (sum(len(r) for r in RULES.values()), [])
+
+
+TIERS_DUP_NAME = [{"name": "a", "priority": 0}, {"name": "a", "priority": 1}]
+TIERS_DUP_PRIORITY = [{"name": "a", "priority": 0}, {"name": "b", "priority": 0}]
+KEDA = {"enabled": True, "via": "keda", "minReplicas": 0, "maxReplicas": 4}
+
+# (id, changes to the example's spec, the messages both the CEL rules and the models give)
+CASES: list[tuple[str, dict[str, Any], list[str]]] = [
+    ("batched-below-seqs", {"scheduler.maxNumSeqs": 4096},
+     ["scheduler.maxNumBatchedTokens must be >= scheduler.maxNumSeqs"]),
+    ("chunk-above-batched", {"scheduler.chunkSize": 4096},
+     ["scheduler.chunkSize must be <= scheduler.maxNumBatchedTokens"]),
+    ("tp-not-dividing", {"tensorParallelSize": 3},
+     ["tensorParallelSize must divide resources.gpus"]),
+    ("swap-without-space", {"scheduler.preemptionMode": "swap", "engine.swapSpace": 0},
+     ["scheduler.preemptionMode swap needs engine.swapSpace > 0"]),
+    ("tier-names", {"slaTiers": TIERS_DUP_NAME}, ["slaTiers names must be unique"]),
+    ("tier-priorities", {"slaTiers": TIERS_DUP_PRIORITY}, ["slaTiers priorities must be unique"]),
+    ("tiers-empty", {"slaTiers": []}, ["slaTiers, when given, must not be empty"]),
+    ("min-above-max", {"autoscaling.minReplicas": 5},
+     ["autoscaling.minReplicas must be <= autoscaling.maxReplicas"]),
+    ("keda-without-url", {"autoscaling": KEDA},
+     ["autoscaling.via keda needs autoscaling.prometheusURL"]),
+    ("keda-empty-url", {"autoscaling": {**KEDA, "prometheusURL": ""}},
+     ["autoscaling.via keda needs autoscaling.prometheusURL"]),
+    ("hpa-to-zero", {"autoscaling.enabled": True, "autoscaling.minReplicas": 0},
+     ["autoscaling.minReplicas 0 (scale to zero) needs via keda"]),
+    ("two-sources", {"model.source.hostPath": "/models/llama"},
+     ["give exactly one of pvc, hostPath, image, uri"]),
+    ("no-source", {"model.source": {}}, ["give exactly one of pvc, hostPath, image, uri"]),
+    ("uri-without-init", {"model.source": {"uri": "s3://bucket/llama"}},
+     ["uri and initImage go together"]),
+    ("init-without-uri", {"model.source.initImage": "ghcr.io/example/fetch:1"},
+     ["uri and initImage go together"]),
+    ("two-rules", {"scheduler.chunkSize": 4096, "autoscaling.minReplicas": 5},
+     ["scheduler.chunkSize must be <= scheduler.maxNumBatchedTokens",
+      "autoscaling.minReplicas must be <= autoscaling.maxReplicas"]),
+    # Allowed near misses.
+    ("tp-on-cpu", {"resources.gpus": 0, "tensorParallelSize": 3}, []),
+    ("tp-default", {"tensorParallelSize": DELETE, "resources.gpus": 3}, []),
+    ("tp-null", {"tensorParallelSize": None}, []),
+    ("swap-with-space", {"scheduler.preemptionMode": "swap", "engine.swapSpace": 0.5}, []),
+    ("no-chunk-cap", {"scheduler.chunkSize": 0}, []),
+    ("default-tiers", {"slaTiers": DELETE}, []),
+    ("null-tiers", {"slaTiers": None}, []),
+    ("keda-to-zero", {"autoscaling": {**KEDA, "prometheusURL": "http://prometheus:9090"}}, []),
+    ("hpa-off-at-zero", {"autoscaling.minReplicas": 0}, []),
+    ("uri-with-init", {"model.source": {"uri": "s3://b/l", "initImage": "fetch:1"}}, []),
+    ("image-source", {"model.source": {"image": {"path": "/opt/models/llama"}, "pvc": None}}, []),
+    ("host-path", {"model.source": {"hostPath": "/models/llama"}}, []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("changes", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_cel_rules_and_models_agree(changes: dict[str, Any], expected: list[str]) -> None:
+    resource = patched(EXAMPLE, changes)
+    _, failures = admit(resource)
+    assert sorted(failures) == sorted(expected)
+    assert sorted(python_errors(resource["spec"])) == sorted(expected)
+
+
+def test_every_rule_has_a_case_that_breaks_it() -> None:
+    broken = {message for _, _, messages in CASES for message in messages}
+    assert broken == ALL_MESSAGES
