@@ -23,6 +23,7 @@ from iterserve.config import (
     load_config_file,
     read_tiers_file,
 )
+from iterserve.operator.cli_args import add_operator_args
 from iterserve.router.cli_args import add_router_args
 from iterserve.sim.cli_args import add_simulate_args
 
@@ -174,6 +175,12 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_operator(args: argparse.Namespace) -> int:
+    from iterserve.operator.main import main
+
+    return main(args)
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from iterserve.sim.simulate import main
 
@@ -204,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     rtr = sub.add_parser("router", help="route requests to the replica with the least KV pressure")
     add_router_args(rtr)
     rtr.set_defaults(func=_cmd_router)
+    op = sub.add_parser("operator", help="the Kubernetes operator of LLMDeployment resources")
+    add_operator_args(op)
+    op.set_defaults(func=_cmd_operator)
     sim = sub.add_parser(
         "simulate", help="what-if replay of a trace under candidate configs, in virtual time"
     )

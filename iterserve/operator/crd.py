@@ -239,6 +239,11 @@ def status_schema() -> dict[str, Any]:
                 "spec.slaTiers",
                 **integer,
             },
+            "schedulerConfigHash": {
+                "description": "sha256 of the desired live settings (as a pod's /load "
+                "config_hash): how the operator sees that they changed",
+                "type": "string",
+            },
             "podConfigVersions": {
                 "description": "pod name -> the scheduler config version it acknowledged",
                 "type": "object",

@@ -1,0 +1,514 @@
+"""Pure builders: the Kubernetes objects an ``LLMDeployment`` owns, as plain mappings.
+
+No cluster and no kopf here: the handlers (:mod:`iterserve.operator.handlers`) add owner
+references and apply what these return, and ``iterserve operator render`` prints it.
+Names derive from the resource's name ``N`` (DESIGN.md): ConfigMap ``N-scheduler``, server
+Deployment ``N`` behind the headless Service ``N-server``, router Deployment, Service,
+ServiceAccount, Role and RoleBinding ``N-router``, PodDisruptionBudget ``N``, HPA or KEDA
+ScaledObject ``N``; the Secrets ``N-admin`` (key ``token``) and ``N-api-key`` (key
+``api-key``) are referenced, and created by the operator when absent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from iterserve.operator.spec import LLMDeploymentSpec, desired_settings
+
+SERVER_PORT = 8000
+ROUTER_PORT = 8080
+CONFIG_DIR = "/etc/iterserve"
+CONFIG_FILE = "scheduler.yaml"
+MODEL_DIR = "/models"
+# The server's drain on SIGTERM (iterserve serve --shutdown-grace-period-s), what it waits
+# after it (draining.ABORT_WAIT_S), and the preStop pause while endpoints drop the pod.
+SERVER_GRACE_S, ABORT_WAIT_S, PRESTOP_SLEEP_S = 30, 5, 5
+ROUTER_GRACE_S = 30
+# Weights of a 70B model take minutes to load: 15 minutes before liveness counts.
+STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES = 10, 90
+QUEUE_METRIC = "iterserve_num_requests_waiting"
+NON_ROOT_UID = 1000
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a build needs besides the spec.
+
+    Args:
+        name, namespace: the resource's.
+        generation: ``metadata.generation`` (the scheduler settings' version in the ConfigMap).
+        control_image: the router's image unless ``spec.router.image`` is set.
+        config_version: the settings' version (``status.schedulerConfigVersion``, else the
+            generation).
+    """
+
+    name: str
+    namespace: str
+    generation: int = 1
+    control_image: str = "ghcr.io/iterserve/iterserve:latest-control"
+    config_version: int | None = None
+
+
+def labels(name: str, component: str) -> dict[str, str]:
+    """Labels of every object of resource ``name`` (the selectors use the first three)."""
+    return {
+        "app.kubernetes.io/name": "iterserve",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "iterserve-operator",
+    }
+
+
+def selector(name: str, component: str) -> dict[str, str]:
+    full = labels(name, component)
+    return {k: full[k] for k in list(full)[:3]}
+
+
+def _meta(ctx: Context, name: str, component: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": ctx.namespace,
+        "labels": labels(ctx.name, component),
+        **extra,
+    }
+
+
+def admin_secret_name(name: str) -> str:
+    return f"{name}-admin"
+
+
+def api_key_secret_name(name: str) -> str:
+    return f"{name}-api-key"
+
+
+def server_service_name(name: str) -> str:
+    return f"{name}-server"
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def router_url(ctx: Context) -> str:
+    return f"http://{router_name(ctx.name)}.{ctx.namespace}.svc:{ROUTER_PORT}"
+
+
+# --------------------------------------------------------------------------- scheduler config
+
+
+def scheduler_file(spec: LLMDeploymentSpec, version: int) -> str:
+    """The ConfigMap's ``scheduler.yaml``: the live settings and their version, read by
+    ``iterserve serve --config`` at start."""
+    return yaml.safe_dump({**desired_settings(spec), "config_version": version}, sort_keys=True)
+
+
+def config_map(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
+    version = ctx.config_version if ctx.config_version is not None else ctx.generation
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(ctx, f"{ctx.name}-scheduler", "server"),
+        "data": {CONFIG_FILE: scheduler_file(spec, version)},
+    }
+
+
+# --------------------------------------------------------------------------- server
+
+
+def _model_volume(spec: LLMDeploymentSpec) -> tuple[str, list[dict[str, Any]], list[Any], Any]:
+    """(model directory, volumes, mounts, init container or None) of the model source."""
+    source = spec.model.source
+    mount = [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}]
+    if source.pvc is not None:
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": source.pvc.claimName}}
+        directory = f"{MODEL_DIR}/{source.pvc.path}".rstrip("/")
+        return directory, [{**volume}], mount, None
+    if source.hostPath is not None:
+        volume = {"name": "model", "hostPath": {"path": source.hostPath, "type": "Directory"}}
+        return MODEL_DIR, [volume], mount, None
+    if source.image is not None:
+        return source.image.path, [], [], None
+    assert source.uri is not None and source.initImage is not None
+    init = {
+        "name": "download-model",
+        "image": source.initImage,
+        "args": [source.uri, MODEL_DIR],
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}],
+        "securityContext": _container_security(),
+    }
+    return MODEL_DIR, [{"name": "model", "emptyDir": {}}], mount, init
+
+
+def server_args(spec: LLMDeploymentSpec, model_dir: str) -> list[str]:
+    """``iterserve serve`` arguments of the server container."""
+    e = spec.engine
+    args = [
+        "serve",
+        "--host", "0.0.0.0",
+        "--port", str(SERVER_PORT),
+        "--model", model_dir,
+        "--served-model-name", spec.model.name,
+        "--config", f"{CONFIG_DIR}/{CONFIG_FILE}",
+        "--tensor-parallel-size", str(spec.tensor_parallel_size),
+        "--dtype", e.dtype,
+        "--block-size", str(e.blockSize),
+        "--gpu-memory-utilization", str(e.gpuMemoryUtilization),
+        "--swap-space", f"{e.swapSpace:g}",
+        "--enable-prefix-caching" if e.enablePrefixCaching else "--no-enable-prefix-caching",
+        "--shutdown-grace-period-s", str(SERVER_GRACE_S),
+    ]  # fmt: skip
+    if e.maxModelLen is not None:
+        args += ["--max-model-len", str(e.maxModelLen)]
+    return args + list(spec.pod.extraArgs)
+
+
+def _secret_env(env: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": NON_ROOT_UID,
+        "runAsGroup": NON_ROOT_UID,
+        "fsGroup": NON_ROOT_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _probe(path: str, port: str, period_s: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period_s,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def _resources(spec: LLMDeploymentSpec) -> dict[str, Any]:
+    r = spec.resources
+    limits: dict[str, Any] = {}
+    if r.gpus:
+        limits["nvidia.com/gpu"] = r.gpus
+    if r.cpu is not None:
+        limits["cpu"] = r.cpu
+    if r.memory is not None:
+        limits["memory"] = r.memory
+    requests = {k: v for k, v in limits.items() if k != "nvidia.com/gpu"}
+    return {"limits": limits, "requests": requests} if limits else {}
+
+
+def server_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
+    """The server Deployment. Its pod template does not depend on the scheduler settings
+    (those are pushed live), so a scheduler change never rolls it. ``spec.replicas`` is left
+    out while an autoscaler owns the count."""
+    model_dir, volumes, mounts, init = _model_volume(spec)
+    volumes = [
+        *volumes,
+        {"name": "config", "configMap": {"name": f"{ctx.name}-scheduler"}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+    ]
+    mounts = [
+        *mounts,
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": "/var/cache/iterserve"},
+    ]
+    if spec.tensor_parallel_size > 1:  # NCCL's shared memory
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    env = [
+        _secret_env("ITERSERVE_ADMIN_TOKEN", admin_secret_name(ctx.name), "token"),
+        _secret_env("ITERSERVE_API_KEY", api_key_secret_name(ctx.name), "api-key"),
+        {"name": "XDG_CACHE_HOME", "value": "/var/cache/iterserve"},
+        *spec.pod.env,
+    ]
+    container: dict[str, Any] = {
+        "name": "server",
+        "image": spec.image,
+        "command": ["iterserve"],
+        "args": server_args(spec, model_dir),
+        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "env": env,
+        "volumeMounts": mounts,
+        "startupProbe": _probe("/health", "http", STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES),
+        "livenessProbe": _probe("/health", "http", 10, 3),
+        "readinessProbe": _probe("/ready", "http", 2, 2),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
+        "securityContext": _container_security(),
+    }
+    if resources := _resources(spec):
+        container["resources"] = resources
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": _pod_security(),
+        "terminationGracePeriodSeconds": SERVER_GRACE_S + ABORT_WAIT_S + PRESTOP_SLEEP_S + 15,
+        "enableServiceLinks": False,
+    }
+    if init is not None:
+        pod_spec["initContainers"] = [init]
+    p = spec.pod
+    for key in ("nodeSelector", "tolerations", "affinity", "imagePullSecrets"):
+        if getattr(p, key):
+            pod_spec[key] = getattr(p, key)
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(SERVER_PORT),
+        "prometheus.io/path": "/metrics",
+        **p.annotations,
+    }
+    gpu = spec.resources.gpus > 0
+    body: dict[str, Any] = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(ctx, ctx.name, "server"),
+        "spec": {
+            "selector": {"matchLabels": selector(ctx.name, "server")},
+            # GPUs are scarce: replace one pod at a time instead of asking for more.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}
+                if gpu
+                else {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {
+                "metadata": {
+                    "labels": {**p.labels, **labels(ctx.name, "server")},
+                    "annotations": annotations,
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+    if not spec.autoscaling.enabled:
+        body["spec"]["replicas"] = spec.replicas
+    return body
+
+
+def server_service(ctx: Context) -> dict[str, Any]:
+    """Headless: the router discovers the pods through its EndpointSlices."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(ctx, server_service_name(ctx.name), "server"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector(ctx.name, "server"),
+            "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http"}],
+            "publishNotReadyAddresses": False,
+        },
+    }
+
+
+# --------------------------------------------------------------------------- router
+
+
+def router_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
+    name = router_name(ctx.name)
+    secret = api_key_secret_name(ctx.name)
+    args = [
+        "router",
+        "--host", "0.0.0.0",
+        "--port", str(ROUTER_PORT),
+        "--k8s-service", server_service_name(ctx.name),
+        "--namespace", ctx.namespace,
+        "--k8s-port-name", "http",
+        "--policy", spec.router.policy,
+        "--shutdown-grace-period-s", str(ROUTER_GRACE_S),
+    ]  # fmt: skip
+    container = {
+        "name": "router",
+        "image": spec.router.image or ctx.control_image,
+        "command": ["iterserve"],
+        "args": args,
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "env": [
+            _secret_env("ITERSERVE_API_KEY", secret, "api-key"),
+            _secret_env("ITERSERVE_BACKEND_API_KEY", secret, "api-key"),
+        ],
+        "livenessProbe": _probe("/health", "http", 10, 3),
+        "readinessProbe": _probe("/ready", "http", 2, 2),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
+        "resources": {
+            "requests": {"cpu": "500m", "memory": "256Mi"},
+            "limits": {"memory": "1Gi"},
+        },
+        "securityContext": _container_security(),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(ctx, name, "router"),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": selector(ctx.name, "router")},
+            "template": {
+                "metadata": {
+                    "labels": labels(ctx.name, "router"),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(ROUTER_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": {
+                    "serviceAccountName": name,
+                    "containers": [container],
+                    "securityContext": _pod_security(),
+                    "terminationGracePeriodSeconds": ROUTER_GRACE_S
+                    + ABORT_WAIT_S
+                    + PRESTOP_SLEEP_S
+                    + 10,
+                    "enableServiceLinks": False,
+                },
+            },
+        },
+    }
+
+
+def router_service(ctx: Context) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(ctx, router_name(ctx.name), "router"),
+        "spec": {
+            "selector": selector(ctx.name, "router"),
+            "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": "http"}],
+        },
+    }
+
+
+def router_rbac(ctx: Context) -> list[dict[str, Any]]:
+    """ServiceAccount, Role (EndpointSlices get/list/watch, nothing else), RoleBinding."""
+    name = router_name(ctx.name)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(ctx, name, "router")},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(ctx, name, "router"),
+            "rules": [
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(ctx, name, "router"),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}],
+        },
+    ]
+
+
+# --------------------------------------------------------------------------- PDB, autoscaler
+
+
+def pod_disruption_budget(ctx: Context) -> dict[str, Any]:
+    """``maxUnavailable: 1``: a node drain is never blocked, and never takes two at once."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(ctx, ctx.name, "server"),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(ctx.name, "server")}},
+    }
+
+
+def autoscaler(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any] | None:
+    """The HPA (a Pods metric: waiting requests per pod, served by prometheus-adapter) or the
+    KEDA ScaledObject (a Prometheus ``sum()`` over the model's pods); None when off."""
+    a = spec.autoscaling
+    if not a.enabled:
+        return None
+    target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": ctx.name}
+    if a.via == "hpa":
+        return {
+            "apiVersion": "autoscaling/v2",
+            "kind": "HorizontalPodAutoscaler",
+            "metadata": _meta(ctx, ctx.name, "server"),
+            "spec": {
+                "scaleTargetRef": target,
+                "minReplicas": a.minReplicas,
+                "maxReplicas": a.maxReplicas,
+                "metrics": [
+                    {
+                        "type": "Pods",
+                        "pods": {
+                            "metric": {"name": QUEUE_METRIC},
+                            "target": {
+                                "type": "AverageValue",
+                                "averageValue": f"{a.targetQueueDepth:g}",
+                            },
+                        },
+                    }
+                ],
+                "behavior": {
+                    "scaleUp": {"stabilizationWindowSeconds": 0},
+                    # A replica takes minutes to load: do not give it back on a dip.
+                    "scaleDown": {"stabilizationWindowSeconds": 300},
+                },
+            },
+        }
+    query = (
+        f'sum({QUEUE_METRIC}{{namespace="{ctx.namespace}",pod=~"{ctx.name}-[a-z0-9]+-[a-z0-9]+"}})'
+    )
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": _meta(ctx, ctx.name, "server"),
+        "spec": {
+            "scaleTargetRef": {"name": ctx.name},
+            "minReplicaCount": a.minReplicas,
+            "maxReplicaCount": a.maxReplicas,
+            "cooldownPeriod": 300,
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    "metadata": {
+                        "serverAddress": a.prometheusURL,
+                        "query": query,
+                        "threshold": f"{a.targetQueueDepth:g}",
+                        "activationThreshold": "0",
+                    },
+                }
+            ],
+        },
+    }
+
+
+def build_all(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
+    """Every owned object in DESIGN.md's order: ConfigMap, Services, Deployments, RBAC, PDB,
+    autoscaler (Secrets are referenced, not built).
+
+    Raises:
+        SpecError: settings the server would refuse.
+    """
+    objects = [
+        config_map(ctx, spec),
+        server_service(ctx),
+        router_service(ctx),
+        server_deployment(ctx, spec),
+        router_deployment(ctx, spec),
+        *router_rbac(ctx),
+        pod_disruption_budget(ctx),
+    ]
+    if (scaler := autoscaler(ctx, spec)) is not None:
+        objects.append(scaler)
+    return objects

@@ -1,0 +1,50 @@
+"""Flags of ``iterserve operator`` (argparse only: building the parser loads nothing else)."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_CONTROL_IMAGE = "ghcr.io/iterserve/iterserve:latest-control"
+
+
+def add_operator_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="operator_command", required=True)
+    run = sub.add_parser(
+        "run",
+        help="reconcile LLMDeployments (kopf)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    run.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch this namespace (repeatable; default: all namespaces)",
+    )
+    run.add_argument("--kubeconfig", default=None, help="default: $KUBECONFIG, ~/.kube/config, "
+                     "or the pod's ServiceAccount")  # fmt: skip
+    run.add_argument(
+        "--control-image",
+        default=DEFAULT_CONTROL_IMAGE,
+        help="the router's image when spec.router.image is not set",
+    )
+    run.add_argument(
+        "--push-timeout-s", type=float, default=5.0, help="per pod, for /load and the PUT"
+    )
+    run.add_argument(
+        "--resync-interval-s",
+        type=float,
+        default=10.0,
+        help="reconcile every resource this often (drift, pods that missed a push)",
+    )
+    run.add_argument(
+        "--standalone", action="store_true", help="no kopf peering (a single operator for sure)"
+    )
+    run.add_argument("--liveness-port", type=int, default=8081, help="/healthz for the kubelet")
+    render = sub.add_parser(
+        "render",
+        help="print every object the operator would create for an LLMDeployment (no cluster)",
+    )
+    render.add_argument("file", help="an LLMDeployment YAML file")
+    render.add_argument(
+        "--control-image", default=DEFAULT_CONTROL_IMAGE, help="the router's default image"
+    )

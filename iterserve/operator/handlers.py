@@ -1,0 +1,76 @@
+"""The kopf handlers of ``LLMDeployment``, thin over :func:`iterserve.operator.reconcile.reconcile`.
+
+Create, update and resume reconcile at once; a timer (``--resync-interval-s``) reconciles
+again, which corrects drift in owned objects and catches up pods that missed a push (new,
+restarted, unreachable at the time). An invalid spec sets ``Ready=False`` and applies nothing
+(:class:`kopf.PermanentError`); an API failure is retried with backoff
+(:class:`kopf.TemporaryError`). Deleting the resource deletes what it owns (owner
+references; garbage collection).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+from kubernetes.aio.client.exceptions import ApiException
+
+from iterserve.operator.kube import Kube
+from iterserve.operator.login import api_client, connection_info
+from iterserve.operator.reconcile import invalid_status, reconcile
+from iterserve.operator.spec import GROUP, PLURAL, VERSION, SpecError
+
+RESOURCE = (GROUP, VERSION, PLURAL)
+RETRY_DELAY_S = 5.0
+
+
+def build_registry(resync_interval_s: float = 10.0) -> kopf.OperatorRegistry:
+    """A kopf registry with every handler (``kopf.run(registry=...)``); the timer every
+    ``resync_interval_s``."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.startup(registry=registry)
+    async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        settings.peering.name = "iterserve"
+        settings.peering.mandatory = False
+        settings.persistence.finalizer = "iterserve.io/operator"
+        settings.posting.level = logging.INFO  # Normal events and up
+        memo.kube = Kube(await api_client(memo.get("kubeconfig")))
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(memo: kopf.Memo, **_: Any) -> None:
+        await memo.kube.api.close()
+
+    @kopf.on.login(registry=registry)
+    async def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+        return await connection_info(memo.get("kubeconfig"))
+
+    @kopf.on.create(*RESOURCE, registry=registry)
+    @kopf.on.update(*RESOURCE, registry=registry)
+    @kopf.on.resume(*RESOURCE, registry=registry)
+    async def apply_resource(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+        await _reconcile(body, patch, memo, permanent=True)
+
+    @kopf.timer(*RESOURCE, registry=registry, interval=resync_interval_s, idle=0.0)
+    async def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+        if not body.get("metadata", {}).get("deletionTimestamp"):
+            await _reconcile(body, patch, memo, permanent=False)
+
+    return registry
+
+
+async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, permanent: bool) -> None:
+    try:
+        outcome = await reconcile(memo.kube, body, memo.settings)
+    except SpecError as e:
+        patch.status.update(invalid_status(body, str(e)))
+        kopf.warn(body, reason="InvalidSpec", message=str(e))
+        if permanent:
+            raise kopf.PermanentError(str(e)) from e
+        return
+    except ApiException as e:
+        raise kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", RETRY_DELAY_S) from e
+    patch.status.update(outcome.status)
+    for kind, reason, message in outcome.events:
+        (kopf.info if kind == "Normal" else kopf.warn)(body, reason=reason, message=message)

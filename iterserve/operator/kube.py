@@ -1,0 +1,147 @@
+"""The operator's Kubernetes calls, over the official client's asyncio API (``kubernetes.aio``).
+
+Only requests both a real API server and KMock accept: get, create, JSON merge patch, list
+(label selectors are filtered here too: KMock ignores them). Objects go in and come out as
+plain mappings (the JSON the API serves), never the client's models.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kubernetes.aio import client
+from kubernetes.aio.client.exceptions import ApiException
+
+MERGE_PATCH = "application/merge-patch+json"
+
+# kind -> (API class, the snake_case name in its methods), for namespaced built-in kinds.
+_TYPED: dict[str, tuple[str, str]] = {
+    "ConfigMap": ("CoreV1Api", "config_map"),
+    "Secret": ("CoreV1Api", "secret"),
+    "Service": ("CoreV1Api", "service"),
+    "ServiceAccount": ("CoreV1Api", "service_account"),
+    "Pod": ("CoreV1Api", "pod"),
+    "Deployment": ("AppsV1Api", "deployment"),
+    "Role": ("RbacAuthorizationV1Api", "role"),
+    "RoleBinding": ("RbacAuthorizationV1Api", "role_binding"),
+    "PodDisruptionBudget": ("PolicyV1Api", "pod_disruption_budget"),
+    "HorizontalPodAutoscaler": ("AutoscalingV2Api", "horizontal_pod_autoscaler"),
+}
+# kind -> plural, for custom resources (served by CustomObjectsApi).
+_CUSTOM = {"ScaledObject": "scaledobjects", "LLMDeployment": "llmdeployments"}
+
+
+def is_not_found(e: BaseException) -> bool:
+    return isinstance(e, ApiException) and e.status == 404
+
+
+async def _raw(call: Any) -> Any:
+    """The decoded JSON of a ``*_without_preload_content`` call."""
+    response = await call
+    try:
+        if response.status >= 400:
+            raise ApiException(status=response.status, reason=await response.text())
+        return json.loads(await response.read())
+    finally:
+        response.release()
+
+
+class Kube:
+    """Typed calls for the kinds the operator owns, by ``apiVersion``/``kind`` of a body."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+
+    def _typed(self, kind: str, verb: str) -> Any:
+        api_class, name = _TYPED[kind]
+        api = getattr(client, api_class)(self.api)
+        return getattr(api, f"{verb}_namespaced_{name}_without_preload_content")
+
+    def _custom(self) -> client.CustomObjectsApi:
+        return client.CustomObjectsApi(self.api)
+
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any | None:
+        """The object, or None when it does not exist."""
+        try:
+            if kind in _TYPED:
+                return await _raw(self._typed(kind, "read")(name, namespace))
+            group, version = api_version.split("/")
+            call = self._custom().get_namespaced_custom_object_without_preload_content(
+                group, version, namespace, _CUSTOM[kind], name
+            )
+            return await _raw(call)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def create(self, body: dict[str, Any]) -> Any:
+        kind, namespace = body["kind"], body["metadata"]["namespace"]
+        if kind in _TYPED:
+            return await _raw(self._typed(kind, "create")(namespace, body))
+        group, version = body["apiVersion"].split("/")
+        call = self._custom().create_namespaced_custom_object_without_preload_content(
+            group, version, namespace, _CUSTOM[kind], body
+        )
+        return await _raw(call)
+
+    async def patch(self, body: dict[str, Any]) -> Any:
+        """A JSON merge patch of ``body`` onto the object of its kind, namespace and name."""
+        kind, meta = body["kind"], body["metadata"]
+        if kind in _TYPED:
+            call = self._typed(kind, "patch")(
+                meta["name"], meta["namespace"], body, _content_type=MERGE_PATCH
+            )
+            return await _raw(call)
+        group, version = body["apiVersion"].split("/")
+        call = self._custom().patch_namespaced_custom_object_without_preload_content(
+            group, version, meta["namespace"], _CUSTOM[kind], meta["name"], body,
+            _content_type=MERGE_PATCH,
+        )  # fmt: skip
+        return await _raw(call)
+
+    async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[Any]:
+        """Objects of ``kind`` in ``namespace`` carrying all ``labels``."""
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        data = await _raw(self._typed(kind, "list")(namespace, label_selector=selector))
+        return [
+            item
+            for item in data.get("items", [])
+            if all(
+                item.get("metadata", {}).get("labels", {}).get(k) == v for k, v in labels.items()
+            )
+        ]
+
+
+def is_subset(desired: Any, live: Any) -> bool:
+    """Whether ``live`` already has every value of ``desired`` (what the API server adds,
+    defaults and status, is ignored; a list must match item by item)."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(
+            k in live and is_subset(v, live[k]) for k, v in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(live, list)
+            and len(desired) == len(live)
+            and all(is_subset(d, x) for d, x in zip(desired, live, strict=True))
+        )
+    if isinstance(desired, int | float) and isinstance(live, int | float):
+        return desired == live
+    return bool(desired == live) or str(desired) == str(live)
+
+
+async def apply(kube: Kube, body: dict[str, Any]) -> str:
+    """Create ``body``, or merge-patch it onto the live object when that drifted; what was
+    done: ``created``, ``patched`` or ``unchanged`` (running it twice changes nothing)."""
+    meta = body["metadata"]
+    live = await kube.get(body["apiVersion"], body["kind"], meta["namespace"], meta["name"])
+    if live is None:
+        await kube.create(body)
+        return "created"
+    comparable = {k: v for k, v in body.items() if k not in ("apiVersion", "kind")}
+    if is_subset(comparable, live):
+        return "unchanged"
+    await kube.patch(body)
+    return "patched"

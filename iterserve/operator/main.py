@@ -1,0 +1,98 @@
+"""``iterserve operator run`` (kopf, the handlers of :mod:`iterserve.operator.handlers`) and
+``iterserve operator render FILE`` (the builders alone)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from iterserve.operator.builders import Context, build_all
+from iterserve.operator.spec import KIND, SpecError, parse_spec
+
+API_VERSION = "iterserve.io/v1alpha1"
+
+
+def render(document: Any, control_image: str) -> list[dict[str, Any]]:
+    """The objects for one LLMDeployment document, in DESIGN.md's order.
+
+    Raises:
+        SpecError: not an LLMDeployment, or an invalid spec.
+    """
+    if not isinstance(document, dict) or document.get("kind") != KIND:
+        raise SpecError(f"expected kind: {KIND}")
+    if document.get("apiVersion") != API_VERSION:
+        raise SpecError(f"expected apiVersion: {API_VERSION}")
+    meta = document.get("metadata") or {}
+    if not meta.get("name"):
+        raise SpecError("metadata.name is required")
+    spec = parse_spec(document.get("spec"))
+    ctx = Context(
+        meta["name"],
+        meta.get("namespace") or "default",
+        int(meta.get("generation") or 1),
+        control_image,
+    )
+    return build_all(ctx, spec)
+
+
+def _render(args: argparse.Namespace) -> int:
+    try:
+        documents = list(yaml.safe_load_all(Path(args.file).read_text()))
+    except (OSError, yaml.YAMLError) as e:
+        print(f"iterserve operator render: error: {e}", file=sys.stderr)
+        return 1
+    objects: list[dict[str, Any]] = []
+    for document in documents:
+        if document is None:
+            continue
+        try:
+            objects += render(document, args.control_image)
+        except SpecError as e:
+            print(f"iterserve operator render: invalid {args.file}: {e}", file=sys.stderr)
+            return 1
+    sys.stdout.write(yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False))
+    return 0
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the ConfigMap's settings file) as literal blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from iterserve.operator.handlers import build_registry
+    from iterserve.operator.reconcile import OperatorSettings
+
+    memo = kopf.Memo(
+        kubeconfig=args.kubeconfig,
+        settings=OperatorSettings(args.control_image, args.push_timeout_s),
+    )
+    kopf.configure(verbose=False)
+    kopf.run(
+        registry=build_registry(args.resync_interval_s),
+        standalone=args.standalone,
+        namespaces=args.namespace,
+        clusterwide=not args.namespace,
+        memo=memo,
+        liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz",
+    )
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.operator_command == "render":
+        return _render(args)
+    return _run(args)

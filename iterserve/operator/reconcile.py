@@ -1,0 +1,238 @@
+"""One reconciliation of an ``LLMDeployment``: owned objects applied, live settings synced to
+every ready pod, the status computed. The kopf handlers (:mod:`iterserve.operator.handlers`)
+call :func:`reconcile` on create, update, resume and a timer; it is idempotent.
+
+Versions (DESIGN.md): the settings' version is the resource's ``metadata.generation`` at the
+last change of ``spec.scheduler`` or ``spec.slaTiers`` (detected by the settings' hash kept in
+``status.schedulerConfigHash``); a pod counts as applied when its ``/load`` ``config_hash``
+equals the desired hash, whatever its version says.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from iterserve.operator.builders import (
+    Context,
+    admin_secret_name,
+    api_key_secret_name,
+    build_all,
+    labels,
+    router_url,
+    selector,
+)
+from iterserve.operator.kube import Kube, apply
+from iterserve.operator.push import PodResult, ready_targets, sync_pods
+from iterserve.operator.spec import desired_settings, parse_spec, settings_hash_of
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """``iterserve operator run`` flags the handlers need."""
+
+    control_image: str = "ghcr.io/iterserve/iterserve:latest-control"
+    push_timeout_s: float = 5.0
+
+
+@dataclass
+class Outcome:
+    """What a reconciliation found: the status to write and the events to post
+    (``(type, reason, message)``, type ``Normal`` or ``Warning``)."""
+
+    status: dict[str, Any]
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
+    meta = body["metadata"]
+    return {
+        "apiVersion": body["apiVersion"],
+        "kind": body["kind"],
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def adopt(obj: dict[str, Any], body: Mapping[str, Any]) -> dict[str, Any]:
+    """``obj`` owned by the resource (kopf's owner reference: garbage collection deletes it
+    with the resource)."""
+    references = obj.setdefault("metadata", {}).setdefault("ownerReferences", [])
+    reference = owner_reference(body)
+    if all(r.get("uid") != reference["uid"] for r in references):
+        references.append(reference)
+    return obj
+
+
+async def ensure_secrets(kube: Kube, ctx: Context, body: Mapping[str, Any]) -> str:
+    """The admin-token and API-key Secrets, created with random values when absent (owned by
+    the resource); the admin token."""
+    token = ""
+    for name, key in (
+        (admin_secret_name(ctx.name), "token"),
+        (api_key_secret_name(ctx.name), "api-key"),
+    ):
+        live = await kube.get("v1", "Secret", ctx.namespace, name)
+        if live is None or not (live.get("data") or {}).get(key):
+            value = secrets.token_urlsafe(32)
+            secret = {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {
+                    "name": name,
+                    "namespace": ctx.namespace,
+                    "labels": labels(ctx.name, "server"),
+                },
+                "type": "Opaque",
+                "data": {key: base64.b64encode(value.encode()).decode()},
+            }
+            if live is None:
+                await kube.create(adopt(secret, body))
+            else:
+                await kube.patch(secret)
+        else:
+            value = base64.b64decode(live["data"][key]).decode()
+        if key == "token":
+            token = value
+    return token
+
+
+def condition(
+    previous: list[dict[str, Any]],
+    kind: str,
+    status: str,
+    reason: str,
+    message: str,
+    generation: int,
+) -> dict[str, Any]:
+    """A condition in Kubernetes' conventions; ``lastTransitionTime`` kept while the status
+    does not change."""
+    before = next((c for c in previous if c.get("type") == kind), None)
+    if before is not None and before.get("status") == status:
+        since = before.get("lastTransitionTime")
+    else:
+        since = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
+
+
+def invalid_status(body: Mapping[str, Any], reason: str) -> dict[str, Any]:
+    """The status of a spec that cannot be applied: ``Ready=False``, reason ``InvalidSpec``."""
+    meta, status = body["metadata"], body.get("status") or {}
+    generation = int(meta.get("generation") or 1)
+    previous = status.get("conditions") or []
+    return {
+        "observedGeneration": generation,
+        "conditions": [
+            condition(previous, "Ready", "False", "InvalidSpec", reason, generation),
+            condition(previous, "Progressing", "False", "InvalidSpec", reason, generation),
+            condition(
+                previous, "SchedulerConfigApplied", "False", "InvalidSpec", reason, generation
+            ),
+        ],
+    }
+
+
+async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSettings) -> Outcome:
+    """Apply the resource once (see the module docstring).
+
+    Raises:
+        SpecError: the spec cannot be applied (nothing was).
+        kubernetes ApiException: the API failed (retry).
+    """
+    meta, status = body["metadata"], body.get("status") or {}
+    spec = parse_spec(body.get("spec"))
+    desired = desired_settings(spec)
+    desired_hash = settings_hash_of(desired)
+    generation = int(meta.get("generation") or 1)
+    version = status.get("schedulerConfigVersion")
+    if status.get("schedulerConfigHash") != desired_hash or not version:
+        version = generation
+    ctx = Context(meta["name"], meta["namespace"], generation, settings.control_image, version)
+    admin_token = await ensure_secrets(kube, ctx, body)
+    events = []
+    for obj in build_all(ctx, spec):
+        if await apply(kube, adopt(obj, body)) == "patched":
+            events.append(("Normal", "Updated", f"{obj['kind']} {obj['metadata']['name']}"))
+    pods = await kube.list("Pod", ctx.namespace, selector(ctx.name, "server"))
+    results = await sync_pods(
+        ready_targets(pods), desired, desired_hash, version, admin_token, settings.push_timeout_s
+    )
+    for r in results:
+        if r.pushed and r.applied:
+            events.append(("Normal", "ConfigPushed", f"pod {r.name}: settings version {version}"))
+        elif r.error is not None:
+            events.append(("Warning", "ConfigPushFailed", f"pod {r.name}: {r.error}"))
+    deployment = await kube.get("apps/v1", "Deployment", ctx.namespace, ctx.name) or {}
+    return Outcome(_status(ctx, spec.replicas, status, deployment, results, desired_hash), events)
+
+
+def _status(
+    ctx: Context,
+    spec_replicas: int,
+    previous: Mapping[str, Any],
+    deployment: Mapping[str, Any],
+    results: list[PodResult],
+    desired_hash: str,
+) -> dict[str, Any]:
+    d = deployment.get("status") or {}
+    replicas, ready = int(d.get("replicas") or 0), int(d.get("readyReplicas") or 0)
+    updated = int(d.get("updatedReplicas") or 0)
+    wanted = int((deployment.get("spec") or {}).get("replicas", spec_replicas))
+    conditions = previous.get("conditions") or []
+    g = ctx.generation
+    versions: dict[str, int | None] = {r.name: r.version for r in results if r.version is not None}
+    for gone in previous.get("podConfigVersions") or {}:
+        versions.setdefault(gone, None)  # merge patch: removed
+    pending = sorted(r.name for r in results if not r.applied)
+    if not results:
+        applied = ("Unknown", "NoReadyPods", "no ready pod to apply the settings to")
+    elif pending:
+        errors = "; ".join(f"{r.name}: {r.error}" for r in results if r.error)
+        message = f"pods not at the desired settings: {', '.join(pending)}"
+        applied = ("False", "Pending", message + (f" ({errors})" if errors else ""))
+    else:
+        message = f"{len(results)} ready pods run settings version {ctx.config_version}"
+        applied = ("True", "Applied", message)
+    progressing = updated < wanted or ready < wanted
+    return {
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "selector": ",".join(f"{k}={v}" for k, v in selector(ctx.name, "server").items()),
+        "observedGeneration": g,
+        "schedulerConfigVersion": ctx.config_version,
+        "schedulerConfigHash": desired_hash,
+        "podConfigVersions": versions,
+        "routerURL": router_url(ctx),
+        "conditions": [
+            condition(
+                conditions,
+                "Ready",
+                "True" if ready > 0 else "False",
+                "ReplicasReady" if ready > 0 else "NoReadyReplicas",
+                f"{ready} of {wanted} replicas ready",
+                g,
+            ),
+            condition(
+                conditions,
+                "Progressing",
+                "True" if progressing else "False",
+                "RollingOut" if progressing else "Complete",
+                f"{updated} of {wanted} replicas updated, {ready} ready",
+                g,
+            ),
+            condition(conditions, "SchedulerConfigApplied", *applied, g),
+        ],
+    }
