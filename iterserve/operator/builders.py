@@ -12,6 +12,7 @@ ScaledObject ``N``; the Secrets ``N-admin`` (key ``token``) and ``N-api-key`` (k
 from __future__ import annotations
 
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import yaml
@@ -163,6 +164,18 @@ def server_args(spec: LLMDeploymentSpec, model_dir: str) -> list[str]:
     if e.maxModelLen is not None:
         args += ["--max-model-len", str(e.maxModelLen)]
     return args + list(spec.pod.extraArgs)
+
+
+def quantity(value: float) -> str:
+    """``value`` as a Kubernetes quantity in the API server's canonical form (``2.5`` ->
+    ``2500m``), so that the live object reads back as built and :func:`apply` does not patch
+    it on every pass."""
+    exact = Decimal(repr(value))
+    for suffix, scale in (("", 1), ("m", 10**3), ("u", 10**6)):
+        scaled = exact * scale
+        if scaled == scaled.to_integral_value():
+            return f"{int(scaled)}{suffix}"
+    return f"{max(1, round(exact * 10**9))}n"
 
 
 def _secret_env(env: str, secret: str, key: str) -> dict[str, Any]:
@@ -454,7 +467,7 @@ def autoscaler(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any] | None:
                             "metric": {"name": QUEUE_METRIC},
                             "target": {
                                 "type": "AverageValue",
-                                "averageValue": f"{a.targetQueueDepth:g}",
+                                "averageValue": quantity(a.targetQueueDepth),
                             },
                         },
                     }
