@@ -5,7 +5,9 @@ endpoint's removal takes time to reach every proxy). So the first SIGTERM (or Ct
 not close the listener: the subclass starts draining (``/ready`` turns 503), the server keeps
 answering and exits once nothing is active or the grace period is over. After the grace
 period the subclass may end what still runs (:meth:`DrainingServer.abort_active`), which gets
-:data:`ABORT_WAIT_S` to send its last bytes. A second signal exits at once.
+:data:`ABORT_WAIT_S` to send its last bytes. A second signal exits at once: what still runs is
+aborted first (an error event or a 503 rather than a stream cut mid-way), and uvicorn's
+graceful timeout bounds what does not end.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class DrainingServer(uvicorn.Server):
         self.grace_period_s = grace_period_s
         self.drain_deadline: float | None = None
         self.aborted = False
+        self.exit_now = False  # a second signal came during the drain
 
     def begin_drain(self) -> bool:
         """Start draining; False when there is nothing to drain (the server exits now)."""
@@ -48,6 +51,7 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain_deadline is not None or not self.begin_drain():
             self.should_exit = True  # second signal, or nothing started yet: exit now
+            self.exit_now = self.drain_deadline is not None
             if sig == signal.SIGINT and self.drain_deadline is not None:
                 self.force_exit = True
             return
@@ -60,6 +64,10 @@ class DrainingServer(uvicorn.Server):
         )
 
     async def on_tick(self, counter: int) -> bool:
+        if self.exit_now and not self.aborted:
+            # Here, not in the signal handler: aborting touches the event loop's objects.
+            logger.warning("second signal: aborted %d requests", self.abort_active())
+            self.aborted = True
         if self.drain_deadline is not None and not self.should_exit:
             now = time.monotonic()
             if self.num_active() == 0:

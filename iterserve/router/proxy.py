@@ -1,7 +1,7 @@
 """The router's HTTP app: ``/v1/*``, ``/tokenize`` and ``/detokenize`` proxied to the picked
 replica, streams passed through.
 
-Per request: read the body (for the prefix key and ``stream``), pick a ready replica
+Per request: read the body (for the prefix key), pick a ready replica
 (:mod:`iterserve.router.scoring`), send it on with the replicas' key, and relay the answer:
 SSE chunk by chunk as the replica writes them, or whole. A client that goes away closes the
 upstream request, so the replica aborts it and frees its KV blocks. Before the first byte has
@@ -23,14 +23,17 @@ import hmac
 import json
 import logging
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from fastapi import FastAPI
+import yarl
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from iterserve.router.metrics import RouterMetrics
 from iterserve.router.pool import Backend, ReplicaPool
@@ -54,6 +57,11 @@ _RETRY_AFTER_S = "1"
 _CUT_EVENT = (
     b'data: {"error": {"message": "the replica serving this stream went away", '
     b'"type": "bad_gateway", "param": null, "code": null}}\n\n'
+)
+# The last event of a stream still open when the router's shutdown grace period is over.
+_SHUTDOWN_EVENT = (
+    b'data: {"error": {"message": "the router is shutting down", '
+    b'"type": "service_unavailable_error", "param": null, "code": null}}\n\n'
 )
 
 
@@ -90,17 +98,29 @@ class _Answer:
     body: bytes
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
-    """What the proxy reads of an incoming request."""
+    """What the proxy reads of an incoming request (hashed by identity)."""
 
     method: str
-    path: str  # without the leading slash
+    path: str  # without the leading slash, decoded
+    raw_path: str  # without the leading slash, as the client encoded it
     query: str
     headers: dict[str, str]  # lower-case names
     body: bytes = b""
     # Set when the client has gone away; closes the upstream response it was reading.
     gone: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set (with ``gone``) when the router's shutdown ends the request: the client is still
+    # there and gets an error event or a 503.
+    aborted: bool = False
+
+
+@dataclass
+class _Active:
+    """The proxied requests being answered, and whether the router's drain is over."""
+
+    requests: set[_Request] = field(default_factory=set)
+    aborting: bool = False
 
 
 Background = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
@@ -109,12 +129,30 @@ Background = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
 class RouterApp:
     """The router's ASGI app: proxied paths handled here, the rest by ``control`` (FastAPI,
     which also runs the lifespan). ``state`` is the control app's; ``num_active`` counts the
-    proxied requests being answered (the drain waits for 0)."""
+    proxied requests being answered (the drain waits for 0); :meth:`abort_active` ends them
+    when the drain is over."""
 
-    def __init__(self, control: FastAPI, proxy: Callable[[Scope, Receive, Send], Awaitable[None]]):
+    def __init__(
+        self,
+        control: FastAPI,
+        proxy: Callable[[Scope, Receive, Send], Awaitable[None]],
+        active: _Active | None = None,
+    ):
         self.control = control
         self.proxy = proxy
+        self.active = active if active is not None else _Active()
         self.num_active = 0
+
+    def abort_active(self) -> int:
+        """End the proxied requests still open (the shutdown's grace period is over): their
+        upstream requests are closed (the replicas abort them), streams end with an error
+        event, requests not answered yet get a 503, and new ones get a 503 at once. How many
+        were open."""
+        self.active.aborting = True
+        for request in self.active.requests:
+            request.aborted = True
+            request.gone.set()
+        return len(self.active.requests)
 
     @property
     def state(self) -> Any:
@@ -147,6 +185,7 @@ def build_router_app(
         background: entered for the app's lifetime (the pool's polling, discovery).
     """
     metrics = RouterMetrics()
+    active = _Active()
     pool.on_eject = lambda name: metrics.ejections.labels(replica=name).inc()
     upstream: aiohttp.ClientSession | None = None
 
@@ -170,6 +209,13 @@ def build_router_app(
 
     control = FastAPI(title="iterserve router", lifespan=lifespan)
     control.state.router = {"pool": pool, "metrics": metrics, "http": None}
+
+    @control.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """The control app's own 404s and 405s in OpenAI's shape, as the proxied paths'."""
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
+        return JSONResponse(body, exc.status_code, headers=dict(exc.headers or {}))
 
     @control.get("/health")
     async def health() -> dict[str, str]:
@@ -198,9 +244,13 @@ def build_router_app(
         request = _Request(
             method=scope["method"],
             path=scope["path"].lstrip("/"),
+            raw_path=_raw_path(scope),
             query=scope.get("query_string", b"").decode("latin-1"),
             headers={k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]},
         )
+        if active.aborting:
+            await _send_shutting_down(send)
+            return
         allowed = ("GET", "POST") if request.path.startswith("v1/") else ("POST",)
         if request.method not in allowed:
             message = f"{request.method} is not allowed on /{request.path}"
@@ -223,13 +273,15 @@ def build_router_app(
         except _ClientGone:
             return
         watcher = asyncio.ensure_future(_watch_disconnect(receive, request.gone))
+        active.requests.add(request)
         try:
             await route(request, send, arrival)
         finally:
+            active.requests.discard(request)
             watcher.cancel()
 
     async def route(request: _Request, send: Send, arrival: float) -> None:
-        key, stream = _inspect(request.body) if request.method == "POST" else (None, False)
+        key = _prefix_key(request.body) if request.method == "POST" else None
         session = request.headers.get(settings.session_header)
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD}
         headers.setdefault("accept-encoding", "identity")  # relayed as is: no re-encoding
@@ -250,12 +302,14 @@ def build_router_app(
             tried.add(backend.name)
             backend.state.in_flight_since_report += 1
             try:
-                await forward(
-                    request, send, backend, headers, stream, arrival if attempt == 0 else None
-                )
+                await forward(request, send, backend, headers, arrival if attempt == 0 else None)
                 return
             except _Failed as e:
                 last = e
+                if request.gone.is_set():  # no retry for a client that left (or the shutdown)
+                    if request.aborted:
+                        await _send_shutting_down(send)
+                    return
                 if e.reason != "status_429":
                     pool.record_failure(backend, e.reason, request=True)
         if last is not None and last.answer is not None:
@@ -275,16 +329,18 @@ def build_router_app(
         send: Send,
         backend: Backend,
         headers: dict[str, str],
-        stream: bool,
         arrival: float | None,
     ) -> None:
         assert upstream is not None, "the router's lifespan has not started"
-        url = f"{backend.url}/{request.path}"
+        # The path as the client encoded it (a decoded %3F or %23 would change the URL).
+        url = f"{backend.url}/{request.raw_path}"
         if request.query:
             url += "?" + request.query
         backend.in_flight += 1
         try:
-            await _exchange(request, send, backend, upstream, url, headers, stream, arrival)
+            await _exchange(
+                request, send, backend, upstream, yarl.URL(url, encoded=True), headers, arrival
+            )
         finally:
             backend.in_flight -= 1
 
@@ -293,9 +349,8 @@ def build_router_app(
         send: Send,
         backend: Backend,
         http: aiohttp.ClientSession,
-        url: str,
+        url: yarl.URL,
         headers: dict[str, str],
-        stream: bool,
         arrival: float | None,
     ) -> None:
         sending = asyncio.ensure_future(
@@ -317,6 +372,8 @@ def build_router_app(
                 with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
                     (await sending).close()
                 if gone in done:
+                    if request.aborted:
+                        await _send_shutting_down(send)
                     return  # nobody reads an answer
                 raise _Failed("timeout")
             response = sending.result()
@@ -329,7 +386,7 @@ def build_router_app(
         # From here the response is ours to close; a disconnect closes it too.
         closer = asyncio.ensure_future(_close_when(request.gone, response))
         try:
-            await _relay(request, send, backend, response, stream)
+            await _relay(request, send, backend, response)
         finally:
             closer.cancel()
             response.close()
@@ -339,7 +396,6 @@ def build_router_app(
         send: Send,
         backend: Backend,
         response: aiohttp.ClientResponse,
-        stream: bool,
     ) -> None:
         code = response.status
         metrics.requests.labels(replica=backend.name, code=str(code)).inc()
@@ -352,13 +408,15 @@ def build_router_app(
             reason = "status_5xx" if code >= 500 else "status_429"
             raise _Failed(reason, _Answer(code, back, body))
         pool.record_success_request(backend)
-        if not stream or not response.headers.get("content-type", "").startswith(
-            "text/event-stream"
-        ):
+        # Streamed as the replica streams (whatever the body's ``stream`` looked like to the
+        # router: a replica may read ``"stream": 1`` as true).
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
             try:
                 body = await response.read()
             except (aiohttp.ClientError, TimeoutError) as e:  # cut off after the headers
                 if request.gone.is_set():
+                    if request.aborted:
+                        await _send_shutting_down(send)
                     return
                 pool.record_failure(backend, f"body: {type(e).__name__}", request=True)
                 await _send_error(
@@ -373,15 +431,19 @@ def build_router_app(
             async for chunk in response.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, TimeoutError) as e:  # the replica died or hung mid-stream
-            if request.gone.is_set():
+            if request.aborted:  # the router's shutdown closed it
+                last = _SHUTDOWN_EVENT
+            elif request.gone.is_set():
                 return  # we closed it: the client left
-            logger.warning("stream from %s cut off: %s: %s", backend.name, type(e).__name__, e)
-            metrics.requests.labels(replica=backend.name, code="stream_cut").inc()
-            pool.record_failure(backend, "stream cut off", request=True)
-            await send({"type": "http.response.body", "body": _CUT_EVENT, "more_body": True})
+            else:
+                logger.warning("stream from %s cut off: %s: %s", backend.name, type(e).__name__, e)
+                metrics.requests.labels(replica=backend.name, code="stream_cut").inc()
+                pool.record_failure(backend, "stream cut off", request=True)
+                last = _CUT_EVENT
+            await send({"type": "http.response.body", "body": last, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    return RouterApp(control, proxy)
+    return RouterApp(control, proxy, active)
 
 
 class _BodyTooLarge(Exception):
@@ -397,14 +459,14 @@ def _authorized(request: _Request, api_key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), api_key.encode())
 
 
-def _inspect(body: bytes) -> tuple[bytes | None, bool]:
-    """(prefix key, streamed) of a generation body; (None, False) when it is not JSON."""
+def _prefix_key(body: bytes) -> bytes | None:
+    """The prefix key of a generation body; None when it is not a JSON object."""
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):
-        return None, False
+        return None
     if not isinstance(data, dict):
-        return None, False
+        return None
     messages = data.get("messages")
     prompt = data.get("prompt")
     if isinstance(messages, list):
@@ -413,7 +475,7 @@ def _inspect(body: bytes) -> tuple[bytes | None, bool]:
         key = prefix_key(prompt)
     else:
         key = None
-    return key or None, data.get("stream") is True
+    return key or None
 
 
 async def _read_body(receive: Receive, request: _Request, limit: int) -> bytes:
@@ -438,6 +500,13 @@ async def _read_body(receive: Receive, request: _Request, limit: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _raw_path(scope: Scope) -> str:
+    """The request's path as the client encoded it, without the leading slash (bytes outside
+    printable ASCII percent-encoded; the escapes it has kept)."""
+    raw = scope.get("raw_path") or scope["path"].encode()
+    return urllib.parse.quote(raw, safe="!$%&'()*+,/:;=@~").lstrip("/")
 
 
 async def _watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
@@ -473,6 +542,11 @@ async def _send_whole(
     headers = [*headers, (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_shutting_down(send: Send) -> None:
+    message = "the router is shutting down; retry"
+    await _send_error(send, 503, message, "service_unavailable_error", retry=True)
 
 
 async def _send_error(

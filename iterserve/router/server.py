@@ -128,6 +128,9 @@ class DrainingRouter(DrainingServer):
     def num_active(self) -> int:
         return self.app.num_active
 
+    def abort_active(self) -> int:
+        return self.app.abort_active()
+
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(

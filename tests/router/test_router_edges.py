@@ -1,0 +1,187 @@
+"""The router at its edges (found by trying to break it): the end of the shutdown's grace
+period and a second SIGTERM end open requests with an error rather than cutting them, paths
+reach the replica as the client encoded them, the control app's errors are in OpenAI's shape,
+and a replica's event stream is relayed as a stream whatever the body's ``stream`` said."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from router_utils import pool_of, router, until
+from server_utils import Server, run_server
+from sim_profiles import make_profile, write_profile
+
+PROFILE = make_profile(fixed_s=0.020)  # 20 ms per token: a 1000-token stream lasts 20 s
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_profile(tmp_path_factory.mktemp("router-edges") / "profile.json", PROFILE)
+
+
+LONG = {"prompt": "go on", "max_tokens": 1000, "ignore_eos": True}
+
+
+async def _stream_events(http: httpx.AsyncClient, started: asyncio.Event) -> list[str]:
+    """The events of a long stream (``started`` set at its first), read to the end."""
+    events = []
+    async with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                started.set()
+    return events
+
+
+def _stopped_within(r: Server, seconds: float) -> float:
+    start = time.monotonic()
+    assert r.proc.wait(seconds) == 0
+    return time.monotonic() - start
+
+
+def _replica_idle(replica: Server) -> bool:
+    return httpx.get(replica.url + "/load").json()["num_running"] == 0
+
+
+def test_open_requests_end_with_an_error_when_the_grace_period_is_over(
+    profile_file: Path,
+) -> None:
+    """A stream still open after --shutdown-grace-period-s ends with an error event and a
+    clean end of the response, a non-streamed request still waiting gets a 503, the replica
+    aborts both, and the router exits 0 right then (not 10 s later, streams cut mid-chunk)."""
+    with run_server("--simulate", str(profile_file)) as replica:
+        flags = ("--backend", replica.url, "--poll-interval-ms", "20")
+        with run_server(*flags, "--shutdown-grace-period-s", "1", command="router") as r:
+            _grace_period_over(replica, r)
+
+
+def _grace_period_over(replica: Server, r: Server) -> None:
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=r.url, timeout=30) as http:
+            started = asyncio.Event()
+            stream = asyncio.create_task(_stream_events(http, started))
+            whole = asyncio.create_task(http.post("/v1/completions", json=LONG))
+            await asyncio.wait_for(started.wait(), 10)
+            r.proc.send_signal(signal.SIGTERM)
+            events, answer = await asyncio.wait_for(asyncio.gather(stream, whole), 5)
+        error = json.loads(events[-1][len("data: ") :])["error"]
+        assert error["type"] == "service_unavailable_error", events[-1]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["message"].startswith("the router is shutting down")
+        assert answer.headers["retry-after"] == "1"
+
+    asyncio.run(run())
+    assert _stopped_within(r, 3) < 3
+    deadline = time.monotonic() + 5
+    while not _replica_idle(replica):  # both aborted at the replica
+        assert time.monotonic() < deadline, "the replica still runs the router's requests"
+        time.sleep(0.05)
+
+
+def test_a_second_sigterm_ends_the_drain_at_once(profile_file: Path) -> None:
+    with (
+        run_server("--simulate", str(profile_file)) as replica,
+        run_server("--backend", replica.url, "--poll-interval-ms", "20", command="router") as r,
+    ):
+
+        async def run() -> None:
+            async with httpx.AsyncClient(base_url=r.url, timeout=30) as http:
+                started = asyncio.Event()
+                stream = asyncio.create_task(_stream_events(http, started))
+                await asyncio.wait_for(started.wait(), 10)
+                r.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                assert r.proc.poll() is None  # draining
+                r.proc.send_signal(signal.SIGTERM)
+                events = await asyncio.wait_for(stream, 3)
+            assert '"the router is shutting down"' in events[-1], events[-1]
+
+        asyncio.run(run())
+        assert _stopped_within(r, 3) < 3
+        assert "Traceback" not in r.log_text()
+
+
+def _fake_replica() -> FastAPI:
+    """A vLLM-like replica: metrics for the router's polls, an event stream (whatever the
+    body says), and the path each request arrived with."""
+    app = FastAPI()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(
+            "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
+            "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0\n"
+        )
+
+    @app.post("/v1/completions")
+    async def completions() -> StreamingResponse:
+        async def events() -> AsyncIterator[bytes]:
+            yield b"data: 1\n\n"
+            await asyncio.sleep(1.0)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/v1/{rest:path}")
+    async def echo(request: Request) -> dict[str, str]:
+        return {"raw_path": request.scope["raw_path"].decode(), "query": str(request.url.query)}
+
+    return app
+
+
+def test_paths_streams_and_the_control_apps_errors() -> None:
+    async def run() -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        fake = uvicorn.Server(uvicorn.Config(_fake_replica(), log_config=None))
+        task = asyncio.create_task(fake.serve(sockets=[sock]))
+        fake_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        try:
+            async with (
+                router("--backend", fake_url) as (url, app),
+                httpx.AsyncClient(base_url=url, timeout=10) as http,
+            ):
+                await until(lambda: len(pool_of(app).ready()) == 1, "ready")
+                # An encoded "?" stays in the path (decoded, it would start a query).
+                seen = (await http.get("/v1/models%3Fa=b")).json()
+                assert seen == {"raw_path": "/v1/models%3Fa=b", "query": ""}
+                seen = (await http.get("/v1/x%2Fy/%C3%A9?q=%C3%A9&r")).json()
+                assert seen == {"raw_path": "/v1/x%2Fy/%C3%A9", "query": "q=%C3%A9&r"}
+                # The control app's 404 and 405, in OpenAI's shape as the proxied paths'.
+                for method, path, code in [
+                    ("GET", "/v1", 404), ("GET", "//v1/models", 404),
+                    ("GET", "/tokenize/", 404), ("POST", "/health", 405),
+                ]:  # fmt: skip
+                    r = await http.request(method, path)
+                    assert r.status_code == code, (path, r.text)
+                    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+                # "stream": 1 streams at a lenient replica: relayed as it comes, not buffered.
+                start = time.perf_counter()
+                body = {"prompt": "x", "stream": 1}
+                async with http.stream("POST", "/v1/completions", json=body) as s:
+                    chunks = s.aiter_raw()
+                    assert (await chunks.__anext__()).startswith(b"data: 1")
+                    assert time.perf_counter() - start < 0.8  # before the second event
+                    rest = b"".join([c async for c in chunks])
+                assert rest.endswith(b"data: [DONE]\n\n")
+                await until(lambda: pool_of(app).backends[fake_url].in_flight == 0, "zero")
+        finally:
+            fake.should_exit = True
+            await task
+            sock.close()
+
+    asyncio.run(run())
