@@ -276,6 +276,11 @@ def build_router_app(
         active.requests.add(request)
         try:
             await route(request, send, arrival)
+        except Exception:  # a bug: still an answer in OpenAI's shape, and the traceback logged
+            logger.exception("proxying %s /%s failed", request.method, request.path)
+            with contextlib.suppress(Exception):  # fails if the answer had started
+                message = "the router failed on this request"
+                await _send_error(send, 500, message, "internal_server_error")
         finally:
             active.requests.discard(request)
             watcher.cancel()
@@ -525,9 +530,11 @@ async def _close_when(gone: asyncio.Event, response: aiohttp.ClientResponse) -> 
 def _back_headers(
     response: aiohttp.ClientResponse, backend: Backend | None = None
 ) -> list[tuple[bytes, bytes]]:
-    """The replica's headers a client needs, and which replica answered (``x-routed-to``)."""
+    """The replica's headers a client needs, and which replica answered (``x-routed-to``):
+    the bytes the replica sent (aiohttp decodes them as UTF-8 with surrogate escapes; a value
+    outside latin-1 used to raise here, a 500)."""
     headers = [
-        (k.lower().encode("latin-1"), v.encode("latin-1"))
+        (k.lower().encode("utf-8", "surrogateescape"), v.encode("utf-8", "surrogateescape"))
         for k, v in response.headers.items()
         if k.lower() in _BACK
     ]

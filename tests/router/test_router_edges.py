@@ -17,10 +17,12 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from router_utils import pool_of, router, until
 from server_utils import Server, run_server
 from sim_profiles import make_profile, write_profile
+
+from iterserve.router import proxy
 
 PROFILE = make_profile(fixed_s=0.020)  # 20 ms per token: a 1000-token stream lasts 20 s
 
@@ -136,6 +138,12 @@ def _fake_replica() -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    @app.get("/v1/utf8-header")
+    async def utf8_header() -> Response:
+        response = Response(b"{}", media_type="application/json")
+        response.raw_headers.append((b"x-request-id", "café-€".encode()))  # not latin-1
+        return response
+
     @app.get("/v1/{rest:path}")
     async def echo(request: Request) -> dict[str, str]:
         return {"raw_path": request.scope["raw_path"].decode(), "query": str(request.url.query)}
@@ -143,7 +151,7 @@ def _fake_replica() -> FastAPI:
     return app
 
 
-def test_paths_streams_and_the_control_apps_errors() -> None:
+def test_paths_headers_streams_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     async def run() -> None:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -178,7 +186,17 @@ def test_paths_streams_and_the_control_apps_errors() -> None:
                     assert time.perf_counter() - start < 0.8  # before the second event
                     rest = b"".join([c async for c in chunks])
                 assert rest.endswith(b"data: [DONE]\n\n")
+                # A replica's header outside latin-1 comes back as its bytes (was a 500).
+                r = await http.get("/v1/utf8-header")
+                assert r.status_code == 200
+                assert (b"x-request-id", "café-€".encode()) in r.headers.raw
+                # A bug in the proxy still answers in OpenAI's shape (and logs it).
+                monkeypatch.setattr(proxy, "_prefix_key", lambda body: 1 / 0)
+                r = await http.post("/v1/completions", json={"prompt": "x"})
+                assert r.status_code == 500
+                assert r.json()["error"]["type"] == "internal_server_error"
                 await until(lambda: pool_of(app).backends[fake_url].in_flight == 0, "zero")
+                assert app.num_active == 0 and not app.active.requests
         finally:
             fake.should_exit = True
             await task
