@@ -198,7 +198,11 @@ class ReplicaPool:
             b.state.ready = False
         if failures >= self.eject_after:
             b.ejected = True
-            b.backoff_s = self.backoff_s
+            # Re-admitted by a good poll and failing its requests still (none good since): the
+            # backoff doubles, so a replica whose /load answers while its generations fail is
+            # not sent a request every backoff_s.
+            again = b.request_failures > self.eject_after
+            b.backoff_s = min(self.max_backoff_s, b.backoff_s * 2) if again else self.backoff_s
             b.next_probe_at = self.clock() + b.backoff_s
             logger.warning("replica %s ejected after %d failures (%s)", b.name, failures, why)
             if self.on_eject is not None:

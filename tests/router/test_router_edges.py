@@ -203,3 +203,43 @@ def test_paths_headers_streams_and_errors(monkeypatch: pytest.MonkeyPatch) -> No
             sock.close()
 
     asyncio.run(run())
+
+
+def test_a_replica_failing_its_requests_after_each_readmission_backs_off_longer() -> None:
+    """A replica whose /load answers while its generations fail: each good probe re-admits it
+    and its next request fails; the backoff doubles each time (it was 0.5 s every time: a
+    request sent there, to hang until its first-byte timeout, every half second)."""
+    from iterserve.router.pool import ReplicaPool
+
+    async def fetch(url: str, headers: dict[str, str]) -> tuple[int, bytes]:
+        return 200, b'{"kv_cache_usage": 0, "num_waiting": 0, "num_running": 0}'
+
+    now = [0.0]
+    pool = ReplicaPool(fetch, eject_after=3, clock=lambda: now[0])
+    pool.set_urls(["http://r:1"])
+    b = pool.backends["http://r:1"]
+
+    async def run() -> None:
+        await pool.poll(b)
+        assert b.state.ready
+        for _ in range(3):
+            pool.record_failure(b, "timeout", request=True)
+        assert b.ejected and b.backoff_s == 0.5
+        waits = []
+        for _ in range(7):
+            now[0] = b.next_probe_at
+            await pool.poll(b)  # /load answers: back
+            assert b.state.ready and not b.ejected
+            pool.record_failure(b, "timeout", request=True)  # its next request fails
+            assert b.ejected
+            waits.append(b.backoff_s)
+        assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+        # A good request ends the streak: a later ejection starts over at 0.5 s.
+        now[0] = b.next_probe_at
+        await pool.poll(b)
+        pool.record_success_request(b)
+        for _ in range(3):
+            pool.record_failure(b, "timeout", request=True)
+        assert b.ejected and b.backoff_s == 0.5
+
+    asyncio.run(run())
