@@ -32,8 +32,6 @@ def build_registry(resync_interval_s: float = 10.0) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-        settings.peering.name = "iterserve"
-        settings.peering.mandatory = False
         settings.persistence.finalizer = "iterserve.io/operator"
         settings.posting.level = logging.INFO  # Normal events and up
         memo.kube = Kube(await api_client(memo.get("kubeconfig")))

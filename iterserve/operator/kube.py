@@ -138,8 +138,13 @@ async def apply(kube: Kube, body: dict[str, Any]) -> str:
     meta = body["metadata"]
     live = await kube.get(body["apiVersion"], body["kind"], meta["namespace"], meta["name"])
     if live is None:
-        await kube.create(body)
-        return "created"
+        try:
+            await kube.create(body)
+            return "created"
+        except ApiException as e:
+            if e.status != 409:  # 409: created meanwhile (a timer and a handler at once)
+                raise
+        live = await kube.get(body["apiVersion"], body["kind"], meta["namespace"], meta["name"])
     comparable = {k: v for k, v in body.items() if k not in ("apiVersion", "kind")}
     if is_subset(comparable, live):
         return "unchanged"

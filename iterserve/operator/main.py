@@ -14,6 +14,8 @@ from iterserve.operator.builders import Context, build_all
 from iterserve.operator.spec import KIND, SpecError, parse_spec
 
 API_VERSION = "iterserve.io/v1alpha1"
+# kopf's peering object (the chart ships it): a second operator pauses instead of acting.
+PEERING_NAME = "iterserve"
 
 
 def render(document: Any, control_image: str) -> list[dict[str, Any]]:
@@ -84,6 +86,7 @@ def _run(args: argparse.Namespace) -> int:
     kopf.run(
         registry=build_registry(args.resync_interval_s),
         standalone=args.standalone,
+        peering_name=PEERING_NAME,
         namespaces=args.namespace,
         clusterwide=not args.namespace,
         memo=memo,

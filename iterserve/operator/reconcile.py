@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubernetes.aio.client.exceptions import ApiException
+
 from iterserve.operator.builders import (
     Context,
     admin_secret_name,
@@ -73,14 +75,12 @@ def adopt(obj: dict[str, Any], body: Mapping[str, Any]) -> dict[str, Any]:
 async def ensure_secrets(kube: Kube, ctx: Context, body: Mapping[str, Any]) -> str:
     """The admin-token and API-key Secrets, created with random values when absent (owned by
     the resource); the admin token."""
-    token = ""
     for name, key in (
-        (admin_secret_name(ctx.name), "token"),
         (api_key_secret_name(ctx.name), "api-key"),
+        (admin_secret_name(ctx.name), "token"),
     ):
         live = await kube.get("v1", "Secret", ctx.namespace, name)
         if live is None or not (live.get("data") or {}).get(key):
-            value = secrets.token_urlsafe(32)
             secret = {
                 "apiVersion": "v1",
                 "kind": "Secret",
@@ -90,17 +90,19 @@ async def ensure_secrets(kube: Kube, ctx: Context, body: Mapping[str, Any]) -> s
                     "labels": labels(ctx.name, "server"),
                 },
                 "type": "Opaque",
-                "data": {key: base64.b64encode(value.encode()).decode()},
+                "data": {key: base64.b64encode(secrets.token_urlsafe(32).encode()).decode()},
             }
             if live is None:
-                await kube.create(adopt(secret, body))
+                try:
+                    await kube.create(adopt(secret, body))
+                except ApiException as e:
+                    if e.status != 409:  # 409: created meanwhile by another pass
+                        raise
             else:
                 await kube.patch(secret)
-        else:
-            value = base64.b64decode(live["data"][key]).decode()
-        if key == "token":
-            token = value
-    return token
+            live = await kube.get("v1", "Secret", ctx.namespace, name)
+            assert live is not None, f"Secret {name} vanished"
+    return base64.b64decode(live["data"]["token"]).decode()
 
 
 def condition(
