@@ -294,6 +294,7 @@ def build_router_app(
             headers["authorization"] = f"Bearer {settings.backend_api_key}"
         tried: set[str] = set()
         last: _Failed | None = None
+        answer: _Answer | None = None  # the last replica's answer (429, 5xx), if any
         for attempt in range(2):
             candidates = [s for s in pool.states() if s.name not in tried]
             try:
@@ -311,14 +312,14 @@ def build_router_app(
                 return
             except _Failed as e:
                 last = e
+                answer = e.answer or answer
+                if e.reason != "status_429":
+                    pool.record_failure(backend, e.reason, request=True)
                 if request.gone.is_set():  # no retry for a client that left (or the shutdown)
                     if request.aborted:
                         await _send_shutting_down(send)
                     return
-                if e.reason != "status_429":
-                    pool.record_failure(backend, e.reason, request=True)
-        if last is not None and last.answer is not None:
-            answer = last.answer
+        if answer is not None:  # e.g. a 429 then a refused connection: the 429 comes back
             await _send_whole(send, answer.status, answer.headers, answer.body)
         elif last is not None:
             metrics.requests.labels(replica="none", code="502").inc()

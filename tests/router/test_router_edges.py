@@ -6,6 +6,7 @@ and a replica's event stream is relayed as a stream whatever the body's ``stream
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -138,6 +139,11 @@ def _fake_replica() -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    @app.post("/v1/chat/completions")
+    async def full() -> Response:
+        body = b'{"error": {"message": "full", "type": "x", "param": null, "code": null}}'
+        return Response(body, 429, {"retry-after": "7"}, media_type="application/json")
+
     @app.get("/v1/utf8-header")
     async def utf8_header() -> Response:
         response = Response(b"{}", media_type="application/json")
@@ -241,5 +247,68 @@ def test_a_replica_failing_its_requests_after_each_readmission_backs_off_longer(
         for _ in range(3):
             pool.record_failure(b, "timeout", request=True)
         assert b.ejected and b.backoff_s == 0.5
+
+    asyncio.run(run())
+
+
+class _ResetsRequests:
+    """A vLLM-like replica whose polls answer (a high KV usage: picked last) and whose
+    requests are reset before any status line."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        metrics = (
+            b"vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n"
+            b"vllm:kv_cache_usage_perc 0.9\n"
+        )
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn, contextlib.suppress(OSError):
+                request = conn.recv(65536)
+                if request.startswith(b"GET "):
+                    answer = metrics if request.startswith(b"GET /metrics ") else b""
+                    status = b"200 OK" if answer else b"404 Not Found"
+                    head = b"HTTP/1.1 %s\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+                    conn.sendall(head % (status, len(answer)) + answer)
+                else:
+                    linger = b"\x01\x00\x00\x00\x00\x00\x00\x00"
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+
+
+def test_a_429_then_a_failed_retry_passes_the_429_through() -> None:
+    """The first replica is full (429, Retry-After 7) and the retry's replica resets the
+    connection: the client gets the 429 and its Retry-After (it got a 502)."""
+    resets = _ResetsRequests()
+
+    async def run() -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        fake = uvicorn.Server(uvicorn.Config(_fake_replica(), log_config=None))
+        task = asyncio.create_task(fake.serve(sockets=[sock]))
+        full_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        flags = ("--backend", full_url, "--backend", resets.url, "--no-prefix-affinity")
+        try:
+            async with router(*flags) as (url, app), httpx.AsyncClient(timeout=10) as http:
+                await until(lambda: len(pool_of(app).ready()) == 2, "both ready")
+                r = await http.post(url + "/v1/chat/completions", json={"messages": []})
+                assert r.status_code == 429, r.text
+                assert r.headers["retry-after"] == "7"
+                assert r.headers["x-routed-to"] == full_url
+        finally:
+            fake.should_exit = True
+            await task
+            sock.close()
+            resets.sock.close()
 
     asyncio.run(run())
