@@ -113,6 +113,10 @@ class _Request:
     # Set (with ``gone``) when the router's shutdown ends the request: the client is still
     # there and gets an error event or a 503.
     aborted: bool = False
+    # The task reading the body (a slow upload is cancelled by the shutdown), then the one
+    # watching for the client's disconnect.
+    reader: asyncio.Task[Any] | None = None
+    watcher: asyncio.Future[None] | None = None
 
 
 @dataclass
@@ -152,6 +156,8 @@ class RouterApp:
         for request in self.active.requests:
             request.aborted = True
             request.gone.set()
+            if request.reader is not None:  # still reading the body: it never would
+                request.reader.cancel()
         return len(self.active.requests)
 
     @property
@@ -262,20 +268,10 @@ def build_router_app(
         if any(part in (".", "..") for part in request.path.split("/")):
             await _send_error(send, 404, f"no such path /{request.path}", "not_found_error")
             return
-        try:
-            request.body = await _read_body(receive, request, settings.max_request_body_bytes)
-        except _BodyTooLarge:
-            limit = settings.max_request_body_bytes
-            await _send_error(
-                send, 413, f"the request body is over {limit} bytes", "invalid_request_error"
-            )
-            return
-        except _ClientGone:
-            return
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, request.gone))
         active.requests.add(request)
         try:
-            await route(request, send, arrival)
+            if await read_body(request, receive, send):
+                await route(request, send, arrival)
         except Exception:  # a bug: still an answer in OpenAI's shape, and the traceback logged
             logger.exception("proxying %s /%s failed", request.method, request.path)
             with contextlib.suppress(Exception):  # fails if the answer had started
@@ -283,7 +279,32 @@ def build_router_app(
                 await _send_error(send, 500, message, "internal_server_error")
         finally:
             active.requests.discard(request)
-            watcher.cancel()
+            if request.watcher is not None:
+                request.watcher.cancel()
+
+    async def read_body(request: _Request, receive: Receive, send: Send) -> bool:
+        """Read ``request``'s body and start watching for its client's disconnect; False
+        when it has been answered already (too large, the client gone, the shutdown)."""
+        limit = settings.max_request_body_bytes
+        request.reader = asyncio.current_task()
+        try:
+            request.body = await _read_body(receive, request, limit)
+        except _BodyTooLarge:
+            message = f"the request body is over {limit} bytes"
+            await _send_error(send, 413, message, "invalid_request_error")
+            return False
+        except _ClientGone:
+            return False
+        except asyncio.CancelledError:
+            if not request.aborted or request.reader is None:
+                raise
+            request.reader.uncancel()  # cancelled by abort_active: a slow upload, the drain over
+            await _send_shutting_down(send)
+            return False
+        finally:
+            request.reader = None
+        request.watcher = asyncio.ensure_future(_watch_disconnect(receive, request.gone))
+        return True
 
     async def route(request: _Request, send: Send, arrival: float) -> None:
         key = _prefix_key(request.body) if request.method == "POST" else None

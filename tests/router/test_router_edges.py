@@ -62,12 +62,24 @@ def test_open_requests_end_with_an_error_when_the_grace_period_is_over(
     profile_file: Path,
 ) -> None:
     """A stream still open after --shutdown-grace-period-s ends with an error event and a
-    clean end of the response, a non-streamed request still waiting gets a 503, the replica
-    aborts both, and the router exits 0 right then (not 10 s later, streams cut mid-chunk)."""
+    clean end of the response, a non-streamed request still waiting gets a 503 (and so does
+    one whose body is still coming), the replica aborts both, and the router exits 0 right
+    then (not 10 s later, streams cut mid-chunk)."""
     with run_server("--simulate", str(profile_file)) as replica:
         flags = ("--backend", replica.url, "--poll-interval-ms", "20")
         with run_server(*flags, "--shutdown-grace-period-s", "1", command="router") as r:
             _grace_period_over(replica, r)
+
+
+async def _slow_upload(url: str) -> bytes:
+    """A request whose body never arrives in full: what the router answers it."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 1000\r\n\r\n"
+    writer.write(head + b'{"prompt": ')
+    answer = await reader.read(65536)
+    writer.close()
+    return answer
 
 
 def _grace_period_over(replica: Server, r: Server) -> None:
@@ -76,9 +88,14 @@ def _grace_period_over(replica: Server, r: Server) -> None:
             started = asyncio.Event()
             stream = asyncio.create_task(_stream_events(http, started))
             whole = asyncio.create_task(http.post("/v1/completions", json=LONG))
+            upload = asyncio.create_task(_slow_upload(r.url))
             await asyncio.wait_for(started.wait(), 10)
             r.proc.send_signal(signal.SIGTERM)
-            events, answer = await asyncio.wait_for(asyncio.gather(stream, whole), 5)
+            events, answer, uploaded = await asyncio.wait_for(
+                asyncio.gather(stream, whole, upload), 5
+            )
+        # The slow upload too: a 503 (it kept the router 10 s past the grace period).
+        assert uploaded.startswith(b"HTTP/1.1 503 "), uploaded
         error = json.loads(events[-1][len("data: ") :])["error"]
         assert error["type"] == "service_unavailable_error", events[-1]
         assert set(error) == {"message", "type", "param", "code"}
