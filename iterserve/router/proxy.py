@@ -381,7 +381,13 @@ def build_router_app(
         arrival: float | None,
     ) -> None:
         sending = asyncio.ensure_future(
-            http.request(request.method, url, data=request.body or None, headers=headers)
+            http.request(
+                request.method,
+                url,
+                data=request.body or None,
+                headers=headers,
+                allow_redirects=False,  # a replica's redirect goes back to the client, as is
+            )
         )
         if arrival is not None:  # body read, parsed, picked, sent: what the router adds
             metrics.proxy_overhead.observe(time.perf_counter() - arrival)

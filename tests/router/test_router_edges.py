@@ -161,6 +161,10 @@ def _fake_replica() -> FastAPI:
         body = b'{"error": {"message": "full", "type": "x", "param": null, "code": null}}'
         return Response(body, 429, {"retry-after": "7"}, media_type="application/json")
 
+    @app.post("/v1/moved")
+    async def moved() -> Response:
+        return Response(status_code=307, headers={"location": "http://elsewhere.invalid/v1/x"})
+
     @app.get("/v1/utf8-header")
     async def utf8_header() -> Response:
         response = Response(b"{}", media_type="application/json")
@@ -213,6 +217,11 @@ def test_paths_headers_streams_and_errors(monkeypatch: pytest.MonkeyPatch) -> No
                 r = await http.get("/v1/utf8-header")
                 assert r.status_code == 200
                 assert (b"x-request-id", "café-€".encode()) in r.headers.raw
+                # A replica's redirect comes back to the client (the router followed it,
+                # the body and the replicas' key sent wherever it pointed).
+                r = await http.post("/v1/moved", json={"prompt": "x"})
+                assert r.status_code == 307
+                assert r.headers["location"] == "http://elsewhere.invalid/v1/x"
                 # A bug in the proxy still answers in OpenAI's shape (and logs it).
                 monkeypatch.setattr(proxy, "_prefix_key", lambda body: 1 / 0)
                 r = await http.post("/v1/completions", json={"prompt": "x"})
