@@ -60,7 +60,8 @@ def aiohttp_fetch(session: aiohttp.ClientSession) -> Fetch:
     """A :data:`Fetch` over ``session``."""
 
     async def fetch(url: str, headers: dict[str, str]) -> tuple[int, bytes]:
-        async with session.get(url, headers=headers) as r:
+        # Not following a redirect: the replicas' key goes to the replicas only.
+        async with session.get(url, headers=headers, allow_redirects=False) as r:
             return r.status, await r.read()
 
     return fetch

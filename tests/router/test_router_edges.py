@@ -161,6 +161,10 @@ def _fake_replica() -> FastAPI:
         body = b'{"error": {"message": "full", "type": "x", "param": null, "code": null}}'
         return Response(body, 429, {"retry-after": "7"}, media_type="application/json")
 
+    @app.get("/load")  # the poll must not follow it (auto: /metrics then)
+    async def load() -> Response:
+        return Response(status_code=307, headers={"location": "http://elsewhere.invalid/load"})
+
     @app.post("/v1/moved")
     async def moved() -> Response:
         return Response(status_code=307, headers={"location": "http://elsewhere.invalid/v1/x"})
