@@ -309,7 +309,7 @@ def build_router_app(
     async def route(request: _Request, send: Send, arrival: float) -> None:
         key = _prefix_key(request.body) if request.method == "POST" else None
         session = request.headers.get(settings.session_header)
-        headers = {k: v for k, v in request.headers.items() if k in _FORWARD}
+        headers = {k: _as_sent(v) for k, v in request.headers.items() if k in _FORWARD}
         headers.setdefault("accept-encoding", "identity")  # relayed as is: no re-encoding
         if settings.backend_api_key:
             headers["authorization"] = f"Bearer {settings.backend_api_key}"
@@ -533,6 +533,18 @@ async def _read_body(receive: Receive, request: _Request, limit: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _as_sent(value: str) -> str:
+    """A header value (decoded as latin-1) as aiohttp must be given it to send the client's
+    bytes: it encodes values as UTF-8, so a UTF-8 value is decoded as such (it arrived as
+    mojibake at the replica); bytes that are not UTF-8 stay latin-1 (re-encoded)."""
+    if value.isascii():
+        return value
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeDecodeError:
+        return value
 
 
 def _raw_path(scope: Scope) -> str:

@@ -177,7 +177,9 @@ def _fake_replica() -> FastAPI:
 
     @app.get("/v1/{rest:path}")
     async def echo(request: Request) -> dict[str, str]:
-        return {"raw_path": request.scope["raw_path"].decode(), "query": str(request.url.query)}
+        tenant = dict(request.scope["headers"]).get(b"x-tenant-id", b"")
+        seen = {"raw_path": request.scope["raw_path"].decode(), "query": str(request.url.query)}
+        return {**seen, "tenant": tenant.hex()} if tenant else seen
 
     return app
 
@@ -200,6 +202,10 @@ def test_paths_headers_streams_and_errors(monkeypatch: pytest.MonkeyPatch) -> No
                 assert seen == {"raw_path": "/v1/models%3Fa=b", "query": ""}
                 seen = (await http.get("/v1/x%2Fy/%C3%A9?q=%C3%A9&r")).json()
                 assert seen == {"raw_path": "/v1/x%2Fy/%C3%A9", "query": "q=%C3%A9&r"}
+                # A UTF-8 header value reaches the replica as the client's bytes.
+                tenant = "café-€".encode()
+                seen = (await http.get("/v1/models", headers={"x-tenant-id": tenant})).json()
+                assert seen["tenant"] == tenant.hex()
                 # The control app's 404 and 405, in OpenAI's shape as the proxied paths'.
                 for method, path, code in [
                     ("GET", "/v1", 404), ("GET", "//v1/models", 404),
