@@ -213,7 +213,7 @@ def _resources(spec: LLMDeploymentSpec) -> dict[str, Any]:
     r = spec.resources
     limits: dict[str, Any] = {}
     if r.gpus:
-        limits["nvidia.com/gpu"] = r.gpus
+        limits["nvidia.com/gpu"] = str(r.gpus)  # a quantity
     if r.cpu is not None:
         limits["cpu"] = r.cpu
     if r.memory is not None:

@@ -14,6 +14,8 @@ from kubernetes.aio import client
 from kubernetes.aio.client.exceptions import ApiException
 
 MERGE_PATCH = "application/merge-patch+json"
+# What the operator applied last to an object (JSON), for three-way patches.
+LAST_APPLIED = "iterserve.io/last-applied"
 
 # kind -> (API class, the snake_case name in its methods), for namespaced built-in kinds.
 _TYPED: dict[str, tuple[str, str]] = {
@@ -101,6 +103,21 @@ class Kube:
         )  # fmt: skip
         return await _raw(call)
 
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        """Delete the object (gone already is fine)."""
+        try:
+            if kind in _TYPED:
+                await _raw(self._typed(kind, "delete")(name, namespace))
+                return
+            group, version = api_version.split("/")
+            call = self._custom().delete_namespaced_custom_object_without_preload_content(
+                group, version, namespace, _CUSTOM[kind], name
+            )
+            await _raw(call)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
     async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[Any]:
         """Objects of ``kind`` in ``namespace`` carrying all ``labels``."""
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
@@ -132,11 +149,48 @@ def is_subset(desired: Any, live: Any) -> bool:
     return bool(desired == live) or str(desired) == str(live)
 
 
+# Keys the operator hands over rather than deletes when it stops setting them: an
+# autoscaler owns a Deployment's replica count once autoscaling is on.
+HANDED_OVER = (("spec", "replicas"),)
+
+
+def _removals(last: Any, desired: Any, path: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) nulls that delete what ``last`` set and ``desired``
+    no longer does (a merge patch replaces lists whole, so only mapping keys need them)."""
+    if not isinstance(last, dict) or not isinstance(desired, dict):
+        return {}
+    removals: dict[str, Any] = {}
+    for key, value in last.items():
+        if key not in desired:
+            if (*path, key) not in HANDED_OVER:
+                removals[key] = None
+        elif isinstance(value, dict) and (nested := _removals(value, desired[key], (*path, key))):
+            removals[key] = nested
+    return removals
+
+
+def _merge(patch: dict[str, Any], removals: dict[str, Any]) -> dict[str, Any]:
+    out = dict(patch)
+    for key, value in removals.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) else value
+    return out
+
+
 async def apply(kube: Kube, body: dict[str, Any]) -> str:
     """Create ``body``, or merge-patch it onto the live object when that drifted; what was
-    done: ``created``, ``patched`` or ``unchanged`` (running it twice changes nothing)."""
+    done: ``created``, ``patched`` or ``unchanged`` (running it twice changes nothing).
+
+    Three-way, as ``kubectl apply``: the object carries what was applied last (annotation
+    :data:`LAST_APPLIED`), so a key the operator stops setting (a node selector taken out of
+    the spec, an init container no longer needed) is deleted, while keys others set (the
+    API server's defaults, another controller's annotations) are left alone.
+    """
     meta = body["metadata"]
-    live = await kube.get(body["apiVersion"], body["kind"], meta["namespace"], meta["name"])
+    last_applied = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    body = {**body, "metadata": {**meta, "annotations": {**meta.get("annotations", {})}}}
+    body["metadata"]["annotations"][LAST_APPLIED] = last_applied
+    where = (body["apiVersion"], body["kind"], meta["namespace"], meta["name"])
+    live = await kube.get(*where)
     if live is None:
         try:
             await kube.create(body)
@@ -144,9 +198,14 @@ async def apply(kube: Kube, body: dict[str, Any]) -> str:
         except ApiException as e:
             if e.status != 409:  # 409: created meanwhile (a timer and a handler at once)
                 raise
-        live = await kube.get(body["apiVersion"], body["kind"], meta["namespace"], meta["name"])
+        live = await kube.get(*where)
     comparable = {k: v for k, v in body.items() if k not in ("apiVersion", "kind")}
     if is_subset(comparable, live):
         return "unchanged"
-    await kube.patch(body)
+    previous = ((live or {}).get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED)
+    try:
+        last = json.loads(previous) if previous else {}
+    except ValueError:
+        last = {}
+    await kube.patch(_merge(body, _removals(last, json.loads(last_applied))))
     return "patched"

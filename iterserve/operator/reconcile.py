@@ -32,6 +32,12 @@ from iterserve.operator.kube import Kube, apply
 from iterserve.operator.push import PodResult, ready_targets, sync_pods
 from iterserve.operator.spec import desired_settings, parse_spec, settings_hash_of
 
+# Owned objects a spec may stop asking for: deleted then (the others always exist).
+_OPTIONAL = (
+    ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+)
+
 
 @dataclass(frozen=True)
 class OperatorSettings:
@@ -102,6 +108,7 @@ async def ensure_secrets(kube: Kube, ctx: Context, body: Mapping[str, Any]) -> s
                 await kube.patch(secret)
             live = await kube.get("v1", "Secret", ctx.namespace, name)
             assert live is not None, f"Secret {name} vanished"
+    assert live is not None
     return base64.b64decode(live["data"]["token"]).decode()
 
 
@@ -165,9 +172,17 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
     ctx = Context(meta["name"], meta["namespace"], generation, settings.control_image, version)
     admin_token = await ensure_secrets(kube, ctx, body)
     events = []
-    for obj in build_all(ctx, spec):
+    built = build_all(ctx, spec)
+    for obj in built:
         if await apply(kube, adopt(obj, body)) == "patched":
             events.append(("Normal", "Updated", f"{obj['kind']} {obj['metadata']['name']}"))
+    for api_version, kind in _OPTIONAL:  # an autoscaler the spec no longer asks for
+        if not any(o["kind"] == kind for o in built):
+            live = await kube.get(api_version, kind, ctx.namespace, ctx.name)
+            owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
+            if any(o.get("uid") == meta["uid"] for o in owners):
+                await kube.delete(api_version, kind, ctx.namespace, ctx.name)
+                events.append(("Normal", "Deleted", f"{kind} {ctx.name}"))
     pods = await kube.list("Pod", ctx.namespace, selector(ctx.name, "server"))
     results = await sync_pods(
         ready_targets(pods), desired, desired_hash, version, admin_token, settings.push_timeout_s

@@ -236,7 +236,7 @@ def test_server_pod_of_the_example() -> None:
     assert container["image"] == "ghcr.io/example/iterserve:0.2.0-cuda"
     assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert container["resources"] == {
-        "limits": {"nvidia.com/gpu": 4, "cpu": "8", "memory": "64Gi"},
+        "limits": {"nvidia.com/gpu": "4", "cpu": "8", "memory": "64Gi"},
         "requests": {"cpu": "8", "memory": "64Gi"},
     }
     assert container["env"] == [
@@ -349,7 +349,7 @@ def test_shm_only_with_tensor_parallel(gpus: int, tp: int | None, shm: bool) -> 
     mounts = [m["mountPath"] for m in server_container(document)["volumeMounts"]]
     assert ("/dev/shm" in mounts) is shm
     limits = server_container(document).get("resources", {}).get("limits", {})
-    assert limits.get("nvidia.com/gpu") == (gpus or None)
+    assert limits.get("nvidia.com/gpu") == (str(gpus) if gpus else None)  # a quantity
 
 
 @pytest.mark.parametrize(
@@ -931,7 +931,7 @@ def test_apply_patches_drift_and_leaves_additions_alone() -> None:
     deployment = kube.objects["Deployment", "serving", "chat-70b"]
     deployment["spec"]["replicas"] = 3  # scaled by hand
     config_map = kube.objects["ConfigMap", "serving", "chat-70b-scheduler"]
-    config_map["metadata"]["annotations"] = {"kubectl.kubernetes.io/last-applied": "{}"}
+    config_map["metadata"]["annotations"]["kubectl.kubernetes.io/last-applied"] = "{}"
     kube.calls.clear()
     results = apply_all(kube, objects)
     assert results == ["unchanged"] * 3 + ["patched"] + ["unchanged"] * (len(objects) - 4)
@@ -940,6 +940,24 @@ def test_apply_patches_drift_and_leaves_additions_alone() -> None:
     assert deployment["spec"]["replicas"] == 1
     assert deployment["metadata"]["uid"] == "uid-3"  # patched in place, not recreated
     assert apply_all(kube, objects) == ["unchanged"] * len(objects)
+
+
+def test_apply_deletes_what_the_operator_stopped_setting() -> None:
+    """Three-way: a key taken out of the spec goes from the live object; keys others set
+    stay."""
+    kube = FakeKube()
+    document = with_spec(EXAMPLE)
+    pod = document["spec"].setdefault("pod", {})
+    pod["nodeSelector"] = {"gpu": "h100"}
+    apply_all(kube, list(build(document).values()))
+    deployment = kube.objects["Deployment", "serving", "chat-70b"]
+    deployment["metadata"]["annotations"]["someone.else/note"] = "keep"
+    assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {"gpu": "h100"}
+    del pod["nodeSelector"]
+    apply_all(kube, list(build(document).values()))
+    deployment = kube.objects["Deployment", "serving", "chat-70b"]
+    assert "nodeSelector" not in deployment["spec"]["template"]["spec"]
+    assert deployment["metadata"]["annotations"]["someone.else/note"] == "keep"
 
 
 def test_apply_of_a_changed_spec_patches_only_what_changed() -> None:

@@ -312,6 +312,22 @@ def test_operator_applies_pushes_catches_up_and_refuses(tmp_path: Path) -> None:
             assert file["config_version"] == 3  # untouched
             assert (await _settings(http, a, token))["max_num_batched_tokens"] == 512
 
+            # Autoscaling on: an HPA, and the Deployment's replicas left to it; off: the HPA
+            # goes.
+            hpa_path = f"/apis/autoscaling/v2/namespaces/{NS}/horizontalpodautoscalers/{NAME}"
+            scaled = {**changed, "autoscaling": {"enabled": True, "maxReplicas": 3}}
+            await k8s.patch(f"{API}/{NAME}", json={"metadata": {"generation": 5}, "spec": scaled})
+            await _wait_for(k8s, hpa_path, "the HPA")
+            deployment = await _get(k8s, paths["Deployment"])
+            assert deployment["spec"]["replicas"] == 2  # not reset: the HPA's now
+            unscaled = {**changed, "autoscaling": {"enabled": False}}  # a merge patch
+            await k8s.patch(f"{API}/{NAME}", json={"metadata": {"generation": 6}, "spec": unscaled})
+
+            async def hpa_gone() -> bool:
+                return await _get(k8s, hpa_path) is None
+
+            await until_async(hpa_gone, "the HPA deleted")
+
             # A resource invalid from the start gets the condition and no objects.
             await k8s.post(API, json=_resource("bad", {**SPEC, "image": ""}))
 
