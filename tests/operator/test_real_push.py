@@ -1,0 +1,69 @@
+"""The operator's live push (:func:`iterserve.operator.push.sync_pods`, what every reconcile
+runs) on two real ``iterserve serve`` replicas of the default model while they stream: no
+stream fails or loses a token, and both replicas end on the desired settings."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from server_utils import run_server, stream_completion
+
+from iterserve.operator.push import PodTarget, sync_pods
+from iterserve.operator.spec import desired_settings, parse_spec, settings_hash_of
+
+TOKEN = "admin-secret"
+MAX_TOKENS = 48
+SPEC: dict[str, Any] = {
+    "model": {"name": "smol", "source": {"hostPath": "/models/smol"}},
+    "image": "iterserve:test",
+    "resources": {"gpus": 0},
+    "engine": {"swapSpace": 0},
+    "scheduler": {"maxNumSeqs": 8, "maxNumBatchedTokens": 256, "chunkSize": 64},
+    "slaTiers": [{"name": "premium", "priority": 0}, {"name": "batch", "priority": 5}],
+}
+
+
+@pytest.mark.model
+def test_a_live_push_under_streaming_load_loses_nothing() -> None:
+    flags = ("--dtype", "bfloat16", "--num-kv-blocks", "128", "--admin-token", TOKEN)
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        starting = [pool.submit(stack.enter_context, run_server(*flags)) for _ in range(2)]
+        servers = [s.result() for s in starting]
+        desired = desired_settings(parse_spec(SPEC))
+        desired_hash = settings_hash_of(desired)
+
+        async def main() -> None:
+            async with httpx.AsyncClient(timeout=300) as http:
+                clients = [httpx.AsyncClient(base_url=s.url, timeout=300) for s in servers]
+                body = {"prompt": "Tell me a story about", "max_tokens": MAX_TOKENS}
+                streams = [
+                    asyncio.create_task(stream_completion(c, {**body, "ignore_eos": True}))
+                    for c in clients
+                    for _ in range(3)
+                ]
+                # Push once every replica is decoding its three streams.
+                for s in servers:
+                    while (await http.get(s.url + "/load")).json()["num_running"] < 3:
+                        await asyncio.sleep(0.02)
+                targets = [PodTarget(f"pod-{i}", s.url) for i, s in enumerate(servers)]
+                results = await sync_pods(targets, desired, desired_hash, 7, TOKEN, 30.0)
+                assert all(r.pushed and r.applied and r.error is None for r in results), results
+                assert [r.version for r in results] == [7, 7]
+                done = await asyncio.gather(*streams)
+                assert all(d.status == 200 and not d.errors for d in done), done
+                assert [d.completion_tokens for d in done] == [MAX_TOKENS] * 6
+                for s in servers:
+                    load = (await http.get(s.url + "/load")).json()
+                    assert (load["config_hash"], load["config_version"]) == (desired_hash, 7)
+                # Again: every pod already runs the settings, nothing is pushed.
+                again = await sync_pods(targets, desired, desired_hash, 7, TOKEN, 30.0)
+                assert all(r.applied and not r.pushed for r in again)
+                for c in clients:
+                    await c.aclose()
+
+        asyncio.run(main())
