@@ -14,6 +14,9 @@ import pytest
         "iterserve",
         "iterserve.router",
         "iterserve.operator",
+        "iterserve.operator.handlers",
+        "iterserve.operator.main",
+        "iterserve.router.server",
         "iterserve.engine.scheduler",
         # The simulator: simulated replicas and the what-if replay run in the control image.
         "iterserve.sim.replica",
