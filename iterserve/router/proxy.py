@@ -53,6 +53,9 @@ _BACK = frozenset((
     "content-type", "content-encoding", "x-request-id", "retry-after", "cache-control", "location",
 ))  # fmt: skip
 _RETRY_AFTER_S = "1"
+# Idle upstream connections are dropped before uvicorn's replicas close theirs (5 s), so a
+# request never goes out on a connection the replica is closing.
+KEEPALIVE_S = 4.0
 # The last event of a stream whose replica went away (OpenAI's error shape, as the server's).
 _CUT_EVENT = (
     b'data: {"error": {"message": "the replica serving this stream went away", '
@@ -199,7 +202,9 @@ def build_router_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal upstream
         upstream = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60),
+            connector=aiohttp.TCPConnector(
+                limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
+            ),
             timeout=aiohttp.ClientTimeout(
                 total=None, connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
             ),

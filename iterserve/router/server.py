@@ -20,7 +20,7 @@ import uvicorn
 from iterserve import envs
 from iterserve.draining import DrainingServer
 from iterserve.router.pool import ReplicaPool, aiohttp_fetch, polling
-from iterserve.router.proxy import ProxySettings, RouterApp, build_router_app
+from iterserve.router.proxy import KEEPALIVE_S, ProxySettings, RouterApp, build_router_app
 from iterserve.router.scoring import Picker
 
 logger = logging.getLogger("iterserve.router")
@@ -88,7 +88,7 @@ def build(args: argparse.Namespace) -> RouterApp:
             on_change = lambda endpoints: pool.set_urls([e.url for e in endpoints])  # noqa: E731
             tasks.append(asyncio.create_task(discovery.run(on_change)))
         timeout = aiohttp.ClientTimeout(total=args.poll_timeout_ms / 1000)
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
             pool.fetch = aiohttp_fetch(http)
             async with polling(pool):
