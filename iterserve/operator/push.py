@@ -54,7 +54,9 @@ def ready_targets(pods: list[dict[str, Any]]) -> list[PodTarget]:
             if p.get("name") == "http"
         ]
         if ports:
-            targets.append(PodTarget(meta["name"], f"http://{status['podIP']}:{ports[0]}"))
+            ip = status["podIP"]
+            host = f"[{ip}]" if ":" in ip else ip  # an IPv6 pod (dual-stack, IPv6 clusters)
+            targets.append(PodTarget(meta["name"], f"http://{host}:{ports[0]}"))
     return targets
 
 
@@ -66,24 +68,49 @@ async def sync_pod(
     version: int,
     admin_token: str,
 ) -> PodResult:
-    """Bring one pod to ``settings``: nothing when its hash already matches."""
+    """Bring one pod to ``settings``: nothing when its hash already matches.
+
+    Whatever the pod answers (a redirect, which is not followed: the admin token goes to the
+    pod only; JSON that is not an object; an error page) is a :class:`PodResult` with the
+    error, never an exception: one odd pod must not cost the others their status."""
     try:
-        async with http.get(pod.url + "/load") as r:
-            r.raise_for_status()
-            load = json.loads(await r.read())
+        async with http.get(pod.url + "/load", allow_redirects=False) as r:
+            if r.status != 200:
+                return PodResult(pod.name, None, False, error=f"/load answered {r.status}")
+            load = _object(await r.read())
         if load.get("config_hash") == desired_hash:
-            return PodResult(pod.name, load.get("config_version"), applied=True)
+            return PodResult(pod.name, _version(load), applied=True)
         headers = {"Authorization": f"Bearer {admin_token}"}
         body = {**settings, "config_version": version}
-        async with http.put(pod.url + "/admin/scheduler_config", json=body, headers=headers) as r:
-            answer = json.loads(await r.read())
+        url = pod.url + "/admin/scheduler_config"
+        async with http.put(url, json=body, headers=headers, allow_redirects=False) as r:
+            text = await r.read()
             if r.status != 200:
-                message = answer.get("error", {}).get("message", answer)
+                try:
+                    error = _object(text).get("error")
+                    message = error.get("message", error) if isinstance(error, dict) else error
+                except ValueError:
+                    message = text[:200].decode(errors="replace")
                 return PodResult(pod.name, None, False, error=f"{r.status}: {message}")
+            answer = _object(text)
         applied = answer.get("config_hash") == desired_hash
-        return PodResult(pod.name, answer.get("config_version"), applied, pushed=True)
+        return PodResult(pod.name, _version(answer), applied, pushed=True)
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
         return PodResult(pod.name, None, False, error=f"{type(e).__name__}: {e}")
+
+
+def _object(data: bytes) -> dict[str, Any]:
+    """A JSON object (ValueError otherwise: not JSON, or a list, a string, null)."""
+    value = json.loads(data)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _version(answer: dict[str, Any]) -> int | None:
+    """The pod's ``config_version`` when it is an integer (status holds integers only)."""
+    version = answer.get("config_version")
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
 async def sync_pods(
@@ -96,7 +123,10 @@ async def sync_pods(
 ) -> list[PodResult]:
     """:func:`sync_pod` on every pod at once, each bounded by ``timeout_s``."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    # No pool limit: with the default 100 connections, pods beyond the hundredth would wait
+    # for a free one inside their own timeout and be reported unreachable.
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         return list(
             await asyncio.gather(
                 *(sync_pod(http, p, settings, desired_hash, version, admin_token) for p in pods)
