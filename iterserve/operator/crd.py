@@ -2,10 +2,13 @@
 
 One source of truth: ``spec``'s OpenAPI schema is :class:`~iterserve.operator.spec.
 LLMDeploymentSpec`'s JSON schema made *structural* (what the API server requires of a CRD):
-``$ref`` inlined, ``X | None`` as ``nullable``, no ``title``, exclusive bounds as OpenAPI v3
+``$ref`` inlined, ``X | None`` as ``nullable``, ``int | str`` (the models' Kubernetes
+quantities) as ``x-kubernetes-int-or-string``, no ``title``, exclusive bounds as OpenAPI v3
 booleans, free-form objects marked ``x-kubernetes-preserve-unknown-fields``, and ``default:
 {}`` on sub-objects the models build with ``default_factory`` (so the API server fills their
-fields' defaults into ``{}`` as pydantic does). The rules across fields are :data:`RULES`,
+fields' defaults into ``{}`` as pydantic does). Descriptions (``kubectl explain``'s text) are
+the fields' and the model classes' docstrings, a field's own first, with their line breaks
+folded (:func:`description_text`). The rules across fields are :data:`RULES`,
 CEL twins of :func:`~iterserve.operator.spec.cross_field_errors` with the same messages.
 
 ``python -m iterserve.operator.crd > crds/llmdeployments.iterserve.io.yaml`` regenerates the
@@ -101,29 +104,61 @@ RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
 _COPIED = ("minLength", "maxLength", "minItems", "maxItems", "pattern")
 # Keywords handled by _structural; anything else in the models' schema is an error, so a
 # construct the conversion does not know fails here instead of reaching the API server.
+_INT_OR_STRING = "x-kubernetes-int-or-string"
 _KNOWN = {
     *_COPIED,
     *("$ref", "anyOf", "title", "description", "type", "format", "default", "enum"),
     *("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
     *("properties", "required", "items"),
-    "additionalProperties",
+    *("additionalProperties", _INT_OR_STRING),
 }
+# The one union besides `X | None` that has a structural form: an integer or a string.
+_INT_OR_STRING_TYPES = [{"type": "integer"}, {"type": "string"}]
+
+
+def description_text(text: str) -> str:
+    """A model's description as the CRD carries it: reST's double backquotes as Markdown's
+    single ones, the line breaks inside a paragraph (a docstring's) folded to spaces."""
+    paragraphs = text.replace("``", "`").split("\n\n")
+    return "\n\n".join(" ".join(p.split()) for p in paragraphs)
+
+
+def _merged(inner: dict[str, Any], outer: dict[str, Any]) -> dict[str, Any]:
+    """``inner`` (a ``$ref``'s target, a union's option) under ``outer``'s keywords: the
+    field's own keywords (its default) win, and its description comes before the target's
+    (a model class's docstring) instead of replacing it."""
+    node = {**inner, **outer}
+    if "description" in inner and "description" in outer:
+        node["description"] = f"{outer['description']}\n\n{inner['description']}"
+    return node
 
 
 def _inline(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
-    """``node`` with a ``$ref`` replaced by its target and ``X | None`` by ``X`` + nullable.
-
-    The field's own keywords (its description, its default) win over the target's.
-    """
+    """``node`` with a ``$ref`` replaced by its target, ``X | None`` by ``X`` + nullable and
+    ``int | str`` by an int-or-string node that keeps both options' keywords (the integer's
+    bounds, the string's pattern: each applies to its own type, in JSON Schema as in the API
+    server). See :func:`_merged` for how the field's keywords and the target's combine."""
     node = dict(node)
     if "$ref" in node:
         target = defs[node.pop("$ref").removeprefix("#/$defs/")]
-        node = {**_inline(target, defs), **node}
+        node = _merged(_inline(target, defs), node)
     if "anyOf" in node:
-        options = [o for o in node.pop("anyOf") if o != {"type": "null"}]
-        if len(options) != 1:
-            raise ValueError(f"only `X | None` unions have a structural schema: {options}")
-        node = {**_inline(options[0], defs), **node, "nullable": True}
+        given = node.pop("anyOf")
+        options = [o for o in given if o != {"type": "null"}]
+        nullable = {"nullable": True} if len(options) < len(given) else {}
+        if sorted(o.get("type", "") for o in options) == ["integer", "string"]:
+            inner: dict[str, Any] = {_INT_OR_STRING: True}
+            for option in options:
+                for key, value in option.items():
+                    if key != "type" and inner.setdefault(key, value) != value:
+                        raise ValueError(f"int | str options disagree on {key}: {options}")
+            node = {**_merged(inner, node), **nullable}
+        elif len(options) == 1:
+            node = {**_merged(_inline(options[0], defs), node), **nullable}
+        else:
+            raise ValueError(
+                f"only `X | None` and `int | str` unions have a structural schema: {options}"
+            )
     return node
 
 
@@ -135,8 +170,12 @@ def _structural(raw: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"no structural form for {sorted(unknown)} (keys {sorted(node)})")
     out: dict[str, Any] = {}
     if "description" in node:
-        out["description"] = node["description"].replace("``", "`")
-    out["type"] = node["type"]
+        out["description"] = description_text(node["description"])
+    if node.get(_INT_OR_STRING):  # no type (structural schemas' one exception)
+        out[_INT_OR_STRING] = True
+        out["anyOf"] = [dict(t) for t in _INT_OR_STRING_TYPES]
+    else:
+        out["type"] = node["type"]
     if "format" in node:
         out["format"] = node["format"]
     if node.get("nullable"):
@@ -154,9 +193,9 @@ def _structural(raw: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     for key in _COPIED:
         if key in node:
             out[key] = node[key]
-    if node["type"] == "array":
+    if node.get("type") == "array":
         out["items"] = _structural(node["items"], defs)
-    if node["type"] == "object":
+    if node.get("type") == "object":
         out.update(_object_body(node, defs))
     return out
 
@@ -176,7 +215,7 @@ def _object_body(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         if (
             name not in required
             and "default" not in raw
-            and prop["type"] == "object"
+            and prop.get("type") == "object"
             and "properties" in prop
             and not prop.get("required")
         ):

@@ -12,9 +12,18 @@ operator render`` and a cluster without CEL refuse them too). What only the serv
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
 
 from iterserve.config import DEFAULT_TIERS, SchedulerConfig
 from iterserve.server.live_config import LiveConfigError, VersionedSettings, merge
@@ -26,6 +35,45 @@ class SpecError(ValueError):
     """A spec the schema let through but the operator cannot apply (``Ready=False``)."""
 
 
+# A non-negative Kubernetes quantity (k8s.io/apimachinery's resource.Quantity without the
+# sign): a decimal number with an optional binary (Ki..Ei), decimal (n, u, m, k, M..E) or
+# exponent suffix.
+QUANTITY_PATTERN = (
+    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+
+
+def _quantity(value: object) -> object:
+    """A quantity as Kubernetes users write it (an integer or a string), as a string."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(
+            f"a quantity is an integer or a string such as '500m' or '64Gi', got {value!r}"
+        )
+    text = str(value)
+    if not re.fullmatch(QUANTITY_PATTERN, text):
+        raise ValueError(
+            f"not a non-negative Kubernetes quantity (such as 8, '500m' or '64Gi'): {value!r}"
+        )
+    return text
+
+
+# int-or-string in the schema (the CRD's ``x-kubernetes-int-or-string``), a string once
+# parsed, so the builders copy it into the pod's resources as it is.
+Quantity = Annotated[
+    str,
+    BeforeValidator(_quantity),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 0},
+                {"type": "string", "pattern": QUANTITY_PATTERN},
+            ]
+        }
+    ),
+]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -33,29 +81,48 @@ class _Model(BaseModel):
 class PvcSource(_Model):
     """Weights on a PersistentVolumeClaim, mounted read-only."""
 
-    claimName: str = Field(min_length=1, description="the claim's name")
-    path: str = Field("", description="the model directory inside the volume")
+    claimName: str = Field(
+        min_length=1, description="The PersistentVolumeClaim's name, in the resource's namespace."
+    )
+    path: str = Field(
+        "",
+        description="The model directory inside the volume. Default: the volume's root.",
+    )
 
 
 class ImageSource(_Model):
-    """Weights baked into the server image."""
+    """Weights baked into the server image (spec.image): nothing is mounted."""
 
-    path: str = Field(min_length=1, description="the model directory inside the image")
+    path: str = Field(
+        min_length=1,
+        description="The model directory inside the server image, e.g. /opt/models/llama.",
+    )
 
 
 class ModelSource(_Model):
-    """Where the weights are: exactly one of pvc, hostPath, image, uri."""
+    """Where the weights are: exactly one of pvc, hostPath, image, uri (uri goes with
+    initImage). A change rolls the server pods."""
 
     pvc: PvcSource | None = None
-    hostPath: str | None = Field(None, min_length=1, description="a directory on the node")
+    hostPath: str | None = Field(
+        None,
+        min_length=1,
+        description="A directory on the node holding the weights, mounted read-only (it must "
+        "exist on every node the server pods can land on; see pod.nodeSelector).",
+    )
     image: ImageSource | None = None
     uri: str | None = Field(
         None,
         min_length=1,
-        description="downloaded by initImage into an emptyDir before the server starts",
+        description="Where to download the weights from, e.g. s3://bucket/llama-3-70b: "
+        "initImage downloads them into an emptyDir before the server starts (as KServe's "
+        "storageUri). Needs initImage.",
     )
     initImage: str | None = Field(
-        None, min_length=1, description="the downloader for uri: run as `IMAGE URI DIR`"
+        None,
+        min_length=1,
+        description="The downloader image for uri, run as an init container with the "
+        "arguments `URI DIR`. Given with uri only.",
     )
 
     @model_validator(mode="after")
@@ -69,101 +136,307 @@ class ModelSource(_Model):
 
 
 class ModelSpec(_Model):
-    name: str = Field(min_length=1, max_length=253, description="the served model id")
+    """The model to serve: its id and where its weights are. A change rolls the server
+    pods."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        description="The served model id: the `model` clients send to the OpenAI-compatible "
+        "API (the server's --served-model-name).",
+    )
     source: ModelSource
 
 
 class Resources(_Model):
-    gpus: int = Field(1, ge=0, le=16, description="GPUs per replica (0: CPU pods)")
-    cpu: str | None = Field(None, description="CPU request and limit, e.g. '8'")
-    memory: str | None = Field(None, description="memory request and limit, e.g. 64Gi")
+    """Compute resources of each server pod (one model replica); CPU and memory requests
+    equal their limits. A change rolls the server pods."""
+
+    gpus: int = Field(
+        1,
+        ge=0,
+        le=16,
+        description="GPUs (nvidia.com/gpu limit) per server pod, 0 to 16. 0 runs CPU pods "
+        "(demos, CPU clusters). Default 1.",
+    )
+    cpu: Quantity | None = Field(
+        None,
+        description="CPU request and limit of each server pod, a Kubernetes quantity in "
+        'cores: an integer (8) or a string ("8", "500m"). Default: not set (the '
+        "namespace's defaults apply).",
+    )
+    memory: Quantity | None = Field(
+        None,
+        description="Memory request and limit of each server pod, a Kubernetes quantity in "
+        "bytes: 64Gi, 512Mi, or a plain integer of bytes. Default: not set (the namespace's "
+        "defaults apply).",
+    )
 
 
 class PodOverrides(_Model):
-    """Passed through to the server pods."""
+    """Passed through to the server pods (not the router's). A change rolls the server
+    pods."""
 
-    nodeSelector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    affinity: dict[str, Any] = Field(default_factory=dict)
-    imagePullSecrets: list[dict[str, Any]] = Field(default_factory=list)
-    env: list[dict[str, Any]] = Field(default_factory=list)
-    extraArgs: list[str] = Field(default_factory=list, description="appended to `iterserve serve`")
-    annotations: dict[str, str] = Field(default_factory=dict)
-    labels: dict[str, str] = Field(default_factory=dict)
+    nodeSelector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Node labels the server pods must run on (the pod's nodeSelector), e.g. "
+        "a GPU product label. Default: none.",
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Tolerations of the server pods, as in a pod spec (e.g. for tainted GPU "
+        "nodes). Default: none.",
+    )
+    affinity: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Affinity of the server pods, as in a pod spec. Default: none.",
+    )
+    imagePullSecrets: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Secrets to pull the server (and initImage) images with, as in a pod "
+        "spec: [{name: SECRET}]. Default: none.",
+    )
+    env: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Extra environment variables of the server container, as in a container "
+        "spec ({name, value} or {name, valueFrom}), after the operator's own. Default: none.",
+    )
+    extraArgs: list[str] = Field(
+        default_factory=list,
+        description="Arguments appended to `iterserve serve`, after those the spec sets. "
+        "Default: none.",
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict,
+        description="Annotations of the server pods, added over the operator's prometheus.io "
+        "scrape annotations (a key given here wins). Default: none.",
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Labels of the server pods, added to the operator's own (the operator's "
+        "selector labels win). Default: none.",
+    )
 
 
 class EngineSpec(_Model):
-    """Engine flags (a change rolls the Deployment)."""
+    """Engine flags of `iterserve serve`, fixed for a pod's life: a change rolls the server
+    pods."""
 
-    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
-    maxModelLen: int | None = Field(None, ge=1, description="tokens; default: the model's")
-    blockSize: Literal[8, 16, 32, 64, 128] = Field(16, description="tokens per KV block")
-    gpuMemoryUtilization: float = Field(0.9, gt=0, le=1)
-    swapSpace: float = Field(4, ge=0, le=1024, description="GiB of host memory for swapped KV")
-    enablePrefixCaching: bool = True
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        "auto",
+        description="The dtype of weights and activations: auto (bfloat16), float16, "
+        "bfloat16 or float32. Default auto.",
+    )
+    maxModelLen: int | None = Field(
+        None,
+        ge=1,
+        description="Longest sequence (prompt plus output) in tokens. Default: the model's "
+        "maximum context length.",
+    )
+    blockSize: Literal[8, 16, 32, 64, 128] = Field(
+        16, description="Tokens per KV-cache block: 8, 16, 32, 64 or 128. Default 16."
+    )
+    gpuMemoryUtilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Fraction of each GPU's memory the engine may use (weights, activations "
+        "and the KV cache), in (0, 1]. Ignored by CPU pods. Default 0.9.",
+    )
+    swapSpace: float = Field(
+        4,
+        ge=0,
+        le=1024,
+        description="GiB of host memory per server pod for the KV blocks of preempted "
+        "requests (scheduler.preemptionMode swap or auto); 0 = no swapping. Counts against "
+        "resources.memory. Default 4.",
+    )
+    enablePrefixCaching: bool = Field(
+        True,
+        description="Reuse the KV cache of a prompt prefix already computed (shared system "
+        "prompts, multi-turn chats). Default true.",
+    )
 
 
 class SchedulerSpec(_Model):
-    """Live scheduler settings (pushed to running pods, no restart)."""
+    """Live scheduler settings of every server pod: a change is pushed to the ready pods
+    with PUT /admin/scheduler_config (no restart) and written to the scheduler ConfigMap
+    that new pods start from. status.schedulerConfigVersion and the SchedulerConfigApplied
+    condition follow the push. Defaults: the production (GPU) values."""
 
-    maxNumSeqs: int = Field(128, ge=1, le=65536, description="most requests running at once")
+    maxNumSeqs: int = Field(
+        128,
+        ge=1,
+        le=65536,
+        description="Most requests running at once in a pod (the batch's sequences). Default 128.",
+    )
     maxNumBatchedTokens: int = Field(
-        2048, ge=1, le=1 << 20, description="token budget of one iteration"
+        2048,
+        ge=1,
+        le=1 << 20,
+        description="Token budget of one engine iteration in a pod (prefill and decode "
+        "tokens); at least maxNumSeqs. Default 2048.",
     )
     chunkSize: int = Field(
         512,
         ge=0,
         le=1 << 20,
-        description="most prefill tokens of one request per iteration (the engine's "
-        "long_prefill_token_threshold; 0 = no cap beyond maxNumBatchedTokens)",
+        description="Most prefill tokens of one request per iteration (the engine's "
+        "long_prefill_token_threshold; 0 = no cap beyond maxNumBatchedTokens); at most "
+        "maxNumBatchedTokens. Default 512.",
     )
     kvWatermark: float = Field(
-        0.01, ge=0, lt=1, description="fraction of KV blocks kept free at admission"
+        0.01,
+        ge=0,
+        lt=1,
+        description="Fraction of KV blocks kept free when admitting a request (room for the "
+        "running ones to grow), in [0, 1). Default 0.01.",
     )
-    preemptionMode: Literal["auto", "recompute", "swap"] = "auto"
+    preemptionMode: Literal["auto", "recompute", "swap"] = Field(
+        "auto",
+        description="How a request preempted for KV space gives back its blocks: recompute "
+        "(dropped, prefilled again on resume), swap (copied to host memory and back; needs "
+        "engine.swapSpace > 0) or auto (swap when copying is cheaper than recomputing, as "
+        "measured at start-up). Default auto.",
+    )
     agingIntervalS: float = Field(
-        5, gt=0, le=86400, description="seconds of waiting that raise a request one tier"
+        5,
+        gt=0,
+        le=86400,
+        description="Seconds of waiting that raise a queued request one priority step (so "
+        "low tiers are not starved). Default 5.",
     )
-    maxWaiting: int = Field(1024, ge=0, description="queued requests before 429")
+    maxWaiting: int = Field(
+        1024,
+        ge=0,
+        description="Requests queued in a pod (accepted, no first token yet) before it "
+        "answers new ones with 429. Default 1024.",
+    )
 
 
 class SlaTier(_Model):
-    name: str = Field(min_length=1, max_length=63)
-    priority: int = Field(ge=-1000, le=1000, description="lower is more urgent")
-    ttftTargetMs: float | None = Field(None, gt=0)
-    maxQueueWaitMs: float | None = Field(None, gt=0)
+    """One SLA tier: a request's integer priority maps to the tier with the largest
+    priority at or below it (the most urgent tier if none)."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=63,
+        description="The tier's name, as metrics and logs label its requests; unique.",
+    )
+    priority: int = Field(
+        ge=-1000,
+        le=1000,
+        description="The tier's priority, -1000 to 1000; lower is more urgent; unique.",
+    )
+    ttftTargetMs: float | None = Field(
+        None,
+        gt=0,
+        description="Time-to-first-token target of the tier's requests, in milliseconds. "
+        "Default: none.",
+    )
+    maxQueueWaitMs: float | None = Field(
+        None,
+        gt=0,
+        description="Longest expected queue wait, in milliseconds, at which the tier still "
+        "admits a request; above it the request is refused with 429 (queue_wait). Default: "
+        "no limit.",
+    )
 
 
 class RouterSpec(_Model):
-    replicas: int = Field(1, ge=0, le=64)
-    policy: Literal["least_kv", "round_robin", "session", "random"] = "least_kv"
-    image: str | None = Field(None, description="default: the operator's control image")
+    """The router in front of the server pods (its Service's URL is status.routerURL). A
+    change rolls the router pods only, not the server pods."""
+
+    replicas: int = Field(1, ge=0, le=64, description="Router pods, 0 to 64. Default 1.")
+    policy: Literal["least_kv", "round_robin", "session", "random"] = Field(
+        "least_kv",
+        description="How the router picks a server pod: least_kv (lowest KV-cache use and "
+        "queue, with prefix affinity), round_robin, session (sticky per x-session-id header) "
+        "or random. Default least_kv.",
+    )
+    image: str | None = Field(
+        None, description="The router image. Default: the operator's configured control image."
+    )
 
 
 class AutoscalingSpec(_Model):
-    enabled: bool = False
-    via: Literal["hpa", "keda"] = "hpa"
-    minReplicas: int = Field(1, ge=0, le=1000)
-    maxReplicas: int = Field(4, ge=1, le=1000)
-    targetQueueDepth: float = Field(8, gt=0, description="waiting requests per pod")
-    prometheusURL: str | None = Field(None, description="KEDA's Prometheus (required for keda)")
+    """Scaling the server pods on their queue depth with a HorizontalPodAutoscaler or a KEDA
+    ScaledObject that targets the server Deployment. A change updates the autoscaler object
+    (and hands spec.replicas to it or back); it restarts no pod."""
+
+    enabled: bool = Field(
+        False,
+        description="Create the autoscaler. While enabled, spec.replicas is ignored: the "
+        "autoscaler owns the server pod count. Default false.",
+    )
+    via: Literal["hpa", "keda"] = Field(
+        "hpa",
+        description="hpa: a HorizontalPodAutoscaler on the pods' waiting-requests metric "
+        "(needs prometheus-adapter serving it); keda: a KEDA ScaledObject querying "
+        "prometheusURL (allows minReplicas 0). Default hpa.",
+    )
+    minReplicas: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="Fewest server pods, 0 to 1000, at most maxReplicas; 0 (scale to zero) "
+        "needs via keda. Default 1.",
+    )
+    maxReplicas: int = Field(
+        4, ge=1, le=1000, description="Most server pods, 1 to 1000. Default 4."
+    )
+    targetQueueDepth: float = Field(
+        8,
+        gt=0,
+        description="Waiting requests per server pod the autoscaler aims at (the average "
+        "over the pods). Default 8.",
+    )
+    prometheusURL: str | None = Field(
+        None,
+        description="The Prometheus server KEDA queries, e.g. http://prometheus.monitoring:9090; "
+        "required with via keda, unused by hpa.",
+    )
 
 
 class LLMDeploymentSpec(_Model):
-    """``spec`` of an ``LLMDeployment``."""
+    """A served model: server pods (a Deployment, one model replica each), the router in
+    front of them and an optional autoscaler. spec.scheduler and spec.slaTiers are pushed
+    live to the running pods (no restart); a change to model, image, resources,
+    tensorParallelSize, pod or engine rolls the server pods (one at a time on GPUs);
+    router changes roll the router pods only; replicas and autoscaling change how many
+    server pods run, not the pods."""
 
     model: ModelSpec
-    image: str = Field(min_length=1, description="the server image")
-    replicas: int = Field(1, ge=0, le=1000, description="ignored while autoscaling is enabled")
+    image: str = Field(
+        min_length=1,
+        description="The server image (runs `iterserve serve`). A change rolls the server pods.",
+    )
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="Server pods (model replicas), 0 to 1000, also set by `kubectl scale`; "
+        "ignored while autoscaling is enabled. A change scales without restarting pods. "
+        "Default 1.",
+    )
     resources: Resources = Field(default_factory=Resources)
     tensorParallelSize: int | None = Field(
-        None, ge=1, le=16, description="default: resources.gpus (1 with no GPUs); divides it"
+        None,
+        ge=1,
+        le=16,
+        description="GPUs one model replica is sharded across (the server's "
+        "--tensor-parallel-size); must divide resources.gpus. Above 1 the pods get a "
+        "memory-backed /dev/shm for NCCL. Default: resources.gpus (1 with no GPUs). A change "
+        "rolls the server pods.",
     )
     pod: PodOverrides = Field(default_factory=PodOverrides)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     slaTiers: Annotated[list[SlaTier], Field(max_length=32)] | None = Field(
-        None, description="replaces the default tiers (premium 0, standard 1, best-effort 2)"
+        None,
+        description="The SLA tiers, 1 to 32 with unique names and priorities; pushed live "
+        "like spec.scheduler (no restart). When given they replace the default tiers. "
+        "Default: premium (priority 0), standard (1), best-effort (2).",
     )
     router: RouterSpec = Field(default_factory=RouterSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)

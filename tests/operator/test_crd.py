@@ -24,7 +24,7 @@ import pytest
 import yaml
 from celpy import celtypes
 
-from iterserve.operator.crd import CRD_FILE, RULES, build_crd, render_yaml
+from iterserve.operator.crd import CRD_FILE, RULES, build_crd, description_text, render_yaml
 from iterserve.operator.spec import LLMDeploymentSpec, SpecError, cross_field_errors, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,10 @@ def to_json_schema(node: dict[str, Any]) -> dict[str, Any]:
     """The JSON Schema (2020-12) of an OpenAPI v3 structural schema node."""
     out = {k: v for k, v in node.items() if not k.startswith("x-kubernetes-")}
     if out.pop("nullable", False):
-        out["type"] = [out["type"], "null"]
+        if "type" in out:
+            out["type"] = [out["type"], "null"]
+        else:  # int-or-string: `anyOf: [{type: integer}, {type: string}]`
+            out["anyOf"] = [*out["anyOf"], {"type": "null"}]
         if "enum" in out:
             out["enum"] = [*out["enum"], None]
     for side in ("minimum", "maximum"):
@@ -102,7 +105,10 @@ def apply_defaults(node: dict[str, Any], value: Any) -> Any:
 
 def to_cel(node: dict[str, Any], value: Any) -> Any:
     """``value`` as the API server hands it to CEL: typed by the schema (a number is a
-    double even when written as an integer), null fields of an object absent."""
+    double even when written as an integer, an int-or-string one or the other), null fields
+    of an object absent."""
+    if node.get("x-kubernetes-int-or-string"):
+        return celtypes.IntType(value) if isinstance(value, int) else celtypes.StringType(value)
     kind = node["type"]
     if kind == "object" and "properties" in node:
         return celtypes.MapType(
@@ -244,7 +250,13 @@ def test_is_a_valid_custom_resource_definition(k8s_version: str) -> None:
 def test_schema_is_structural() -> None:
     nodes = schema_nodes(SCHEMA)
     assert len(nodes) > 80
+    int_or_string = [path for path, node in nodes if node.get("x-kubernetes-int-or-string")]
+    assert int_or_string == [".spec.resources.cpu", ".spec.resources.memory"]
     for path, node in nodes:
+        if node.get("x-kubernetes-int-or-string"):  # no type; the one anyOf allowed
+            assert "type" not in node, path
+            assert node.pop("anyOf") == [{"type": "integer"}, {"type": "string"}], path
+            node = {**node, "type": "int-or-string"}
         assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
         assert not {"$ref", "$defs", "anyOf", "oneOf", "allOf", "not", "title"} & set(node), path
         assert not ("properties" in node and "additionalProperties" in node), path
@@ -266,9 +278,31 @@ def descriptions(value: Any) -> set[str]:
 
 
 def test_keeps_every_description_of_the_models() -> None:
+    """Fields' and model classes' descriptions alike (a field of a model type gets both)."""
     wanted = descriptions(LLMDeploymentSpec.model_json_schema(by_alias=True))
-    assert len(wanted) > 20
-    assert {d.replace("``", "`") for d in wanted} <= descriptions(SPEC_SCHEMA)
+    assert len(wanted) > 50
+    kept = descriptions(SPEC_SCHEMA)
+    missing = [d for d in wanted if not any(description_text(d) in k for k in kept)]
+    assert missing == []
+
+
+def test_every_field_is_explained() -> None:
+    """What ``kubectl explain llmdeployment.spec...`` shows: every field of the spec has a
+    description, and each of the spec's sections says whether a change is pushed live or
+    restarts pods."""
+    for path, node in schema_nodes(SPEC_SCHEMA):
+        if path.endswith(("[]", "{}")):  # a list's items or a map's values: the field's text
+            continue
+        assert node.get("description"), path
+        assert "\n" not in node["description"].replace("\n\n", ""), path  # folded lines
+    sections = SPEC_SCHEMA["properties"]
+    for name in ("scheduler", "slaTiers"):
+        assert "no restart" in sections[name]["description"], name
+    for name in ("model", "image", "resources", "tensorParallelSize", "pod", "engine"):
+        assert "rolls the server pods" in sections[name]["description"], name
+    assert "rolls the router pods only" in sections["router"]["description"]
+    assert "without restarting pods" in sections["replicas"]["description"]
+    assert "restarts no pod" in sections["autoscaling"]["description"]
 
 
 def test_free_form_and_string_maps() -> None:
@@ -387,3 +421,58 @@ def test_cel_rules_and_models_agree(changes: dict[str, Any], expected: list[str]
 def test_every_rule_has_a_case_that_breaks_it() -> None:
     broken = {message for _, _, messages in CASES for message in messages}
     assert broken == ALL_MESSAGES
+
+
+# -- resources: Kubernetes quantities, int or string ---------------------------------------
+
+QUANTITIES_OK = [
+    ("resources.cpu", 8, "8"),
+    ("resources.cpu", "8", "8"),
+    ("resources.cpu", "500m", "500m"),
+    ("resources.cpu", 0, "0"),
+    ("resources.cpu", "1.5", "1.5"),
+    ("resources.memory", "64Gi", "64Gi"),
+    ("resources.memory", 68719476736, "68719476736"),
+    ("resources.memory", "512M", "512M"),
+    ("resources.memory", "1e9", "1e9"),
+]
+QUANTITIES_BAD = [
+    ("resources.cpu", "-1"),
+    ("resources.cpu", -1),
+    ("resources.cpu", "8 cores"),
+    ("resources.cpu", ""),
+    ("resources.cpu", 0.5),  # a float: written as "500m" (the API server refuses it too)
+    ("resources.cpu", True),
+    ("resources.memory", "lots"),
+    ("resources.memory", "64GB"),
+    ("resources.memory", "-64Gi"),
+    ("resources.memory", [64]),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "parsed"), QUANTITIES_OK)
+def test_quantities_int_or_string_accepted(path: str, value: Any, parsed: str) -> None:
+    resource = patched(EXAMPLE, {path: value})
+    defaulted, failures = admit(resource)  # the schema takes it
+    assert failures == []
+    field = path.rsplit(".", 1)[1]
+    # The models take it too and hand it to the builders as a string.
+    assert getattr(parse_spec(resource["spec"]).resources, field) == parsed
+    assert getattr(parse_spec(defaulted["spec"]).resources, field) == parsed
+
+
+@pytest.mark.parametrize(("path", "value"), QUANTITIES_BAD)
+def test_quantities_malformed_or_negative_refused(path: str, value: Any) -> None:
+    resource = patched(EXAMPLE, {path: value})
+    with pytest.raises(jsonschema.ValidationError):
+        VALIDATOR.validate(resource)
+    with pytest.raises(SpecError, match=rf"spec\.{re.escape(path)}: "):
+        parse_spec(resource["spec"])
+
+
+def test_quantities_unset_or_null() -> None:
+    for changes in ({"resources": {"gpus": 4}}, {"resources.cpu": None, "resources.memory": None}):
+        resource = patched(EXAMPLE, changes)
+        assert admit(resource)[1] == []
+        resources = parse_spec(resource["spec"]).resources
+        assert (resources.cpu, resources.memory) == (None, None)
