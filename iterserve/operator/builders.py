@@ -11,13 +11,15 @@ ScaledObject ``N``; the Secrets ``N-admin`` (key ``token``) and ``N-api-key`` (k
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
 import yaml
 
-from iterserve.operator.spec import LLMDeploymentSpec, desired_settings
+from iterserve.operator.checks import check_name, check_objects_fields, check_server_args
+from iterserve.operator.spec import LLMDeploymentSpec, SpecError, desired_settings
 
 SERVER_PORT = 8000
 ROUTER_PORT = 8080
@@ -178,6 +180,52 @@ def quantity(value: float) -> str:
     return f"{max(1, round(exact * 10**9))}n"
 
 
+_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][-+]?[0-9]+)?")
+_BINARY = {s: 1024**i for i, s in enumerate(("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+
+def canonical_quantity(text: str) -> str:
+    """A quantity as the API server writes it back (k8s.io/apimachinery's canonical form:
+    ``1000m`` -> ``1``, ``1024Mi`` -> ``1Gi``, ``0.5`` -> ``500m``, ``1.5Gi`` -> ``1536Mi``),
+    so that a pod template carrying it reads back as built and is not patched every pass.
+
+    Raises:
+        SpecError: not a non-negative quantity.
+    """
+    match = _QUANTITY.fullmatch(text)
+    if match is None:
+        raise SpecError(f"not a Kubernetes quantity: {text!r}")
+    number, suffix = Decimal(match[1]), match[2] or ""
+    if suffix in _BINARY and suffix:
+        fmt, value = "binary", number * _BINARY[suffix]
+    elif suffix[:1] in ("e", "E"):
+        fmt, value = "exponent", number.scaleb(int(suffix[1:]))
+    else:
+        fmt, value = "decimal", number.scaleb(_DECIMAL[suffix])
+    # Precision beyond nano units is rounded up, as the API server parses.
+    value = (value.scaleb(9).to_integral_value(rounding=ROUND_CEILING)).scaleb(-9)
+    if value == 0:
+        return "0"
+    if fmt == "binary" and (value < 1024 or value != value.to_integral_value()):
+        fmt = "decimal"
+    if fmt == "binary":
+        amount, power = int(value), 0
+        while amount % 1024 == 0 and power < 6:
+            amount, power = amount // 1024, power + 1
+        return f"{amount}{list(_BINARY)[power]}"
+    # An integer mantissa with the exponent lowered to a multiple of 3.
+    _, digits, exponent = value.normalize().as_tuple()
+    mantissa = int("".join(map(str, digits)))
+    assert isinstance(exponent, int)
+    shift = exponent % 3
+    mantissa, exponent = mantissa * 10**shift, exponent - shift
+    suffixes = {e: s for s, e in _DECIMAL.items()}
+    if fmt == "decimal" and exponent in suffixes:
+        return f"{mantissa}{suffixes[exponent]}"
+    return f"{mantissa}e{exponent}" if exponent else str(mantissa)
+
+
 def _secret_env(env: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
@@ -215,9 +263,9 @@ def _resources(spec: LLMDeploymentSpec) -> dict[str, Any]:
     if r.gpus:
         limits["nvidia.com/gpu"] = str(r.gpus)  # a quantity
     if r.cpu is not None:
-        limits["cpu"] = r.cpu
+        limits["cpu"] = canonical_quantity(str(r.cpu))
     if r.memory is not None:
-        limits["memory"] = r.memory
+        limits["memory"] = canonical_quantity(str(r.memory))
     requests = {k: v for k, v in limits.items() if k != "nvidia.com/gpu"}
     return {"limits": limits, "requests": requests} if limits else {}
 
@@ -246,7 +294,9 @@ def server_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
         _secret_env("ITERSERVE_ADMIN_TOKEN", admin_secret_name(ctx.name), "token"),
         _secret_env("ITERSERVE_API_KEY", api_key_secret_name(ctx.name), "api-key"),
         {"name": "XDG_CACHE_HOME", "value": "/var/cache/iterserve"},
-        *spec.pod.env,
+        # An empty value is dropped by the API server (omitempty): as built, it would read
+        # back different and be patched on every pass.
+        *({k: v for k, v in e.items() if not (k == "value" and v == "")} for e in spec.pod.env),
     ]
     container: dict[str, Any] = {
         "name": "server",
@@ -321,7 +371,6 @@ def server_service(ctx: Context) -> dict[str, Any]:
             "clusterIP": "None",
             "selector": selector(ctx.name, "server"),
             "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http"}],
-            "publishNotReadyAddresses": False,
         },
     }
 
@@ -513,11 +562,16 @@ def build_all(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
     Raises:
         SpecError: settings the server would refuse.
     """
+    check_name(ctx.name, ctx.namespace)
+    check_objects_fields(spec)
+    deployment = server_deployment(ctx, spec)
+    (server,) = deployment["spec"]["template"]["spec"]["containers"]
+    check_server_args(spec, server["args"], desired_settings(spec))
     objects = [
         config_map(ctx, spec),
         server_service(ctx),
         router_service(ctx),
-        server_deployment(ctx, spec),
+        deployment,
         router_deployment(ctx, spec),
         *router_rbac(ctx),
         pod_disruption_budget(ctx),

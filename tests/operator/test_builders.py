@@ -190,7 +190,7 @@ def test_every_engine_flag_and_extra_args_in_order() -> None:
             "enablePrefixCaching": False,
         },
         tensorParallelSize=2,
-        pod={"extraArgs": ["--seed", "7", "--max-waiting-per-tenant", "64"]},
+        pod={"extraArgs": ["--seed", "7", "--log-prompts"]},
     )
     args = server_container(document)["args"]
     assert args[args.index("--tensor-parallel-size") :] == [
@@ -202,7 +202,7 @@ def test_every_engine_flag_and_extra_args_in_order() -> None:
         "--no-enable-prefix-caching",
         "--shutdown-grace-period-s", "30",
         "--max-model-len", "8192",
-        "--seed", "7", "--max-waiting-per-tenant", "64",
+        "--seed", "7", "--log-prompts",
     ]  # fmt: skip
 
 
@@ -537,7 +537,6 @@ def test_services() -> None:
         "clusterIP": "None",
         "selector": selector("chat-70b", "server"),
         "ports": [{"name": "http", "port": 8000, "targetPort": "http"}],
-        "publishNotReadyAddresses": False,
     }
     assert objects["Service", "chat-70b-router"]["spec"] == {
         "selector": selector("chat-70b", "router"),
@@ -756,6 +755,25 @@ def _invalid_documents() -> list[tuple[str, str, str]]:
         ("kind", yaml.safe_dump({**EXAMPLE, "kind": "Deployment"}), "kind: LLMDeployment"),
         ("unknown-field", yaml.safe_dump(with_spec(EXAMPLE, gpus=4)), "spec.gpus"),
         ("yaml", "spec: [unclosed\n", "error"),
+        ("empty", "", "no LLMDeployment"),
+        ("only-separators", "---\n---\n", "no LLMDeployment"),
+        ("not-a-mapping", "- a\n- b\n", "kind: LLMDeployment"),
+        ("api-version", yaml.safe_dump({**EXAMPLE, "apiVersion": "iterserve.io/v1"}), "apiVersion"),
+        ("no-name", yaml.safe_dump({**EXAMPLE, "metadata": {"namespace": "x"}}), "metadata.name"),
+        ("metadata-string", yaml.safe_dump({**EXAMPLE, "metadata": "chat"}), "metadata: expected"),
+        ("spec-string", yaml.safe_dump({**EXAMPLE, "spec": "x"}), "spec: expected a mapping"),
+        (
+            "generation",
+            yaml.safe_dump({**EXAMPLE, "metadata": {"name": "a", "generation": "x"}}),
+            "metadata.generation",
+        ),
+        ("name", yaml.safe_dump({**EXAMPLE, "metadata": {"name": "9lives"}}), "DNS-1035"),
+        (
+            "namespace",
+            yaml.safe_dump({**EXAMPLE, "metadata": {"name": "a", "namespace": "A B"}}),
+            "metadata.namespace",
+        ),
+        ("twice", yaml.safe_dump_all([EXAMPLE, EXAMPLE]), "two LLMDeployments named chat-70b"),
     ]
 
 
@@ -780,6 +798,14 @@ def test_render_of_a_missing_file(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert cli_main(["operator", "render", str(tmp_path / "absent.yaml")]) == 1
     out, err = capsys.readouterr()
     assert out == "" and "absent.yaml" in err
+
+
+def test_render_of_a_binary_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\xff\xfe\x00")
+    assert cli_main(["operator", "render", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("iterserve operator render: error: ")
 
 
 # -- desired settings against the server ---------------------------------------------------
