@@ -29,30 +29,40 @@ def render(document: Any, control_image: str) -> list[dict[str, Any]]:
     if document.get("apiVersion") != API_VERSION:
         raise SpecError(f"expected apiVersion: {API_VERSION}")
     meta = document.get("metadata") or {}
+    if not isinstance(meta, dict):
+        raise SpecError("metadata: expected a mapping")
     if not meta.get("name"):
         raise SpecError("metadata.name is required")
-    spec = parse_spec(document.get("spec"))
-    ctx = Context(
-        meta["name"],
-        meta.get("namespace") or "default",
-        int(meta.get("generation") or 1),
-        control_image,
-    )
+    generation = meta.get("generation") or 1
+    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
+        raise SpecError(f"metadata.generation: expected a positive integer, got {generation!r}")
+    if not isinstance(document.get("spec"), dict):
+        raise SpecError("spec: expected a mapping")
+    spec = parse_spec(document["spec"])
+    ctx = Context(meta["name"], meta.get("namespace") or "default", generation, control_image)
     return build_all(ctx, spec)
 
 
 def _render(args: argparse.Namespace) -> int:
     try:
-        documents = list(yaml.safe_load_all(Path(args.file).read_text()))
-    except (OSError, yaml.YAMLError) as e:
+        documents = [d for d in yaml.safe_load_all(Path(args.file).read_text()) if d is not None]
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         print(f"iterserve operator render: error: {e}", file=sys.stderr)
         return 1
+    if not documents:
+        print(f"iterserve operator render: {args.file}: no LLMDeployment in it", file=sys.stderr)
+        return 1
     objects: list[dict[str, Any]] = []
+    seen: set[tuple[Any, Any]] = set()
     for document in documents:
-        if document is None:
-            continue
         try:
-            objects += render(document, args.control_image)
+            rendered = render(document, args.control_image)
+            meta = document["metadata"]
+            key = (meta.get("namespace") or "default", meta["name"])
+            if key in seen:
+                raise SpecError(f"two LLMDeployments named {key[1]} in namespace {key[0]}")
+            seen.add(key)
+            objects += rendered
         except SpecError as e:
             print(f"iterserve operator render: invalid {args.file}: {e}", file=sys.stderr)
             return 1

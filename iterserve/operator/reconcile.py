@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import json
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from iterserve.operator.builders import (
 )
 from iterserve.operator.kube import Kube, apply
 from iterserve.operator.push import PodResult, ready_targets, sync_pods
-from iterserve.operator.spec import desired_settings, parse_spec, settings_hash_of
+from iterserve.operator.spec import SpecError, desired_settings, parse_spec, settings_hash_of
 
 # Owned objects a spec may stop asking for: deleted then (the others always exist).
 _OPTIONAL = (
@@ -104,12 +105,26 @@ async def ensure_secrets(kube: Kube, ctx: Context, body: Mapping[str, Any]) -> s
                 except ApiException as e:
                     if e.status != 409:  # 409: created meanwhile by another pass
                         raise
-            else:
-                await kube.patch(secret)
+            else:  # a Secret of the user's without the key: the key added, its type kept
+                await kube.patch({k: v for k, v in secret.items() if k != "type"})
             live = await kube.get("v1", "Secret", ctx.namespace, name)
             assert live is not None, f"Secret {name} vanished"
     assert live is not None
-    return base64.b64decode(live["data"]["token"]).decode()
+    try:
+        return base64.b64decode(live["data"]["token"], validate=True).decode()
+    except ValueError as e:  # binascii.Error, UnicodeDecodeError
+        raise SpecError(
+            f"Secret {admin_secret_name(ctx.name)}: key token is not base64 of UTF-8 text ({e})"
+        ) from e
+
+
+def _api_message(e: ApiException) -> str:
+    """The ``message`` of the API server's Status body, else its reason."""
+    try:
+        message = json.loads(e.reason or "").get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return str(message or e.reason)
 
 
 def condition(
@@ -158,7 +173,8 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
     """Apply the resource once (see the module docstring).
 
     Raises:
-        SpecError: the spec cannot be applied (nothing was).
+        SpecError: the spec cannot be applied (nothing was, or the API server refused an
+            object as invalid), or the admin-token Secret holds no usable token.
         kubernetes ApiException: the API failed (retry).
     """
     meta, status = body["metadata"], body.get("status") or {}
@@ -170,11 +186,21 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
     if status.get("schedulerConfigHash") != desired_hash or not version:
         version = generation
     ctx = Context(meta["name"], meta["namespace"], generation, settings.control_image, version)
+    built = build_all(ctx, spec)  # before anything is applied: an invalid spec applies nothing
     admin_token = await ensure_secrets(kube, ctx, body)
     events = []
-    built = build_all(ctx, spec)
     for obj in built:
-        if await apply(kube, adopt(obj, body)) == "patched":
+        try:
+            done = await apply(kube, adopt(obj, body))
+        except ApiException as e:
+            if e.status != 422:
+                raise
+            # Invalid: what the operator's checks let through (a pass-through field's depths,
+            # an older cluster's rules) is the spec's fault, not a reason to retry it.
+            raise SpecError(
+                f"the API server refused {obj['kind']} {obj['metadata']['name']}: {_api_message(e)}"
+            ) from e
+        if done == "patched":
             events.append(("Normal", "Updated", f"{obj['kind']} {obj['metadata']['name']}"))
     for api_version, kind in _OPTIONAL:  # an autoscaler the spec no longer asks for
         if not any(o["kind"] == kind for o in built):

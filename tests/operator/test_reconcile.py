@@ -1,0 +1,123 @@
+"""One reconciliation on an in-memory API server, on what goes wrong: an object the API
+server refuses as invalid (422) is an invalid spec, not an endless retry; an invalid spec
+creates nothing, not even the Secrets; a Secret that holds no usable token is reported; a
+Secret of the user's without the key gets the key and keeps its type."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import json
+from typing import Any
+
+import pytest
+from kubernetes.aio.client.exceptions import ApiException
+
+from iterserve.operator.kube import Kube
+from iterserve.operator.reconcile import OperatorSettings, reconcile
+from iterserve.operator.spec import SpecError
+
+NS = "demo"
+BODY: dict[str, Any] = {
+    "apiVersion": "iterserve.io/v1alpha1",
+    "kind": "LLMDeployment",
+    "metadata": {"name": "tiny", "namespace": NS, "uid": "uid-tiny", "generation": 1},
+    "spec": {
+        "model": {"name": "tiny", "source": {"hostPath": "/models/tiny"}},
+        "image": "ghcr.io/example/iterserve:0.2.0",
+        "resources": {"gpus": 0},
+    },
+}
+
+
+class MemoryKube(Kube):
+    """Objects by (kind, name); ``refuse`` kinds answer 422 on create, as the API server
+    answers an invalid object."""
+
+    def __init__(self, refuse: tuple[str, ...] = ()) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.refuse = refuse
+
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any | None:
+        return copy.deepcopy(self.objects.get((kind, name)))
+
+    async def create(self, body: dict[str, Any]) -> Any:
+        if body["kind"] in self.refuse:
+            status = {"kind": "Status", "message": f"{body['kind']} is invalid: bad field"}
+            raise ApiException(status=422, reason=json.dumps(status))
+        self.objects[body["kind"], body["metadata"]["name"]] = json.loads(json.dumps(body))
+        return body
+
+    async def patch(self, body: dict[str, Any]) -> Any:
+        live = self.objects[body["kind"], body["metadata"]["name"]]
+        for key, value in body.items():
+            live[key] = {**live.get(key, {}), **value} if isinstance(value, dict) else value
+        return live
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        self.objects.pop((kind, name), None)
+
+    async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[Any]:
+        return []
+
+
+def _reconcile(kube: MemoryKube, body: dict[str, Any] = BODY) -> Any:
+    return asyncio.run(reconcile(kube, body, OperatorSettings()))
+
+
+def _secret(name: str, data: dict[str, str], type_: str = "Opaque") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": NS},
+        "type": type_,
+        "data": data,
+    }
+
+
+def test_an_object_the_api_server_refuses_is_an_invalid_spec() -> None:
+    kube = MemoryKube(refuse=("Deployment",))
+    with pytest.raises(SpecError, match=r"the API server refused Deployment tiny: .*bad field"):
+        _reconcile(kube)
+
+
+def test_other_api_errors_are_retried() -> None:
+    class Failing(MemoryKube):
+        async def create(self, body: dict[str, Any]) -> Any:
+            raise ApiException(status=503, reason="unavailable")
+
+    with pytest.raises(ApiException):
+        _reconcile(Failing())
+
+
+def test_an_invalid_spec_creates_nothing() -> None:
+    kube = MemoryKube()
+    body = copy.deepcopy(BODY)
+    body["metadata"]["name"] = "1-starts-with-a-digit"
+    with pytest.raises(SpecError, match=r"metadata\.name"):
+        _reconcile(kube, body)
+    assert kube.objects == {}
+
+
+@pytest.mark.parametrize(
+    "token",
+    ["not base64!", base64.b64encode(b"\xff\xfe").decode()],
+    ids=["not-base64", "not-utf8"],
+)
+def test_a_secret_without_a_usable_token_is_reported(token: str) -> None:
+    kube = MemoryKube()
+    kube.objects["Secret", "tiny-admin"] = _secret("tiny-admin", {"token": token})
+    with pytest.raises(SpecError, match="Secret tiny-admin: key token"):
+        _reconcile(kube)
+
+
+def test_a_users_secret_without_the_key_gets_it_and_keeps_its_type() -> None:
+    kube = MemoryKube()
+    kube.objects["Secret", "tiny-admin"] = _secret("tiny-admin", {"other": "eA=="}, "custom/x")
+    outcome = _reconcile(kube)
+    secret = kube.objects["Secret", "tiny-admin"]
+    assert secret["type"] == "custom/x"
+    assert set(secret["data"]) == {"other", "token"}
+    assert base64.b64decode(secret["data"]["token"])
+    assert outcome.status["observedGeneration"] == 1
