@@ -95,7 +95,7 @@ async def sync_pod(
             answer = _object(text)
         applied = answer.get("config_hash") == desired_hash
         return PodResult(pod.name, _version(answer), applied, pushed=True)
-    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+    except Exception as e:  # any failure is this pod's, never the others'
         return PodResult(pod.name, None, False, error=f"{type(e).__name__}: {e}")
 
 

@@ -354,6 +354,92 @@ def test_operator_applies_pushes_catches_up_and_refuses(tmp_path: Path) -> None:
     asyncio.run(asyncio.wait_for(scenario(), timeout=120))
 
 
+def test_many_odd_pods_and_owned_objects_changed_by_hand(tmp_path: Path) -> None:
+    """30 pods on one simulated replica all get the settings; a pod refusing the admin token
+    (another replica's), a pod nothing listens for, a pod without the port ``http`` and a
+    terminating pod cost the others nothing; an owned object deleted by hand comes back and
+    one edited by hand is corrected, by the timer."""
+    profile = write_profile(tmp_path / "profile.json", make_profile(fixed_s=0.005))
+    pods_api = f"/api/v1/namespaces/{NS}/pods"
+
+    async def scenario() -> None:
+        async with (
+            cluster(tmp_path) as k8s,
+            contextlib.AsyncExitStack() as stack,
+            httpx.AsyncClient(timeout=10) as http,
+        ):
+            await k8s.post(API, json=_resource(NAME, SPEC))
+            secret = await _wait_for(k8s, f"/api/v1/namespaces/{NS}/secrets/{NAME}-admin", "token")
+            token = base64.b64decode(secret["data"]["token"]).decode()
+            common = ("--simulate", str(profile), *REPLICA_FLAGS)
+
+            async def start(*flags: str) -> Server:
+                cm = run_server(*common, *flags)
+                return await asyncio.to_thread(stack.enter_context, cm)
+
+            replica, stranger = await asyncio.gather(
+                start("--admin-token", token), start("--admin-token", "not-the-operators")
+            )
+            many = [f"chat-p{i}" for i in range(30)]
+            for name in many:
+                await k8s.post(pods_api, json=_pod(name, replica))
+            await k8s.post(pods_api, json=_pod("chat-401", stranger))
+            down = _pod("chat-down", replica)
+            down["spec"]["containers"][0]["ports"][0]["containerPort"] = free_port()
+            await k8s.post(pods_api, json=down)
+            no_port = _pod("chat-noport", stranger)
+            no_port["spec"]["containers"][0]["ports"][0]["name"] = "metrics"
+            await k8s.post(pods_api, json=no_port)
+            dying = _pod("chat-dying", stranger)
+            dying["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+            await k8s.post(pods_api, json=dying)
+            want = settings_hash_of(desired_settings(parse_spec(SPEC)))
+
+            deadline = time.monotonic() + 40
+            while True:
+                status = await _status(k8s)
+                versions = status.get("podConfigVersions") or {}
+                c = _condition(status, "SchedulerConfigApplied")
+                if set(many) <= set(versions) and "chat-401" in c.get("message", ""):
+                    break
+                assert time.monotonic() < deadline, status
+                await asyncio.sleep(0.05)
+            assert c["status"] == "False"
+            pending = c["message"].split(" (")[0]
+            assert set(pending.split(": ")[1].split(", ")) == {"chat-401", "chat-down"}, c
+            assert "chat-401: 401" in c["message"]
+            assert not {"chat-noport", "chat-dying"} & set(versions)
+            assert (await http.get(replica.url + "/load")).json()["config_hash"] == want
+            assert (await http.get(stranger.url + "/load")).json()["config_hash"] != want
+
+            # By hand: the ConfigMap deleted, the router Service's port and the server
+            # Deployment's image changed.
+            config_map = f"/api/v1/namespaces/{NS}/configmaps/{NAME}-scheduler"
+            deployment = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}"
+            service = f"/api/v1/namespaces/{NS}/services/{NAME}-router"
+            original = await _get(k8s, config_map)
+            await k8s.delete(config_map)
+            await k8s.patch(deployment, json={"spec": {"template": {"spec": {"containers": [
+                {"name": "server", "image": "evil:1"}]}}}})  # fmt: skip
+            await k8s.patch(service, json={"spec": {"ports": [{"name": "http", "port": 1}]}})
+
+            async def corrected() -> bool:
+                cm, d, svc = [await _get(k8s, p) for p in (config_map, deployment, service)]
+                return (
+                    cm is not None
+                    and cm["data"] == original["data"]
+                    and d["spec"]["template"]["spec"]["containers"][0]["image"] == SPEC["image"]
+                    and svc["spec"]["ports"][0]["port"] == 8080
+                )
+
+            deadline = time.monotonic() + 30
+            while not await corrected():
+                assert time.monotonic() < deadline, "owned objects not corrected"
+                await asyncio.sleep(0.05)
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=90))
+
+
 @pytest.fixture(autouse=True)
 def _quiet_kopf() -> None:
     kopf.configure(verbose=False)
