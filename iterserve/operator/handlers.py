@@ -63,7 +63,14 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, perman
         outcome = await reconcile(memo.kube, body, memo.settings)
     except SpecError as e:
         patch.status.update(invalid_status(body, str(e)))
-        kopf.warn(body, reason="InvalidSpec", message=str(e))
+        conditions = (body.get("status") or {}).get("conditions") or []
+        reported = any(
+            (c.get("type"), c.get("reason"), c.get("message")) == ("Ready", "InvalidSpec", str(e))
+            for c in conditions
+        )
+        # The timer finds the same invalid spec every pass: one event, not one per pass.
+        if permanent or not reported:
+            kopf.warn(body, reason="InvalidSpec", message=str(e))
         if permanent:
             raise kopf.PermanentError(str(e)) from e
         return

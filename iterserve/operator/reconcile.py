@@ -111,11 +111,18 @@ async def ensure_secrets(kube: Kube, ctx: Context, body: Mapping[str, Any]) -> s
             assert live is not None, f"Secret {name} vanished"
     assert live is not None
     try:
-        return base64.b64decode(live["data"]["token"], validate=True).decode()
+        token = base64.b64decode(live["data"]["token"], validate=True).decode()
     except ValueError as e:  # binascii.Error, UnicodeDecodeError
         raise SpecError(
             f"Secret {admin_secret_name(ctx.name)}: key token is not base64 of UTF-8 text ({e})"
         ) from e
+    if not token.isprintable() or token != token.strip():
+        # No HTTP client can send it in a header (a token made with `echo` ends in "\n").
+        raise SpecError(
+            f"Secret {admin_secret_name(ctx.name)}: key token has whitespace at an end or "
+            "control characters (made with `echo` without -n?)"
+        )
+    return token
 
 
 def _api_message(e: ApiException) -> str:

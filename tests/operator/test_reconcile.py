@@ -11,9 +11,11 @@ import copy
 import json
 from typing import Any
 
+import kopf
 import pytest
 from kubernetes.aio.client.exceptions import ApiException
 
+from iterserve.operator import handlers
 from iterserve.operator.kube import Kube
 from iterserve.operator.reconcile import OperatorSettings, reconcile
 from iterserve.operator.spec import SpecError
@@ -121,3 +123,28 @@ def test_a_users_secret_without_the_key_gets_it_and_keeps_its_type() -> None:
     assert set(secret["data"]) == {"other", "token"}
     assert base64.b64decode(secret["data"]["token"])
     assert outcome.status["observedGeneration"] == 1
+
+
+def test_a_token_no_header_can_carry_is_reported() -> None:
+    kube = MemoryKube()
+    token = base64.b64encode(b"made-with-echo\n").decode()
+    kube.objects["Secret", "tiny-admin"] = _secret("tiny-admin", {"token": token})
+    with pytest.raises(SpecError, match="whitespace"):
+        _reconcile(kube)
+
+
+def test_the_timer_warns_once_about_an_invalid_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    warned: list[str] = []
+    monkeypatch.setattr(kopf, "warn", lambda body, reason, message: warned.append(reason))
+    body = copy.deepcopy(BODY)
+    body["metadata"]["name"] = "9lives"
+    memo = kopf.Memo(kube=MemoryKube(), settings=OperatorSettings())
+    for _ in range(3):  # three timer passes, each seeing the status the last one wrote
+        patch = kopf.Patch()
+        asyncio.run(handlers._reconcile(body, patch, memo, permanent=False))  # type: ignore[arg-type]
+        body["status"] = copy.deepcopy(dict(patch["status"]))
+    assert warned == ["InvalidSpec"]
+    body["spec"]["image"] = "other:1"  # another reason (still the name): warned again
+    body["metadata"]["name"] = "9-other"
+    asyncio.run(handlers._reconcile(body, kopf.Patch(), memo, permanent=False))  # type: ignore[arg-type]
+    assert warned == ["InvalidSpec", "InvalidSpec"]
