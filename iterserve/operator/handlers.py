@@ -34,6 +34,9 @@ def build_registry(resync_interval_s: float = 10.0) -> kopf.OperatorRegistry:
     async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         settings.persistence.finalizer = "iterserve.io/operator"
         settings.posting.level = logging.INFO  # Normal events and up
+        # On deletion kopf stops the resync timer, then looks again this often (default 60 s:
+        # a deleted resource would wait a minute for its finalizer to go).
+        settings.background.cancellation_polling = 1.0
         memo.kube = Kube(await api_client(memo.get("kubeconfig")))
 
     @kopf.on.cleanup(registry=registry)

@@ -349,7 +349,8 @@ def test_operator_applies_pushes_catches_up_and_refuses(tmp_path: Path) -> None:
             async def gone() -> bool:
                 return await _get(k8s, f"{API}/{NAME}") is None
 
-            await until_async(gone, "the resource deleted")
+            # kopf first stops the resync timer (its pass in flight ends first): seconds.
+            await until_async(gone, "the resource deleted", timeout_s=60)
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=120))
 
