@@ -9,8 +9,6 @@ import argparse
 import dataclasses
 import sys
 import time
-import typing
-from pathlib import Path
 from typing import Any
 
 from iterserve.bench.cli_args import add_bench_parsers
@@ -19,10 +17,9 @@ from iterserve.config import (
     ConfigError,
     ServerConfig,
     SimulationConfig,
-    field_type,
     load_config_file,
-    read_tiers_file,
 )
+from iterserve.engine_flags import add_engine_flags
 from iterserve.operator.cli_args import add_operator_args
 from iterserve.router.cli_args import add_router_args
 from iterserve.sim.cli_args import add_simulate_args
@@ -33,48 +30,6 @@ _EXAMPLE_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "List three facts about the Moon.",
 ]
-
-
-def add_engine_flags(
-    parser: argparse.ArgumentParser, classes: tuple[type, ...] = ENGINE_CONFIG_CLASSES
-) -> None:
-    """One flag per config field; unset flags stay absent so the dataclass default applies."""
-    for cls in classes:
-        group = parser.add_argument_group(cls.__name__)
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
-            if f.default is not None and f.name != "tiers":
-                help_text += f" (default: {f.default})"
-            tp = field_type(cls, f.name)
-            kwargs: dict[str, Any] = {
-                "dest": f.name,
-                "default": argparse.SUPPRESS,
-                "help": help_text,
-            }
-            if f.name == "tiers":
-                group.add_argument(flag, type=_tiers_from_file, **kwargs)
-            elif tp is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-            elif typing.get_origin(tp) is typing.Literal:
-                group.add_argument(flag, choices=typing.get_args(tp), **kwargs)
-            else:
-                group.add_argument(flag, type=tp, **kwargs)
-    parser.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        help="YAML file setting any engine flag (keys like max_num_seqs or max-num-seqs, as "
-        "vLLM's --config); flags given on the command line win",
-    )
-
-
-def _tiers_from_file(path: str) -> list[dict[str, Any]]:
-    """``--tiers FILE``: a YAML list of {name, priority, max_queue_wait_ms, ttft_target_ms}."""
-    try:
-        return read_tiers_file(Path(path))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def engine_kwargs(

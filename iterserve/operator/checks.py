@@ -12,8 +12,6 @@ import contextlib
 import dataclasses
 import io
 import re
-import typing
-from pathlib import Path
 from typing import Any
 
 from iterserve.operator.spec import LLMDeploymentSpec, SpecError
@@ -192,28 +190,15 @@ def check_server_args(spec: LLMDeploymentSpec, args: list[str], settings: dict[s
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    """``iterserve serve``'s parser, as :func:`iterserve.cli.build_parser` builds it (the
-    control plane does not import the CLI, which reaches the engine; a test keeps the two
-    equal), except that ``--tiers`` takes its file name as a string: the operator reads no
-    file of its own for a spec."""
-    from iterserve.config import ENGINE_CONFIG_CLASSES, ServerConfig, SimulationConfig, field_type
+    """``iterserve serve``'s parser, built by the CLI's own :func:`add_engine_flags` (the
+    control plane does not import the CLI, which reaches the engine), except that
+    ``--tiers`` takes its file name as a string: the operator reads no file for a spec."""
+    from iterserve.config import ENGINE_CONFIG_CLASSES, ServerConfig, SimulationConfig
+    from iterserve.engine_flags import add_engine_flags
 
     parser = argparse.ArgumentParser(prog="iterserve")
     serve = parser.add_subparsers(dest="command", required=True).add_parser("serve")
-    for cls in (ServerConfig, *ENGINE_CONFIG_CLASSES, SimulationConfig):
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
-            tp = field_type(cls, f.name)
-            if f.name == "tiers":
-                serve.add_argument(flag, type=str, **kwargs)
-            elif tp is bool:
-                serve.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-            elif typing.get_origin(tp) is typing.Literal:
-                serve.add_argument(flag, choices=typing.get_args(tp), **kwargs)
-            else:
-                serve.add_argument(flag, type=tp, **kwargs)
-    serve.add_argument("--config", type=Path, default=None)
+    add_engine_flags(serve, (ServerConfig, *ENGINE_CONFIG_CLASSES, SimulationConfig), tiers=str)
     return parser
 
 
