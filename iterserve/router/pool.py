@@ -145,7 +145,10 @@ class ReplicaPool:
         """One poll of ``b``; its report, readiness and failure count follow."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
-            report = await asyncio.wait_for(self._fetch(b, headers), self.poll_timeout_s)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+            # that lands as the fetch completes, and the poll loop then never stops.
+            async with asyncio.timeout(self.poll_timeout_s):
+                report = await self._fetch(b, headers)
         except Exception as e:  # whatever a replica answers, only its own poll fails
             self.record_failure(b, f"poll: {type(e).__name__}: {e}")
             return
