@@ -42,7 +42,9 @@ def add_operator_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--liveness-port", type=int, default=8081, help="/healthz for the kubelet")
     render = sub.add_parser(
         "render",
-        help="print every object the operator would create for an LLMDeployment (no cluster)",
+        help="print every object the operator would create for an LLMDeployment (no cluster; "
+        "not the Secrets N-admin and N-api-key, which it creates with random values when "
+        "absent, nor owner references)",
     )
     render.add_argument("file", help="an LLMDeployment YAML file")
     render.add_argument(

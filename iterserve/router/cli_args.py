@@ -23,7 +23,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         choices=_BACKEND_TYPES,
         default="auto",
         help="how replicas report load: iterserve /load, or vLLM / SGLang /metrics "
-        "(default: auto-detected per replica)",
+        "(auto: detected per replica)",
     )
     p.add_argument("--k8s-service", default=None, help="discover replicas from this Service")
     p.add_argument("--namespace", default="default", help="the Service's namespace")
@@ -36,8 +36,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "--no-prefix-affinity",
         dest="prefix_affinity",
         action="store_false",
-        help="least_kv without prefix affinity",
+        default=argparse.SUPPRESS,  # no "(default: True)" in --help: affinity is on
+        help="least_kv without prefix affinity (on by default)",
     )
+    p.set_defaults(prefix_affinity=True)
     p.add_argument("--poll-interval-ms", type=float, default=50.0, help="load polls per replica")
     p.add_argument("--poll-timeout-ms", type=float, default=400.0, help="(below --stale-after-ms)")
     p.add_argument(
