@@ -32,6 +32,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--session-header", default="x-session-id", help="policy session: the sticky header"
     )
+    p.set_defaults(prefix_affinity=True)  # before the flag: its own default stays SUPPRESS
     p.add_argument(
         "--no-prefix-affinity",
         dest="prefix_affinity",
@@ -39,7 +40,6 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,  # no "(default: True)" in --help: affinity is on
         help="least_kv without prefix affinity (on by default)",
     )
-    p.set_defaults(prefix_affinity=True)
     p.add_argument("--poll-interval-ms", type=float, default=50.0, help="load polls per replica")
     p.add_argument("--poll-timeout-ms", type=float, default=400.0, help="(below --stale-after-ms)")
     p.add_argument(
