@@ -333,6 +333,7 @@ def build_router_app(
             backend = pool.backends[pick.replica.name]
             tried.add(backend.name)
             backend.state.in_flight_since_report += 1
+            report = backend.state.report
             try:
                 await forward(request, send, backend, headers, arrival if attempt == 0 else None)
                 return
@@ -345,6 +346,13 @@ def build_router_app(
                     if request.aborted:
                         await _send_shutting_down(send)
                     return
+            finally:
+                # Ended before the replica's next report: it no longer loads the replica, and
+                # no report will take it off (a poll resets the count from what is open).
+                if backend.state.report is report:
+                    backend.state.in_flight_since_report = max(
+                        0, backend.state.in_flight_since_report - 1
+                    )
         if answer is not None:  # e.g. a 429 then a refused connection: the 429 comes back
             await _send_whole(send, answer.status, answer.headers, answer.body)
         elif last is not None:
