@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -89,3 +90,37 @@ def test_bench_flags_keep_their_defaults() -> None:
     assert (args.max_ttft_p99_regression, args.max_tpot_p50_regression) == (0.20, 0.15)
     args = build_parser().parse_args(["bench", "serve"])
     assert (args.workload, args.request_rate, args.timeout_s) == ("mixed", float("inf"), 1800.0)
+
+
+def test_operator_run_flags_the_chart_passes() -> None:
+    """The flags charts/iterserve's Deployment passes parse, with the documented defaults."""
+    args = build_parser().parse_args(["operator", "run"])
+    assert (args.namespace, args.log_level, args.liveness_port) == ([], "info", 8081)
+    assert (args.resync_interval_s, args.push_timeout_s) == (10.0, 5.0)
+    args = build_parser().parse_args(
+        ["operator", "run", "--namespace", "a", "--namespace", "b", "--log-level", "debug",
+         "--control-image", "img:1", "--resync-interval-s", "30", "--push-timeout-s", "2"]
+    )  # fmt: skip
+    assert (args.namespace, args.log_level, args.control_image) == (["a", "b"], "debug", "img:1")
+    assert (args.resync_interval_s, args.push_timeout_s) == (30.0, 2.0)
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["operator", "run", "--log-level", "verbose"])
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("level", "expected"),
+    [("debug", logging.DEBUG), ("info", logging.INFO), ("warning", logging.WARNING),
+     ("error", logging.ERROR)],
+)  # fmt: skip
+def test_operator_log_level_sets_the_root_logger(level: str, expected: int) -> None:
+    from iterserve.operator.main import configure_logging
+
+    root = logging.getLogger()
+    before = (root.level, list(root.handlers))
+    try:
+        configure_logging(level)
+        assert root.level == expected
+    finally:
+        root.setLevel(before[0])
+        root.handlers[:] = before[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 DEFAULT_CONTROL_IMAGE = "ghcr.io/iterserve/iterserve:latest-control"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def add_operator_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +41,12 @@ def add_operator_args(p: argparse.ArgumentParser) -> None:
         "--standalone", action="store_true", help="no kopf peering (a single operator for sure)"
     )
     run.add_argument("--liveness-port", type=int, default=8081, help="/healthz for the kubelet")
+    run.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="debug also logs kopf's own internals (every watch event and patch)",
+    )
     render = sub.add_parser(
         "render",
         help="print every object the operator would create for an LLMDeployment (no cluster; "

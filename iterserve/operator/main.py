@@ -82,6 +82,17 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 _Dumper.add_representer(str, _str)
 
 
+def configure_logging(level: str) -> None:
+    """kopf's log format at ``level`` (one of ``cli_args.LOG_LEVELS``): ``debug`` includes
+    kopf's internals, ``warning`` and ``error`` leave out the handlers' progress."""
+    import logging
+
+    import kopf
+
+    kopf.configure(debug=level == "debug")  # sets the root logger to DEBUG or INFO
+    logging.getLogger().setLevel(level.upper())
+
+
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
@@ -92,7 +103,7 @@ def _run(args: argparse.Namespace) -> int:
         kubeconfig=args.kubeconfig,
         settings=OperatorSettings(args.control_image, args.push_timeout_s),
     )
-    kopf.configure(verbose=False)
+    configure_logging(args.log_level)
     kopf.run(
         registry=build_registry(args.resync_interval_s),
         standalone=args.standalone,
