@@ -402,7 +402,10 @@ def router_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
             _secret_env("ITERSERVE_BACKEND_API_KEY", secret, "api-key"),
         ],
         "livenessProbe": _probe("/health", "http", 10, 3),
-        "readinessProbe": _probe("/ready", "http", 2, 2),
+        # The router's /ready fails while no server pod is ready. Scaled to zero, the router
+        # must stay in its Service anyway: the requests it answers 503 are what wake the
+        # server pods (docs/autoscaling.md).
+        "readinessProbe": _probe("/health" if spec.scales_to_zero else "/ready", "http", 2, 2),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
         "resources": {
             "requests": {"cpu": "500m", "memory": "256Mi"},
@@ -493,9 +496,52 @@ def pod_disruption_budget(ctx: Context) -> dict[str, Any]:
     }
 
 
+# The HPA's behaviour on both paths (KEDA passes it to the HPA it creates): scale up at once,
+# scale down on the highest recommendation of the last 5 minutes, because a replica takes
+# minutes to load and must not be given back on a dip.
+SCALE_UP_WINDOW_S, SCALE_DOWN_WINDOW_S = 0, 300
+# KEDA: how often it checks the triggers for activation (0 <-> 1; the HPA it creates polls the
+# metrics itself every 15 s), and how long every trigger must be inactive before it scales to 0.
+KEDA_POLLING_INTERVAL_S, KEDA_COOLDOWN_S = 15, 300
+# Scale to zero wakes on the router's requests: their rate over this window (4 scrapes at the
+# usual 15 s interval), clamped to 1 so that this trigger asks for exactly one replica while
+# requests arrive and never scales out (the queue trigger does).
+WAKE_METRIC = "iterserve_router_requests_total"
+WAKE_WINDOW = "1m"
+
+
+def pod_regex(deployment: str) -> str:
+    """The names of a Deployment's pods (``DEPLOYMENT-<replicaset hash>-<pod suffix>``), as a
+    PromQL regex (anchored by PromQL): ``N`` matches the server pods, not ``N-router``'s."""
+    return f"{deployment}-[a-z0-9]+-[a-z0-9]+"
+
+
+def queue_query(ctx: Context) -> str:
+    """KEDA's queue trigger: the waiting requests summed over the model's server pods."""
+    selector_ = f'namespace="{ctx.namespace}",pod=~"{pod_regex(ctx.name)}"'
+    return f"sum({QUEUE_METRIC}{{{selector_}}})"
+
+
+def wake_query(ctx: Context) -> str:
+    """KEDA's wake trigger (scale to zero only): the router pods' request rate (every answer,
+    the 503s it gives while no server pod is ready included), in requests per second, clamped
+    to 1."""
+    selector_ = f'namespace="{ctx.namespace}",pod=~"{pod_regex(router_name(ctx.name))}"'
+    return f"clamp_max(sum(rate({WAKE_METRIC}{{{selector_}}}[{WAKE_WINDOW}])), 1)"
+
+
+def _behavior() -> dict[str, Any]:
+    return {
+        "scaleUp": {"stabilizationWindowSeconds": SCALE_UP_WINDOW_S},
+        "scaleDown": {"stabilizationWindowSeconds": SCALE_DOWN_WINDOW_S},
+    }
+
+
 def autoscaler(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any] | None:
     """The HPA (a Pods metric: waiting requests per pod, served by prometheus-adapter) or the
-    KEDA ScaledObject (a Prometheus ``sum()`` over the model's pods); None when off."""
+    KEDA ScaledObject (a Prometheus ``sum()`` over the model's pods, and with
+    ``minReplicas: 0`` a second trigger on the router's request rate that wakes it); None when
+    off. docs/autoscaling.md explains both."""
     a = spec.autoscaling
     if not a.enabled:
         return None
@@ -521,16 +567,37 @@ def autoscaler(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any] | None:
                         },
                     }
                 ],
-                "behavior": {
-                    "scaleUp": {"stabilizationWindowSeconds": 0},
-                    # A replica takes minutes to load: do not give it back on a dip.
-                    "scaleDown": {"stabilizationWindowSeconds": 300},
-                },
+                "behavior": _behavior(),
             },
         }
-    query = (
-        f'sum({QUEUE_METRIC}{{namespace="{ctx.namespace}",pod=~"{ctx.name}-[a-z0-9]+-[a-z0-9]+"}})'
-    )
+    assert a.prometheusURL is not None  # the spec's rules
+    triggers = [
+        {
+            "type": "prometheus",
+            "name": "queue",
+            "metadata": {
+                "serverAddress": a.prometheusURL,
+                "query": queue_query(ctx),
+                "threshold": f"{a.targetQueueDepth:g}",
+                "activationThreshold": "0",
+            },
+        }
+    ]
+    if spec.scales_to_zero:
+        triggers.append(
+            {
+                "type": "prometheus",
+                "name": "wake",
+                "metadata": {
+                    "serverAddress": a.prometheusURL,
+                    "query": wake_query(ctx),
+                    # ceil(value / 1) = 1 replica for any rate in (0, 1]: never scales out.
+                    "threshold": "1",
+                    # Active above 0: one request in the window wakes the server pods.
+                    "activationThreshold": "0",
+                },
+            }
+        )
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
@@ -539,18 +606,10 @@ def autoscaler(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any] | None:
             "scaleTargetRef": {"name": ctx.name},
             "minReplicaCount": a.minReplicas,
             "maxReplicaCount": a.maxReplicas,
-            "cooldownPeriod": 300,
-            "triggers": [
-                {
-                    "type": "prometheus",
-                    "metadata": {
-                        "serverAddress": a.prometheusURL,
-                        "query": query,
-                        "threshold": f"{a.targetQueueDepth:g}",
-                        "activationThreshold": "0",
-                    },
-                }
-            ],
+            "pollingInterval": KEDA_POLLING_INTERVAL_S,
+            "cooldownPeriod": KEDA_COOLDOWN_S,
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior()}},
+            "triggers": triggers,
         },
     }
 

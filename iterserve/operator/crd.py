@@ -56,6 +56,13 @@ RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
             "scheduler.preemptionMode swap needs engine.swapSpace > 0",
             ".scheduler.preemptionMode",
         ),
+        _rule(
+            "!(self.autoscaling.enabled && self.autoscaling.via == 'keda'"
+            " && self.autoscaling.minReplicas == 0) || self.router.replicas >= 1",
+            "autoscaling.minReplicas 0 (scale to zero) needs router.replicas >= 1: the "
+            "router's request rate wakes the server pods",
+            ".router.replicas",
+        ),
     ],
     ("model", "source"): [
         _rule(

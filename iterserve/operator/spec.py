@@ -347,7 +347,13 @@ class RouterSpec(_Model):
     """The router in front of the server pods (its Service's URL is status.routerURL). A
     change rolls the router pods only, not the server pods."""
 
-    replicas: int = Field(1, ge=0, le=64, description="Router pods, 0 to 64. Default 1.")
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="Router pods, 0 to 64; at least 1 with scale to zero (autoscaling "
+        "minReplicas 0). Default 1.",
+    )
     policy: Literal["least_kv", "round_robin", "session", "random"] = Field(
         "least_kv",
         description="How the router picks a server pod: least_kv (lowest KV-cache use and "
@@ -379,8 +385,10 @@ class AutoscalingSpec(_Model):
         1,
         ge=0,
         le=1000,
-        description="Fewest server pods, 0 to 1000, at most maxReplicas; 0 (scale to zero) "
-        "needs via keda. Default 1.",
+        description="Fewest server pods, 0 to 1000, at most maxReplicas. 0 (scale to zero) "
+        "needs via keda and router.replicas >= 1: the router keeps running, answers 503 with "
+        "Retry-After while no server pod is ready, and its request rate wakes the pods (the "
+        "first requests fail until a pod has loaded the model). Default 1.",
     )
     maxReplicas: int = Field(
         4, ge=1, le=1000, description="Most server pods, 1 to 1000. Default 4."
@@ -388,8 +396,9 @@ class AutoscalingSpec(_Model):
     targetQueueDepth: float = Field(
         8,
         gt=0,
-        description="Waiting requests per server pod the autoscaler aims at (the average "
-        "over the pods). Default 8.",
+        description="Waiting requests per server pod the autoscaler aims at: the HPA's "
+        "AverageValue target of the pods' iterserve_num_requests_waiting, KEDA's threshold "
+        "for their sum. Default 8.",
     )
     prometheusURL: str | None = Field(
         None,
@@ -449,6 +458,13 @@ class LLMDeploymentSpec(_Model):
         return self
 
     @property
+    def scales_to_zero(self) -> bool:
+        """Autoscaling with KEDA down to no server pod (``minReplicas: 0``): woken by the
+        router's request rate, so the router keeps running."""
+        a = self.autoscaling
+        return a.enabled and a.via == "keda" and a.minReplicas == 0
+
+    @property
     def tensor_parallel_size(self) -> int:
         if self.tensorParallelSize is not None:
             return self.tensorParallelSize
@@ -483,6 +499,11 @@ def cross_field_errors(spec: LLMDeploymentSpec) -> list[str]:
         errors.append("autoscaling.via keda needs autoscaling.prometheusURL")
     if a.enabled and a.via == "hpa" and a.minReplicas < 1:
         errors.append("autoscaling.minReplicas 0 (scale to zero) needs via keda")
+    if spec.scales_to_zero and spec.router.replicas < 1:
+        errors.append(
+            "autoscaling.minReplicas 0 (scale to zero) needs router.replicas >= 1: the "
+            "router's request rate wakes the server pods"
+        )
     return errors
 
 

@@ -658,6 +658,8 @@ def test_hpa_target_is_a_canonical_quantity(depth: float, canonical: str) -> Non
 
 
 def test_keda_scaled_object() -> None:
+    """Scaled to zero (``minReplicas: 0``): the queue trigger and the router's wake trigger
+    (their semantics are tested on simulated replicas in test_autoscaling.py)."""
     objects = build(with_spec(EXAMPLE, autoscaling=KEDA))
     assert list(objects)[-1] == ("ScaledObject", "chat-70b")
     scaled = objects["ScaledObject", "chat-70b"]
@@ -665,16 +667,64 @@ def test_keda_scaled_object() -> None:
     spec = scaled["spec"]
     assert spec["scaleTargetRef"] == {"name": "chat-70b"}
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 3)
-    (trigger,) = spec["triggers"]
-    assert trigger["type"] == "prometheus"
-    metadata = trigger["metadata"]
-    assert metadata["serverAddress"] == "http://prometheus.monitoring.svc:9090"
-    assert metadata["threshold"] == "2.5"
-    assert all(isinstance(v, str) for v in metadata.values())  # KEDA's metadata: strings
-    query = metadata["query"]
-    assert query.startswith("sum(iterserve_num_requests_waiting{") and query.endswith("})")
-    assert 'namespace="serving"' in query
-    assert 'pod=~"chat-70b-[a-z0-9]+-[a-z0-9]+"' in query
+    assert (spec["pollingInterval"], spec["cooldownPeriod"]) == (15, 300)
+    assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == {
+        "scaleUp": {"stabilizationWindowSeconds": 0},
+        "scaleDown": {"stabilizationWindowSeconds": 300},
+    }
+    queue, wake = spec["triggers"]
+    url = "http://prometheus.monitoring.svc:9090"
+    assert queue == {
+        "type": "prometheus",
+        "name": "queue",
+        "metadata": {
+            "serverAddress": url,
+            "query": 'sum(iterserve_num_requests_waiting{namespace="serving",'
+            'pod=~"chat-70b-[a-z0-9]+-[a-z0-9]+"})',
+            "threshold": "2.5",
+            "activationThreshold": "0",
+        },
+    }
+    assert wake == {
+        "type": "prometheus",
+        "name": "wake",
+        "metadata": {
+            "serverAddress": url,
+            "query": 'clamp_max(sum(rate(iterserve_router_requests_total{namespace="serving",'
+            'pod=~"chat-70b-router-[a-z0-9]+-[a-z0-9]+"}[1m])), 1)',
+            "threshold": "1",
+            "activationThreshold": "0",
+        },
+    }
+    for trigger in (queue, wake):  # KEDA's metadata: strings
+        assert all(isinstance(v, str) for v in trigger["metadata"].values())
+
+
+def test_keda_from_one_replica_has_no_wake_trigger() -> None:
+    scaled = build(with_spec(EXAMPLE, autoscaling={**KEDA, "minReplicas": 1}))
+    spec = scaled["ScaledObject", "chat-70b"]["spec"]
+    assert spec["minReplicaCount"] == 1
+    assert [t["name"] for t in spec["triggers"]] == ["queue"]
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "path"),
+    [(None, "/ready"), (HPA, "/ready"), ({**KEDA, "minReplicas": 1}, "/ready"), (KEDA, "/health")],
+    ids=["off", "hpa", "keda-from-one", "keda-to-zero"],
+)
+def test_router_stays_ready_without_server_pods_only_when_scaled_to_zero(
+    autoscaling: dict[str, Any] | None, path: str
+) -> None:
+    """The router's /ready fails with no ready server pod; scaled to zero it must stay in its
+    Service to answer (and count) the requests that wake the server pods."""
+    document = with_spec(EXAMPLE, autoscaling=autoscaling) if autoscaling else EXAMPLE
+    pod = build(document)["Deployment", "chat-70b-router"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["readinessProbe"]["httpGet"] == {"path": path, "port": "http"}
+
+
+def test_scale_to_zero_needs_the_router() -> None:
+    with pytest.raises(SpecError, match=r"needs router.replicas >= 1"):
+        parse_spec(with_spec(EXAMPLE, autoscaling=KEDA, router={"replicas": 0})["spec"])
 
 
 # -- schema validation ---------------------------------------------------------------------
@@ -687,6 +737,7 @@ def _variants() -> list[tuple[str, dict[str, Any]]]:
         ("minimal", MINIMAL),
         ("hpa", with_spec(EXAMPLE, autoscaling=HPA)),
         ("keda", with_spec(MINIMAL, autoscaling=KEDA)),
+        ("keda-from-one", with_spec(MINIMAL, autoscaling={**KEDA, "minReplicas": 1})),
         ("uri", with_spec(MINIMAL, model={"name": "tiny", "source": uri})),
         ("image", with_spec(MINIMAL, model={"name": "tiny", "source": {"image": {"path": "/m"}}})),
     ]

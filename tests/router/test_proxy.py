@@ -84,7 +84,8 @@ def _requests_by_replica(response: httpx.Response) -> dict[str, int]:
         if line.startswith("iterserve_router_requests_total{"):
             labels, value = line.rsplit(" ", 1)
             replica = labels.split('replica="')[1].split('"')[0]
-            counts[replica] = counts.get(replica, 0) + int(float(value))
+            if float(value):  # the none/503 series exists at 0 from the start
+                counts[replica] = counts.get(replica, 0) + int(float(value))
     return counts
 
 
