@@ -118,7 +118,7 @@ def _server_state(
         clock=clock,
         admission=Admission(clock),
     )
-    metrics.config_version.set(server_config.config_version)
+    metrics.set_settings(state.settings.version, state.settings.config.tiers)
     metrics.set_cache_config(engine.limits.block_size, engine.limits.num_kv_blocks)
     engine.on_iteration = metrics.observe_iterations
     metrics.set_load(engine.load)

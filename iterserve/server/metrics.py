@@ -15,6 +15,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from iterserve.config import Tier
 from iterserve.engine.messages import EngineLoad, IterationStats, RequestDelta
 
 _LATENCY_BUCKETS = (
@@ -54,6 +55,14 @@ class ServerMetrics:
         )
         self.config_version = Gauge(
             p + "scheduler_config_version", "Version of the live scheduler settings", registry=r
+        )
+        # The alerting rule's side of "a tier's p99 queue wait over its limit": the limit is a
+        # live setting, so it is exported rather than copied into the rule.
+        self.tier_max_queue_wait = Gauge(
+            p + "tier_max_queue_wait_seconds",
+            "A tier's live max_queue_wait_ms, in seconds (no series for a tier without one)",
+            ["tier"],
+            registry=r,
         )
         self.prompt_tokens = Counter(
             p + "prompt_tokens", "Prompt tokens computed (prefill)", registry=r
@@ -101,6 +110,21 @@ class ServerMetrics:
         self.gie_cache_config.labels(
             block_size=str(block_size), num_gpu_blocks=str(num_blocks)
         ).set(1)
+
+    def set_settings(self, version: int, tiers: Iterable[Tier]) -> None:
+        """The live settings' gauges, at start and after every applied change.
+
+        Args:
+            version: ``config_version`` of the settings in force.
+            tiers: their SLA tiers; ``iterserve_tier_max_queue_wait_seconds{tier}`` is set for
+                each tier with a ``max_queue_wait_ms`` (ms / 1000) and dropped for the others.
+        """
+        self.config_version.set(version)
+        # clear() and the sets run without an await between them: no scrape sees a gap.
+        self.tier_max_queue_wait.clear()
+        for tier in tiers:
+            if tier.max_queue_wait_ms is not None:
+                self.tier_max_queue_wait.labels(tier=tier.name).set(tier.max_queue_wait_ms / 1000)
 
     def set_load(self, load: EngineLoad) -> None:
         """Queue gauges from the engine's counts."""

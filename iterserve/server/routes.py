@@ -188,7 +188,7 @@ async def put_scheduler_config(request: Request) -> Any:
         except EngineDeadError as e:
             raise engine_error(e) from e
         state.settings = new
-        state.metrics.config_version.set(new.version)
+        state.metrics.set_settings(new.version, new.config.tiers)
         logger.info("scheduler settings version %d applied: %s", new.version, new.view())
     return new.view()
 
