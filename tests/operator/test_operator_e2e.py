@@ -11,7 +11,6 @@ import base64
 import contextlib
 import copy
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -21,12 +20,11 @@ import kmock
 import kopf
 import pytest
 import yaml
+from kmock_cluster import cluster
 from server_utils import Server, free_port, run_server
 from sim_profiles import make_profile, write_profile
 
 from iterserve.operator.builders import selector
-from iterserve.operator.handlers import build_registry
-from iterserve.operator.reconcile import OperatorSettings
 from iterserve.operator.spec import desired_settings, parse_spec, settings_hash_of
 
 NS = "serving"
@@ -80,58 +78,6 @@ def _port(server: Server) -> int:
     port = urlparse(server.url).port
     assert port is not None
     return port
-
-
-@contextlib.asynccontextmanager
-async def cluster(tmp_path: Path) -> AsyncIterator[kmock.KubernetesEmulator]:
-    """KMock serving the resources the operator uses, and the operator running against it
-    (in this event loop, resync every 0.5 s)."""
-    async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s) as server:
-        verbs = {"get", "list", "watch", "create", "update", "patch", "delete"}
-        k8s.resources["iterserve.io/v1alpha1/llmdeployments"] = kmock.ResourceInfo(
-            kind="LLMDeployment", namespaced=True, subresources={"status"}, verbs=verbs
-        )
-        # What kopf's own machinery discovers before it watches (CRDs, namespaces, events).
-        for resource, kind, namespaced in (
-            ("v1/pods", "Pod", True),
-            ("v1/events", "Event", True),
-            ("v1/namespaces", "Namespace", False),
-            (
-                "apiextensions.k8s.io/v1/customresourcedefinitions",
-                "CustomResourceDefinition",
-                False,
-            ),
-        ):
-            k8s.resources[resource] = kmock.ResourceInfo(
-                kind=kind, namespaced=namespaced, verbs=verbs
-            )
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(
-            yaml.safe_dump({
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "mock", "cluster": {"server": str(server.url)}}],
-                "users": [{"name": "operator", "user": {"token": "t"}}],
-                "contexts": [{"name": "c", "context": {"cluster": "mock", "user": "operator"}}],
-                "current-context": "c",
-            })
-        )  # fmt: skip
-        stop = asyncio.Event()
-        memo = kopf.Memo(kubeconfig=str(kubeconfig), settings=OperatorSettings("router:test"))
-        task = asyncio.create_task(
-            kopf.operator(
-                registry=build_registry(resync_interval_s=0.5),
-                standalone=True,
-                clusterwide=True,  # KMock 0.8 cannot list /api/v1/namespaces (500)
-                memo=memo,
-                stop_flag=stop,
-            )
-        )
-        try:
-            yield k8s
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 30)
 
 
 async def _get(k8s: kmock.KubernetesEmulator, path: str) -> Any:

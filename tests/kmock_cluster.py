@@ -1,0 +1,118 @@
+"""KMock (the kopf author's Kubernetes API mock) serving what the operator uses, and the
+operator's real kopf handlers running against it in the test's event loop.
+
+Shared by tests/operator/test_operator_e2e.py and tests/packaging/test_chart.py (which records
+every request the operator makes to check the chart's RBAC). KMock has no uid, generation or
+resourceVersion, no garbage collector and no controllers: the tests play those parts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import kmock
+import kopf
+import yaml
+
+from iterserve.operator.handlers import build_registry
+from iterserve.operator.main import PEERING_NAME
+from iterserve.operator.reconcile import OperatorSettings
+
+# The operator's bearer token: every request carrying it is the operator's (kopf's or its
+# client's), the tests' own requests carry none.
+TOKEN = "t"
+VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
+
+
+class VersionedEmulator(kmock.KubernetesEmulator):
+    """KMock that gives every created or patched object a new ``metadata.resourceVersion``,
+    as the API server does. kopf waits after its own patches for the watch event carrying the
+    version its patch returned; with KMock's constant version it takes the next event, an older
+    state of the object, for it, and handles an old spec again (a slow catch-up under load)."""
+
+    _next_version = 1
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(
+            request.data, dict
+        ):
+            self._next_version += 1
+            request.data.setdefault("metadata", {})["resourceVersion"] = str(self._next_version)
+        return await super()._handle(request)
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    tmp_path: Path,
+    *,
+    peering: bool = False,
+    versioned: bool = False,
+    resync_interval_s: float = 0.5,
+) -> AsyncIterator[kmock.KubernetesEmulator]:
+    """KMock serving the resources the operator uses, and the operator running against it
+    (cluster-wide, resync every ``resync_interval_s``). ``peering``: with kopf's peering on,
+    as ``iterserve operator run`` runs it (the ClusterKopfPeering ``iterserve`` exists);
+    otherwise standalone. ``versioned``: objects get a new resourceVersion on every change
+    (:class:`VersionedEmulator`)."""
+    emulator = VersionedEmulator() if versioned else kmock.KubernetesEmulator()
+    async with emulator as k8s, kmock.Server(k8s) as server:
+        k8s.resources["iterserve.io/v1alpha1/llmdeployments"] = kmock.ResourceInfo(
+            kind="LLMDeployment", namespaced=True, subresources={"status"}, verbs=VERBS
+        )
+        # What kopf's own machinery discovers before it watches (CRDs, namespaces, events),
+        # kopf's peering, and KEDA's ScaledObject.
+        for resource, kind, namespaced in (
+            ("v1/pods", "Pod", True),
+            ("v1/events", "Event", True),
+            ("v1/namespaces", "Namespace", False),
+            (
+                "apiextensions.k8s.io/v1/customresourcedefinitions",
+                "CustomResourceDefinition",
+                False,
+            ),
+            ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False),
+            ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True),
+        ):
+            k8s.resources[resource] = kmock.ResourceInfo(
+                kind=kind, namespaced=namespaced, verbs=VERBS
+            )
+        if peering:
+            await k8s.post(
+                "/apis/kopf.dev/v1/clusterkopfpeerings",
+                json={
+                    "apiVersion": "kopf.dev/v1",
+                    "kind": "ClusterKopfPeering",
+                    "metadata": {"name": PEERING_NAME, "resourceVersion": "1"},
+                },
+            )
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            yaml.safe_dump({
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "mock", "cluster": {"server": str(server.url)}}],
+                "users": [{"name": "operator", "user": {"token": TOKEN}}],
+                "contexts": [{"name": "c", "context": {"cluster": "mock", "user": "operator"}}],
+                "current-context": "c",
+            })
+        )  # fmt: skip
+        stop = asyncio.Event()
+        memo = kopf.Memo(kubeconfig=str(kubeconfig), settings=OperatorSettings("router:test"))
+        task = asyncio.create_task(
+            kopf.operator(
+                registry=build_registry(resync_interval_s=resync_interval_s),
+                standalone=not peering,
+                peering_name=PEERING_NAME if peering else None,
+                clusterwide=True,  # KMock 0.8 cannot list /api/v1/namespaces (500)
+                memo=memo,
+                stop_flag=stop,
+            )
+        )
+        try:
+            yield k8s
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
