@@ -33,7 +33,7 @@ ROUTER_GRACE_S = 30
 # Weights of a 70B model take minutes to load: 15 minutes before liveness counts.
 STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES = 10, 90
 QUEUE_METRIC = "iterserve_num_requests_waiting"
-NON_ROOT_UID = 1000
+NON_ROOT_UID = 10001  # the images' user (Dockerfile; docs/images.md)
 
 
 @dataclass(frozen=True)

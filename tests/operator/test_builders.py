@@ -292,9 +292,9 @@ def test_pods_run_as_non_root(document: dict[str, Any]) -> None:
         pod = deployment["spec"]["template"]["spec"]
         assert pod["securityContext"] == {
             "runAsNonRoot": True,
-            "runAsUser": 1000,
-            "runAsGroup": 1000,
-            "fsGroup": 1000,
+            "runAsUser": 10001,
+            "runAsGroup": 10001,
+            "fsGroup": 10001,
             "seccompProfile": {"type": "RuntimeDefault"},
         }
         for container in pod["containers"] + pod.get("initContainers", []):
