@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from iterserve import __version__
 from iterserve.cli import build_parser, main
 
 # Nothing of these may load before a subcommand runs (torch alone takes ~1.5 s to import).
@@ -97,6 +98,7 @@ def test_operator_run_flags_the_chart_passes() -> None:
     args = build_parser().parse_args(["operator", "run"])
     assert (args.namespace, args.log_level, args.liveness_port) == ([], "info", 8081)
     assert (args.resync_interval_s, args.push_timeout_s) == (10.0, 5.0)
+    assert args.control_image == f"ghcr.io/iterserve/iterserve:{__version__}-control"
     args = build_parser().parse_args(
         ["operator", "run", "--namespace", "a", "--namespace", "b", "--log-level", "debug",
          "--control-image", "img:1", "--resync-interval-s", "30", "--push-timeout-s", "2"]

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from importlib.metadata import version
 
-DEFAULT_CONTROL_IMAGE = "ghcr.io/iterserve/iterserve:latest-control"
+# The control image of this version (the Dockerfile's `control` target, tagged
+# <version>-control): the routers' default, as the chart's. (The installed distribution's
+# version: importing `iterserve` for its __version__ would cross the layering contracts.)
+DEFAULT_CONTROL_IMAGE = f"ghcr.io/iterserve/iterserve:{version('iterserve')}-control"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 

@@ -6,6 +6,7 @@ what the operator calls in a recorded run against KMock."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import time
@@ -211,6 +212,10 @@ def test_default_operator_deployment(default_objects: list[dict[str, Any]]) -> N
         "capabilities": {"drop": ["ALL"]},
     }
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    # The images' own user (every final stage of the Dockerfile).
+    users = set(re.findall(r"^USER (\d+):(\d+)$", (REPO / "Dockerfile").read_text(), re.M))
+    context = pod["securityContext"]
+    assert users == {(str(context["runAsUser"]), str(context["runAsGroup"]))}
     assert pod["serviceAccountName"] == _one(default_objects, "ServiceAccount")["metadata"]["name"]
     binding = _one(default_objects, "ClusterRoleBinding")
     role_name = _one(default_objects, "ClusterRole")["metadata"]["name"]
@@ -367,6 +372,32 @@ def test_monitors_cluster_wide_select_every_namespace(helm: Path) -> None:
     objects = _template(helm, *on)
     for kind in ("ServiceMonitor", "PodMonitor"):
         assert _one(objects, kind)["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_notes_say_what_to_run_next(helm: Path) -> None:
+    """NOTES.txt (rendered by an install's dry run): the example's names, and a live patch
+    that the operator accepts and that changes the premium tier's queue-wait limit."""
+    proc = _run(
+        helm, "install", RELEASE, str(CHART), "-n", NAMESPACE, "--dry-run=client",
+        "--set", "example.enabled=true",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    for command in (
+        f"kubectl -n {NAMESPACE} rollout status deployment/{FULLNAME}",
+        f"kubectl -n {NAMESPACE} get llmd smollm2-demo -w",
+        f"kubectl -n {NAMESPACE} port-forward svc/smollm2-demo-router 8080:8080",
+        f"kubectl -n {NAMESPACE} get secret smollm2-demo-api-key",
+        "docs/kubernetes.md",
+    ):
+        assert command in notes, command
+    (patch,) = re.findall(r"patch llmd smollm2-demo --type merge -p '(.+)'", notes)
+    example = _one(_template(helm, "--set", "example.enabled=true"), "LLMDeployment")
+    patched = parse_spec({**example["spec"], **json.loads(patch)["spec"]})
+    (premium,) = [t for t in patched.slaTiers if t.name == "premium"]
+    assert premium.maxQueueWaitMs == 500
+    (before,) = [t for t in parse_spec(example["spec"]).slaTiers if t.name == "premium"]
+    assert before.maxQueueWaitMs != 500
 
 
 # --------------------------------------------------------------------------- wrong values
