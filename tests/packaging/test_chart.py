@@ -39,10 +39,10 @@ MIN_VERSION = _MINIMUM[1]
 VERSIONS = (MIN_VERSION, kubernetes_validate.latest_version())
 RELEASE, NAMESPACE = "iterserve", "iterserve-system"
 FULLNAME = "iterserve"  # the release's name holds the chart's: no suffix
-RBAC = "rbac.authorization.k8s.io/v1"
 
 # Kinds with no schema offline (CRDs of the Prometheus Operator, kopf and iterserve): their
-# apiVersion is checked here, and the fields the chart sets by the tests below.
+# apiVersion is checked here, the fields the chart sets by the tests below (the example by the
+# operator's own validation; the PrometheusRule's rules by tests/packaging/test_observability.py).
 CUSTOM_KINDS = {
     "LLMDeployment": "iterserve.io/v1alpha1",
     "ClusterKopfPeering": "kopf.dev/v1",
@@ -195,7 +195,13 @@ def test_default_operator_deployment(default_objects: list[dict[str, Any]]) -> N
     # The flags parse, and the chart's defaults are the CLI's.
     args = build_parser().parse_args(container["args"])
     defaults = build_parser().parse_args(["operator", "run"])
-    for flag in ("resync_interval_s", "push_timeout_s", "liveness_port", "log_level"):
+    for flag in (
+        "resync_interval_s",
+        "push_timeout_s",
+        "liveness_port",
+        "log_level",
+        "control_image",
+    ):
         assert getattr(args, flag) == getattr(defaults, flag), flag
     assert (args.namespace, args.control_image, args.standalone) == ([], image, False)
     # Liveness on kopf's /healthz, on the port the operator listens on.
