@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from iterserve.operator.checks import check_name, check_objects_fields, check_server_args
+from iterserve.operator.cli_args import DEFAULT_CONTROL_IMAGE
 from iterserve.operator.spec import LLMDeploymentSpec, SpecError, desired_settings
 
 SERVER_PORT = 8000
@@ -51,7 +52,7 @@ class Context:
     name: str
     namespace: str
     generation: int = 1
-    control_image: str = "ghcr.io/iterserve/iterserve:latest-control"
+    control_image: str = DEFAULT_CONTROL_IMAGE
     config_version: int | None = None
 
 

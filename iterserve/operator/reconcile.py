@@ -29,6 +29,7 @@ from iterserve.operator.builders import (
     router_url,
     selector,
 )
+from iterserve.operator.cli_args import DEFAULT_CONTROL_IMAGE
 from iterserve.operator.kube import Kube, apply
 from iterserve.operator.push import PodResult, ready_targets, sync_pods
 from iterserve.operator.spec import SpecError, desired_settings, parse_spec, settings_hash_of
@@ -44,7 +45,7 @@ _OPTIONAL = (
 class OperatorSettings:
     """``iterserve operator run`` flags the handlers need."""
 
-    control_image: str = "ghcr.io/iterserve/iterserve:latest-control"
+    control_image: str = DEFAULT_CONTROL_IMAGE
     push_timeout_s: float = 5.0
 
 

@@ -32,6 +32,7 @@ from iterserve.config import (
 )
 from iterserve.draining import ABORT_WAIT_S
 from iterserve.operator.builders import Context, build_all, quantity
+from iterserve.operator.cli_args import DEFAULT_CONTROL_IMAGE
 from iterserve.operator.kube import Kube, apply, is_subset
 from iterserve.operator.push import PodTarget, ready_targets
 from iterserve.operator.reconcile import condition, invalid_status
@@ -56,7 +57,7 @@ MINIMAL: dict[str, Any] = {
         "resources": {"gpus": 0},
     },
 }
-CONTROL_IMAGE = "ghcr.io/iterserve/iterserve:latest-control"
+CONTROL_IMAGE = DEFAULT_CONTROL_IMAGE
 KINDS_IN_ORDER = [
     "ConfigMap",
     "Service",
