@@ -46,3 +46,7 @@ class RouterMetrics:
         self.ready_replicas = Gauge(p + "ready_replicas", "Replicas receiving traffic", registry=r)
         for reason in ("connect", "timeout", "status_5xx", "status_429"):
             self.retries.labels(reason=reason)
+        # The 503 series exists at 0 from the start: Prometheus' rate() sees no increase in a
+        # series' first sample, so the first "no ready replica" would not count in the rate
+        # that wakes a deployment scaled to zero (docs/autoscaling.md).
+        self.requests.labels(replica="none", code="503")

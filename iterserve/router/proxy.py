@@ -194,10 +194,6 @@ def build_router_app(
         background: entered for the app's lifetime (the pool's polling, discovery).
     """
     metrics = RouterMetrics()
-    # The 503 series exists at 0 from the start: Prometheus' rate() sees no increase in a
-    # series' first sample, so the first "no ready replica" would not count in the rate that
-    # wakes a deployment scaled to zero (docs/autoscaling.md).
-    metrics.requests.labels(replica="none", code="503")
     active = _Active()
     pool.on_eject = lambda name: metrics.ejections.labels(replica=name).inc()
     upstream: aiohttp.ClientSession | None = None
