@@ -319,7 +319,7 @@ def build_crd() -> dict[str, Any]:
     """The ``llmdeployments.iterserve.io`` CustomResourceDefinition (apiextensions/v1)."""
     schema = {
         "description": "A served model: server pods, router, autoscaler and live scheduler "
-        "settings (see DESIGN.md, 'Custom resource LLMDeployment')",
+        "settings (docs/kubernetes.md in the iterserve repository)",
         "type": "object",
         "required": ["spec"],
         "properties": {

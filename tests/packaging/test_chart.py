@@ -402,8 +402,14 @@ def test_notes_say_what_to_run_next(helm: Path) -> None:
     patched = parse_spec({**example["spec"], **json.loads(patch)["spec"]})
     (premium,) = [t for t in patched.slaTiers if t.name == "premium"]
     assert premium.maxQueueWaitMs == 500
-    (before,) = [t for t in parse_spec(example["spec"]).slaTiers if t.name == "premium"]
-    assert before.maxQueueWaitMs != 500
+    before = parse_spec(example["spec"])
+    (premium_before,) = [t for t in before.slaTiers if t.name == "premium"]
+    assert premium_before.maxQueueWaitMs != 500
+    # Nothing else changes: the other tiers and the premium tier's other fields stay as they were.
+    assert patched.slaTiers == [
+        t.model_copy(update={"maxQueueWaitMs": 500}) if t.name == "premium" else t
+        for t in before.slaTiers
+    ]
 
 
 # --------------------------------------------------------------------------- wrong values
