@@ -193,14 +193,21 @@ DEFAULT_TIERS: tuple[Tier, ...] = (
 DEFAULT_TIER_NAME = "standard"
 
 
+# Tiers are few by nature (the CRD allows 32): a bound keeps the per-tier metric series and
+# the admission scan small whatever an admin PUTs.
+MAX_TIERS = 32
+
+
 def parse_tiers(data: object) -> tuple[Tier, ...]:
     """Tiers from a list of mappings (YAML/JSON): ``[{name, priority, ...}, ...]``.
 
     Raises:
-        ConfigError: malformed entries.
+        ConfigError: malformed entries, or more than :data:`MAX_TIERS` of them.
     """
     if not isinstance(data, list | tuple) or not data:
         raise ConfigError("tiers must be a non-empty list of {name, priority, ...}")
+    if len(data) > MAX_TIERS:
+        raise ConfigError(f"at most {MAX_TIERS} tiers, got {len(data)}")
     tiers = []
     for entry in data:
         if isinstance(entry, Tier):

@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 from iterserve.cli import build_parser, engine_kwargs
-from iterserve.config import ConfigError, EngineConfig, require_single_device
+from iterserve.config import (
+    MAX_TIERS,
+    ConfigError,
+    EngineConfig,
+    parse_tiers,
+    require_single_device,
+)
 
 
 def test_defaults() -> None:
@@ -87,3 +93,10 @@ def test_yaml_config_unknown_key_is_an_error(tmp_path: Path) -> None:
     args = parser.parse_args(["generate", "--config", str(config_file)])
     with pytest.raises(SystemExit):
         engine_kwargs(args, parser)
+
+
+def test_tiers_are_bounded() -> None:
+    many = [{"name": f"t{i}", "priority": i} for i in range(MAX_TIERS + 1)]
+    assert len(parse_tiers(many[:MAX_TIERS])) == MAX_TIERS
+    with pytest.raises(ConfigError, match=f"at most {MAX_TIERS} tiers"):
+        parse_tiers(many)

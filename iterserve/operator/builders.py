@@ -504,11 +504,12 @@ SCALE_UP_WINDOW_S, SCALE_DOWN_WINDOW_S = 0, 300
 # KEDA: how often it checks the triggers for activation (0 <-> 1; the HPA it creates polls the
 # metrics itself every 15 s), and how long every trigger must be inactive before it scales to 0.
 KEDA_POLLING_INTERVAL_S, KEDA_COOLDOWN_S = 15, 300
-# Scale to zero wakes on the router's requests: their rate over this window (4 scrapes at the
-# usual 15 s interval), clamped to 1 so that this trigger asks for exactly one replica while
-# requests arrive and never scales out (the queue trigger does).
+# Scale to zero wakes on the router's requests: their rate over WAKE_WINDOW (rate() needs two
+# samples in it: 8 scrapes at a 15 s interval, 2 at 60 s, Prometheus' default), clamped to 1
+# so that this trigger asks for exactly one replica while requests arrive and never scales
+# out (the queue trigger does).
 WAKE_METRIC = "iterserve_router_requests_total"
-WAKE_WINDOW = "1m"
+WAKE_WINDOW = "2m"
 
 
 def pod_regex(deployment: str) -> str:
@@ -579,7 +580,8 @@ def autoscaler(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any] | None:
             "metadata": {
                 "serverAddress": a.prometheusURL,
                 "query": queue_query(ctx),
-                "threshold": f"{a.targetQueueDepth:g}",
+                # Every digit, no exponent: 1234567 stays 1234567 (":g" would round it).
+                "threshold": format(Decimal(repr(a.targetQueueDepth)).normalize(), "f"),
                 "activationThreshold": "0",
             },
         }

@@ -32,7 +32,13 @@ from iterserve.operator.builders import (
 from iterserve.operator.cli_args import DEFAULT_CONTROL_IMAGE
 from iterserve.operator.kube import Kube, apply
 from iterserve.operator.push import PodResult, ready_targets, sync_pods
-from iterserve.operator.spec import SpecError, desired_settings, parse_spec, settings_hash_of
+from iterserve.operator.spec import (
+    LLMDeploymentSpec,
+    SpecError,
+    desired_settings,
+    parse_spec,
+    settings_hash_of,
+)
 
 # Owned objects a spec may stop asking for: deleted then (the others always exist).
 _OPTIONAL = (
@@ -197,6 +203,17 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
     built = build_all(ctx, spec)  # before anything is applied: an invalid spec applies nothing
     admin_token = await ensure_secrets(kube, ctx, body)
     events = []
+    # An autoscaler the spec no longer asks for goes first, before another takes over: KEDA's
+    # admission webhook refuses a ScaledObject on a Deployment an HPA already scales, and two
+    # autoscalers on one Deployment would fight over its replicas.
+    for api_version, kind in _OPTIONAL:
+        if not any(o["kind"] == kind for o in built):
+            live = await kube.get(api_version, kind, ctx.namespace, ctx.name)
+            owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
+            if any(o.get("uid") == meta["uid"] for o in owners):
+                await kube.delete(api_version, kind, ctx.namespace, ctx.name)
+                events.append(("Normal", "Deleted", f"{kind} {ctx.name}"))
+    await _start_from_zero(kube, ctx, spec, built)
     for obj in built:
         try:
             done = await apply(kube, adopt(obj, body))
@@ -210,13 +227,6 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
             ) from e
         if done == "patched":
             events.append(("Normal", "Updated", f"{obj['kind']} {obj['metadata']['name']}"))
-    for api_version, kind in _OPTIONAL:  # an autoscaler the spec no longer asks for
-        if not any(o["kind"] == kind for o in built):
-            live = await kube.get(api_version, kind, ctx.namespace, ctx.name)
-            owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
-            if any(o.get("uid") == meta["uid"] for o in owners):
-                await kube.delete(api_version, kind, ctx.namespace, ctx.name)
-                events.append(("Normal", "Deleted", f"{kind} {ctx.name}"))
     pods = await kube.list("Pod", ctx.namespace, selector(ctx.name, "server"))
     results = await sync_pods(
         ready_targets(pods), desired, desired_hash, version, admin_token, settings.push_timeout_s
@@ -228,6 +238,24 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
             events.append(("Warning", "ConfigPushFailed", f"pod {r.name}: {r.error}"))
     deployment = await kube.get("apps/v1", "Deployment", ctx.namespace, ctx.name) or {}
     return Outcome(_status(ctx, spec.replicas, status, deployment, results, desired_hash), events)
+
+
+async def _start_from_zero(
+    kube: Kube, ctx: Context, spec: LLMDeploymentSpec, built: list[dict[str, Any]]
+) -> None:
+    """An autoscaler that takes over a server Deployment at 0 replicas (``spec.replicas: 0``
+    before, or KEDA scaled to zero and the spec switched to an HPA or to ``minReplicas >= 1``)
+    starts it at ``minReplicas``: an HPA never scales a Deployment up from 0 (scaling is
+    disabled there), and a deleted ScaledObject leaves the count where it was."""
+    a = spec.autoscaling
+    if not a.enabled or a.minReplicas < 1:
+        return
+    live = await kube.get("apps/v1", "Deployment", ctx.namespace, ctx.name)
+    if live is not None and ((live.get("spec") or {}).get("replicas")) == 0:
+        (deployment,) = [
+            o for o in built if o["kind"] == "Deployment" and o["metadata"]["name"] == ctx.name
+        ]
+        deployment["spec"]["replicas"] = a.minReplicas
 
 
 def _status(

@@ -396,9 +396,10 @@ class AutoscalingSpec(_Model):
     targetQueueDepth: float = Field(
         8,
         gt=0,
-        description="Waiting requests per server pod the autoscaler aims at: the HPA's "
-        "AverageValue target of the pods' iterserve_num_requests_waiting, KEDA's threshold "
-        "for their sum. Default 8.",
+        le=1_000_000,
+        description="Waiting requests per server pod the autoscaler aims at, above 0, at most "
+        "1000000: the HPA's AverageValue target of the pods' iterserve_num_requests_waiting, "
+        "KEDA's threshold for their sum. Default 8.",
     )
     prometheusURL: str | None = Field(
         None,

@@ -46,7 +46,7 @@ from router_utils import router, until
 from server_utils import Server, run_server
 from sim_profiles import make_profile, write_profile
 
-from iterserve.operator.builders import QUEUE_METRIC, Context, autoscaler
+from iterserve.operator.builders import QUEUE_METRIC, WAKE_WINDOW, Context, autoscaler
 from iterserve.operator.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -238,17 +238,18 @@ def test_wake_query_is_clamped_to_one_replica() -> None:
     _, wake = so["spec"]["triggers"]
     store = Store()
     name = "iterserve_router_requests_total"
-    for i in range(5):
+    window_end = 15.0 * WAKE_TICKS  # the first evaluation with a whole window of samples
+    for i in range(WAKE_TICKS + 1):
         t = 15.0 * i
         labels = {"replica": "none", "code": "503", "namespace": NS}
         store.add(t, name, {**labels, "pod": ROUTER_POD}, 50.0 * i)  # 3.3 requests/s
         store.add(t, name, {**labels, "pod": f"{NAME}-router-5c8d7f9b4-zx81k"}, 0.0)
         store.add(t, name, {**labels, "pod": "other-router-5c8d7f9b4-qw8rt"}, 900.0 * i)
         store.add(t, name, {**labels, "namespace": "other", "pod": ROUTER_POD}, 900.0 * i)
-    assert scalar_of(evaluate(wake["metadata"]["query"], store, 60.0)) == 1.0
+    assert scalar_of(evaluate(wake["metadata"]["query"], store, window_end)) == 1.0
     assert external_proposal(1.0, float(wake["metadata"]["threshold"]), 5) == 1
     unclamped = wake["metadata"]["query"].removeprefix("clamp_max(").removesuffix(", 1)")
-    assert scalar_of(evaluate(unclamped, store, 60.0)) == pytest.approx(50 / 15)
+    assert scalar_of(evaluate(unclamped, store, window_end)) == pytest.approx(50 / 15)
 
 
 # -- the decision under a rising and falling load ------------------------------------------
@@ -281,9 +282,11 @@ def _offered_requests(elapsed_s: float) -> float:
     return due + PEAK_RATE * min(max(0.0, elapsed_s - RISE_S), PEAK_S)
 
 
-# After the last answer: the [1m] rate window (4 scrapes), KEDA's cooldown and the HPA's
+# The wake query's rate window in ticks (scrapes).
+WAKE_TICKS = int(WAKE_WINDOW.removesuffix("m")) * 60 // int(SYNC_PERIOD_S)
+# After the last answer: the wake query's rate window, KEDA's cooldown and the HPA's
 # scale-down window (20 periods each), and a margin.
-TAIL_TICKS = 4 + int(300 / SYNC_PERIOD_S) + 3
+TAIL_TICKS = WAKE_TICKS + int(300 / SYNC_PERIOD_S) + 3
 
 
 async def _record(urls: list[str], router_url: str, recording: Recording) -> None:
@@ -491,7 +494,7 @@ def test_one_request_to_a_router_with_no_ready_replica_wakes_the_deployment() ->
             answer = await http.post(url + "/v1/completions", json={"prompt": "hi"})
             assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
             assert "no ready replica" in answer.json()["error"]["message"]
-            for i in range(4, 10):
+            for i in range(4, 4 + WAKE_TICKS + 2):
                 await tick(i)
 
     asyncio.run(run())
@@ -504,9 +507,10 @@ def test_one_request_to_a_router_with_no_ready_replica_wakes_the_deployment() ->
             "pod": ROUTER_POD,
         }.items()
     )
-    assert [v for _, v in store.series[none_503]] == [0.0] * 4 + [1.0] * 6
+    assert [v for _, v in store.series[none_503]] == [0.0] * 4 + [1.0] * (WAKE_TICKS + 2)
     assert counts[:4] == [0] * 4 and rates[:4] == [0.0] * 4
     assert rates[4] > 0 and counts[4] == 1  # the next evaluation after the 503 wakes it
-    # The one request leaves the [1m] window after 4 scrapes: inactive again, still 1 replica
-    # until the cooldown.
-    assert rates[7:] == [0.0] * 3 and counts[4:] == [1] * 6
+    # The one request leaves the rate window: inactive again, still 1 replica until the
+    # cooldown.
+    assert all(r > 0 for r in rates[4 : 4 + WAKE_TICKS - 1])
+    assert rates[4 + WAKE_TICKS - 1 :] == [0.0] * 3 and counts[4:] == [1] * (WAKE_TICKS + 2)

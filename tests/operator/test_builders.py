@@ -692,7 +692,7 @@ def test_keda_scaled_object() -> None:
         "metadata": {
             "serverAddress": url,
             "query": 'clamp_max(sum(rate(iterserve_router_requests_total{namespace="serving",'
-            'pod=~"chat-70b-router-[a-z0-9]+-[a-z0-9]+"}[1m])), 1)',
+            'pod=~"chat-70b-router-[a-z0-9]+-[a-z0-9]+"}[2m])), 1)',
             "threshold": "1",
             "activationThreshold": "0",
         },
@@ -706,6 +706,22 @@ def test_keda_from_one_replica_has_no_wake_trigger() -> None:
     spec = scaled["ScaledObject", "chat-70b"]["spec"]
     assert spec["minReplicaCount"] == 1
     assert [t["name"] for t in spec["triggers"]] == ["queue"]
+
+
+@pytest.mark.parametrize(
+    ("depth", "threshold"),
+    [(123456.7, "123456.7"), (999999, "999999"), (0.1234567, "0.1234567"), (1e-7, "0.0000001")],
+)
+def test_keda_threshold_keeps_every_digit(depth: float, threshold: str) -> None:
+    """No exponent and no rounding (":g" made 999999 "1e+06" and 123456.7 "123457")."""
+    autoscaling = {**KEDA, "minReplicas": 1, "targetQueueDepth": depth}
+    spec = build(with_spec(EXAMPLE, autoscaling=autoscaling))["ScaledObject", "chat-70b"]["spec"]
+    assert spec["triggers"][0]["metadata"]["threshold"] == threshold
+
+
+def test_target_queue_depth_has_a_maximum() -> None:
+    with pytest.raises(SpecError, match="targetQueueDepth"):
+        build(with_spec(EXAMPLE, autoscaling={**KEDA, "targetQueueDepth": 1e300}))
 
 
 @pytest.mark.parametrize(

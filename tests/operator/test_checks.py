@@ -47,6 +47,7 @@ def _build(spec: dict[str, Any], name: str = "tiny", namespace: str = "demo") ->
         ("Chat", "demo"),
         ("chat", "Demo Space"),
         (123, "demo"),
+        ("chat-router", "demo"),  # the router Deployment of "chat"
     ],
 )
 def test_names_the_owned_objects_cannot_carry_are_refused(name: Any, namespace: str) -> None:

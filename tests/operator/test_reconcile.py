@@ -148,3 +148,73 @@ def test_the_timer_warns_once_about_an_invalid_spec(monkeypatch: pytest.MonkeyPa
     body["metadata"]["name"] = "9-other"
     asyncio.run(handlers._reconcile(body, kopf.Patch(), memo, permanent=False))  # type: ignore[arg-type]
     assert warned == ["InvalidSpec", "InvalidSpec"]
+
+
+# -- autoscalers taking over ------------------------------------------------------------------
+
+
+class KedaWebhookKube(MemoryKube):
+    """KEDA's admission webhook: a ScaledObject on a Deployment that an HPA already scales is
+    refused (403, as the webhook answers)."""
+
+    async def create(self, body: dict[str, Any]) -> Any:
+        if body["kind"] == "ScaledObject":
+            target = body["spec"]["scaleTargetRef"]["name"]
+            for (kind, _), live in self.objects.items():
+                hpa = kind == "HorizontalPodAutoscaler"
+                if hpa and live["spec"]["scaleTargetRef"]["name"] == target:
+                    message = f"the workload '{target}' is already managed by an hpa"
+                    raise ApiException(status=403, reason=message)
+        return await super().create(body)
+
+
+def _with_autoscaling(generation: int, **autoscaling: Any) -> dict[str, Any]:
+    body = copy.deepcopy(BODY)
+    body["metadata"]["generation"] = generation
+    body["spec"]["autoscaling"] = {"enabled": True, **autoscaling}
+    return body
+
+
+def test_switching_from_hpa_to_keda_deletes_the_hpa_first() -> None:
+    kube = KedaWebhookKube()
+    _reconcile(kube, _with_autoscaling(1, via="hpa"))
+    assert ("HorizontalPodAutoscaler", "tiny") in kube.objects
+    keda = _with_autoscaling(2, via="keda", prometheusURL="http://prometheus:9090")
+    outcome = _reconcile(kube, keda)
+    assert ("HorizontalPodAutoscaler", "tiny") not in kube.objects
+    assert ("ScaledObject", "tiny") in kube.objects
+    assert ("Normal", "Deleted", "HorizontalPodAutoscaler tiny") in outcome.events
+
+
+@pytest.mark.parametrize(
+    "before",
+    [
+        {"replicas": 0},  # spec.replicas 0, then autoscaling on
+        {"autoscaling": {"enabled": True, "via": "keda", "minReplicas": 0,
+                         "prometheusURL": "http://prometheus:9090"}},  # scaled to zero
+    ],
+)  # fmt: skip
+def test_an_hpa_taking_over_a_deployment_at_zero_starts_it_at_min_replicas(
+    before: dict[str, Any],
+) -> None:
+    """An HPA never scales a Deployment up from 0: the operator starts it at minReplicas."""
+    kube = MemoryKube()
+    first = copy.deepcopy(BODY)
+    first["spec"].update(before)
+    _reconcile(kube, first)
+    kube.objects["Deployment", "tiny"]["spec"]["replicas"] = 0  # where KEDA or the spec left it
+    _reconcile(kube, _with_autoscaling(2, via="hpa", minReplicas=2))
+    assert kube.objects["Deployment", "tiny"]["spec"]["replicas"] == 2
+    # Then the HPA owns the count: the next pass leaves what it set alone.
+    kube.objects["Deployment", "tiny"]["spec"]["replicas"] = 3
+    _reconcile(kube, _with_autoscaling(2, via="hpa", minReplicas=2))
+    assert kube.objects["Deployment", "tiny"]["spec"]["replicas"] == 3
+
+
+def test_scale_to_zero_is_left_at_zero() -> None:
+    kube = MemoryKube()
+    body = _with_autoscaling(1, via="keda", minReplicas=0, prometheusURL="http://prometheus:9090")
+    _reconcile(kube, body)
+    kube.objects["Deployment", "tiny"]["spec"]["replicas"] = 0  # KEDA scaled it to zero
+    _reconcile(kube, body)
+    assert kube.objects["Deployment", "tiny"]["spec"]["replicas"] == 0
