@@ -414,30 +414,233 @@ def test_notes_say_what_to_run_next(helm: Path) -> None:
 
 # --------------------------------------------------------------------------- wrong values
 
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+# Wrong values the API server, a CRD or Prometheus would refuse half-way through an install:
+# (--set-json PATH, JSON value, what helm's schema error must say). Each must fail at the
+# schema, naming the field.
+SCHEMA_REFUSES: list[tuple[str, str, str]] = [
+    ("logLevel", '"verbose"', "'/logLevel'"),
+    ("watchNamespaces", '["Not_A_Namespace"]', "'/watchNamespaces/0'"),
+    ("image.pullPolicy", '"Sometimes"', "'/image/pullPolicy'"),
+    ("image.repository", '"ghcr.io/Iterserve/iterserve"', "'/image/repository'"),  # uppercase
+    ("image.repository", '"ghcr.io/iterserve/iterserve@sha256:abc"', "'/image/repository'"),
+    ("image.repository", '"ghcr.io/iter serve"', "'/image/repository'"),
+    ("image.tag", '"v1:2"', "'/image/tag'"),
+    ("image.digest", '"sha256:abc"', "'/image/digest'"),
+    ("imagePullSecrets", '[{"name": "Registry_Secret"}]', "'/imagePullSecrets/0/name'"),
+    ("operator.controlImage", '"Router Image"', "'/operator/controlImage'"),
+    ("operator.resyncIntervalS", "0", "'/operator/resyncIntervalS': minimum"),
+    ("operator.resyncIntervalS", "3601", "'/operator/resyncIntervalS': maximum"),
+    ("operator.pushTimeoutS", "0", "'/operator/pushTimeoutS': minimum"),
+    ("operator.pushTimeoutS", "301", "'/operator/pushTimeoutS': maximum"),
+    ("fullnameOverride", '"-abc-"', "'/fullnameOverride'"),
+    ("nameOverride", '"Foo_Bar"', "'/nameOverride'"),
+    ("resources.requests.cpu", "-1", "'/resources/requests/cpu': minimum"),
+    ("resources.requests.memory", '"1.2.3"', "'/resources/requests/memory'"),
+    ("resources.limits.memory", '"1iii"', "'/resources/limits/memory'"),
+    ("resources.limits.cpu", '"-1"', "'/resources/limits/cpu'"),  # the sign, as a string
+    ("resources.limits.ephemeral-storage", '"1Gi2"', "'/resources/limits/ephemeral-storage'"),
+    ("resources.requests.gpu", "1", "'gpu' not allowed"),
+    ("example.cpu", "-2", "'/example/cpu': minimum"),
+    ("example.cpu", '"lots"', "'/example/cpu'"),
+    ("example.memory", '"1mmm"', "'/example/memory'"),
+    ("example.replicas", "1001", "'/example/replicas': maximum"),
+    ("example.name", '"9-starts-with-a-digit"', "'/example/name'"),
+    ("example.image", '"Example:latest"', "'/example/image'"),
+    ("priorityClassName", '"System_Critical"', "'/priorityClassName'"),
+    ("nodeSelector", '{"pool": "-system"}', "'/nodeSelector/pool'"),
+    ("podAnnotations", '{"a/b/c": "x"}', "'/podAnnotations': additional properties 'a/b/c'"),
+    # podLabels: valid keys and values only, none of the chart's own (the selector's above all).
+    ("podLabels", '{"app.kubernetes.io/name": "x"}', "'/podLabels/app.kubernetes.io~1name'"),
+    (
+        "podLabels",
+        '{"app.kubernetes.io/instance": "x"}',
+        "'/podLabels/app.kubernetes.io~1instance'",
+    ),
+    (
+        "podLabels",
+        '{"app.kubernetes.io/component": "x"}',
+        "'/podLabels/app.kubernetes.io~1component'",
+    ),
+    ("podLabels", '{"Bad_Prefix/team": "ml"}', "'/podLabels': additional properties"),
+    ("podLabels", '{"team": "-ml"}', "'/podLabels/team'"),
+    ("podLabels", '{"team": "' + "x" * 64 + '"}', "'/podLabels/team': maxLength"),
+    ("dashboard.labels", '{"grafana dashboard": "1"}', "'/dashboard/labels': additional"),
+    ("dashboard.enable", "true", "'enable' not allowed"),
+    ("alerts.labels", '{"helm.sh/chart": "x"}', "'/alerts/labels/helm.sh~1chart'"),
+    (
+        "metrics.serviceMonitor.labels",
+        '{"release": "kps/1"}',
+        "'/metrics/serviceMonitor/labels/release'",
+    ),
+    (
+        "metrics.podMonitor.labels",
+        '{"app.kubernetes.io/managed-by": "me"}',
+        "'/metrics/podMonitor/labels/app.kubernetes.io~1managed-by'",
+    ),
+    # The API server's toleration rules.
+    (
+        "tolerations",
+        '[{"key": "k", "operator": "Exists", "value": "v"}]',
+        "'/tolerations/0/value': value must be ''",
+    ),
+    ("tolerations", '[{"value": "v"}]', "'/tolerations/0': missing property 'operator'"),
+    (
+        "tolerations",
+        '[{"key": "k", "value": "v", "tolerationSeconds": 5}]',
+        "'/tolerations/0': missing property 'effect'",
+    ),
+    ("tolerations", '[{"key": "bad key", "operator": "Exists"}]', "'/tolerations/0/key'"),
+    # Prometheus durations: units in descending order, each once; a bounded length.
+    ("alerts.kvLeakFor", '"1m1h"', "'/alerts/kvLeakFor'"),
+    ("alerts.configSkewFor", '"10 m"', "'/alerts/configSkewFor'"),
+    ("alerts.queueWaitFor", '"12345678901234567h"', "'/alerts/queueWaitFor': maxLength"),
+    ("alerts.kvUsageRatio", "1", "'/alerts/kvUsageRatio': exclusiveMaximum"),
+    ("alerts.kvUsageRatio", "0", "'/alerts/kvUsageRatio': exclusiveMinimum"),
+    ("alerts.kvUsageRatio", '"0.9"', "'/alerts/kvUsageRatio'"),  # what --set makes of 0.9
+    ("metrics.podMonitor.interval", '"soon"', "'/metrics/podMonitor/interval'"),
+    ("metrics.podMonitor.interval", '"0s"', "'/metrics/podMonitor/interval'"),
+    ("metrics.serviceMonitor.interval", '"30s1m"', "'/metrics/serviceMonitor/interval'"),
+]
+
+
+def _batches(cases: list[tuple[str, str, str]]) -> list[list[tuple[str, str, str]]]:
+    """The cases in as few helm calls as possible: helm reports every schema error at once,
+    so a batch holds cases whose paths do not overlap (one value per field)."""
+    batches: list[list[tuple[str, str, str]]] = []
+    for case in cases:
+        path = case[0] + "."
+        for batch in batches:
+            if not any(path.startswith(p + ".") or (p + ".").startswith(path) for p, *_ in batch):
+                batch.append(case)
+                break
+        else:
+            batches.append([case])
+    return batches
+
 
 @pytest.mark.parametrize(
-    ("setting", "message"),
-    [
-        ("logLevel=verbose", "/logLevel"),
-        ("watchNamespaces[0]=Not_A_Namespace", "/watchNamespaces/0"),
-        ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
-        ("operator.resyncIntervalS=0", "/operator/resyncIntervalS"),
-        ("example.name=9-starts-with-a-digit", "/example/name"),
-        ("example.cpu=lots", "/example/cpu"),
-        ("resources.requests.gpu=1", "'gpu' not allowed"),
-        ("dashboard.enable=true", "'enable' not allowed"),
-        ("alerts.kvUsageRatio=1.5", "/alerts/kvUsageRatio"),
-        ("metrics.podMonitor.interval=soon", "/metrics/podMonitor/interval"),
-        ("watchNamespaces={a}", "example.namespace"),  # with example.enabled below
-    ],
+    "batch", _batches(SCHEMA_REFUSES), ids=lambda b: f"{len(b)}-values-from-{b[0][0]}"
 )
-def test_wrong_values_fail(helm: Path, setting: str, message: str) -> None:
+def test_wrong_values_fail_at_the_schema_naming_the_field(
+    helm: Path, batch: list[tuple[str, str, str]]
+) -> None:
+    flags = [f for path, value, _ in batch for f in ("--set-json", f"{path}={value}")]
+    proc = _run(helm, "template", RELEASE, str(CHART), "-n", NAMESPACE, *flags)
+    assert proc.returncode != 0
+    assert "don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    missing = [(path, value, m) for path, value, m in batch if m not in proc.stderr]
+    assert not missing, f"{missing} not refused:\n{proc.stderr}"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        # The template's checks (after the schema).
+        (["watchNamespaces={a}", "example.enabled=true"], "example.namespace"),
+        (["metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.interval=61s"],
+         "metrics.serviceMonitor.interval 61s is longer than 60s"),
+        (["metrics.podMonitor.enabled=true", "metrics.podMonitor.interval=1m500ms"],
+         "metrics.podMonitor.interval 1m500ms is longer than 60s"),
+    ],
+)  # fmt: skip
+def test_wrong_values_fail_in_the_template(helm: Path, settings: list[str], message: str) -> None:
     proc = _run(
         helm, "template", RELEASE, str(CHART), "-n", NAMESPACE,
-        "--set", setting, "--set", "example.enabled=true",
+        *[f for s in settings for f in ("--set", s)],
     )  # fmt: skip
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
+
+
+def test_values_at_the_edge_of_the_grammars_render(helm: Path, tmp_path: Path) -> None:
+    """The schema is no stricter than Kubernetes and Prometheus: quantities with every suffix
+    kind, a registry with a port, a digest, label keys with prefixes, the tolerations the API
+    server accepts, durations with several units; and a digest renders as repository@digest."""
+    values = {
+        "image": {"repository": "registry.example:5000/ml/iter_serve", "digest": DIGEST,
+                  "tag": "ignored-with-a-digest"},
+        "operator": {"resyncIntervalS": 1, "pushTimeoutS": 0.1,
+                     "controlImage": f"registry.example/ml/router:v1.2_rc-3@{DIGEST}"},
+        "resources": {"requests": {"cpu": ".5", "memory": "1e9", "ephemeral-storage": "1Ki"},
+                      "limits": {"cpu": 2, "memory": "512Mi"}},
+        "fullnameOverride": "ops-1",
+        "priorityClassName": "system.cluster-critical",
+        "nodeSelector": {"kubernetes.io/os": "linux", "node.example/pool": ""},
+        "tolerations": [
+            {"operator": "Exists"},
+            {"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "example.com/gpu", "value": "a100", "effect": "NoExecute",
+             "tolerationSeconds": 60},
+        ],
+        "podLabels": {"example.com/team": "ml-1", "tier": "A.b_c"},
+        "podAnnotations": {"example.com/note": "any text: / @ %"},
+        "example": {"enabled": True, "replicas": 1000, "cpu": "500m", "memory": "3.5Gi",
+                    "image": "localhost:5000/iterserve:cpu"},
+        "alerts": {"enabled": True, "kvUsageRatio": 0.999, "kvLeakFor": "1h30m",
+                   "configSkewFor": "0", "queueWaitFor": "1d2h3m4s5ms"},
+        "metrics": {"serviceMonitor": {"enabled": True, "interval": "1m"},
+                    "podMonitor": {"enabled": True, "interval": "59s500ms"}},
+    }  # fmt: skip
+    path = tmp_path / "edge.yaml"
+    path.write_text(json.dumps(values))  # JSON is YAML whose strings stay strings ("1e9")
+    objects = _template(helm, "-f", str(path))
+    (container,) = _one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == f"registry.example:5000/ml/iter_serve@{DIGEST}"
+    assert container["resources"] == values["resources"]
+    _validate_all(o for o in objects if o["kind"] != "LLMDeployment")
+    render(_one(objects, "LLMDeployment"), "control:test")  # the operator takes the example
+    # Without a digest the control image defaults to repository:tag, the routers' too.
+    (container,) = _one(_template(helm), "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == f"ghcr.io/iterserve/iterserve:{APP_VERSION}-control"
+
+
+# --------------------------------------------------------------------------- two releases
+
+
+def test_releases_in_two_namespaces_own_disjoint_objects(helm: Path) -> None:
+    """One operator per team (the issue's command): every object the two releases render, the
+    cluster-scoped ClusterRole and ClusterRoleBinding included, is a different one, so Helm's
+    ownership check lets both install. Cluster-wide, only the ClusterKopfPeering is shared (by
+    design: two cluster-wide operators must see each other and pause)."""
+
+    def keys(objects: list[dict[str, Any]]) -> set[tuple[str, str | None, str]]:
+        return {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])
+                for o in objects}  # fmt: skip
+
+    everything = [
+        "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.podMonitor.enabled=true",
+        "--set", "dashboard.enabled=true", "--set", "alerts.enabled=true",
+    ]  # fmt: skip
+    renders = {}
+    for team in ("team-a", "team-b"):
+        proc = _run(
+            helm, "template", "iterserve", str(CHART), "-n", team,
+            "--set", f"watchNamespaces={{{team}}}", "--set", "example.enabled=true", *everything,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        renders[team] = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    a, b = keys(renders["team-a"]), keys(renders["team-b"])
+    assert a & b == set()
+    cluster_scoped = {(k, n) for k, ns, n in a if ns is None}
+    assert cluster_scoped == {
+        ("ClusterRole", "iterserve-team-a"), ("ClusterRoleBinding", "iterserve-team-a")
+    }  # fmt: skip
+    # Each binding names its own ClusterRole and its own release's ServiceAccount.
+    binding = _one(renders["team-b"], "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == "iterserve-team-b"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "iterserve", "namespace": "team-b"}
+    ]
+    # Cluster-wide: the RBAC still differs; the peering is the operator's fixed one.
+    wide = {ns: keys(_template_in(helm, ns)) for ns in ("ops-a", "ops-b")}
+    assert wide["ops-a"] & wide["ops-b"] == {("ClusterKopfPeering", None, PEERING_NAME)}
+
+
+def _template_in(helm: Path, namespace: str) -> list[dict[str, Any]]:
+    proc = _run(helm, "template", RELEASE, str(CHART), "-n", namespace)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
 
 
 # --------------------------------------------------------------------------- CRDs

@@ -49,13 +49,18 @@ CHART = Path(__file__).resolve().parents[2] / "charts" / "iterserve"
 # ----------------------------------------------------------------- rendering
 
 
-def render(helm: Path, *values: str, set_json: str | None = None) -> dict[str, list[Any]]:
-    """``helm template`` of the chart with ``--set`` of each of ``values``: objects by kind."""
+def render(
+    helm: Path, *values: str, set_json: str | None = None, release: tuple[str, str] | None = None
+) -> dict[str, list[Any]]:
+    """``helm template`` of the chart with ``--set`` of each of ``values`` (as the release
+    ``(name, namespace)``, else helm's default): objects by kind."""
     flags = [f for v in values for f in ("--set", v)]
     flags += ["--set-json", set_json] if set_json else []
+    name = [release[0], "-n", release[1]] if release else []
     out = subprocess.run(
-        [str(helm), "template", str(CHART), *flags], capture_output=True, text=True, check=True
-    ).stdout
+        [str(helm), "template", *name, str(CHART), *flags],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
     objects: dict[str, list[dict[str, Any]]] = {}
     for doc in yaml.safe_load_all(out):
         if doc:
@@ -104,11 +109,28 @@ def dashboard_queries(dashboard: dict[str, Any]) -> dict[str, str]:
             )
     for var in dashboard["templating"]["list"]:
         if var["type"] == "query":
-            m = re.fullmatch(r"label_values\((.+), *(\w+)\)", var["query"]["query"])
-            assert m, var["query"]
-            # label_values(SELECTOR, LABEL) reads LABEL of SELECTOR's series.
-            queries[f"variable {var['name']}"] = grafana_to_promql(f"count by ({m[2]}) ({m[1]})")
+            queries[f"variable {var['name']}"] = grafana_to_promql(variable_expr(var))
     return queries
+
+
+def variable_expr(var: dict[str, Any]) -> str:
+    """The PromQL a query variable runs: query_result(EXPR) runs EXPR;
+    label_values(SELECTOR, LABEL) reads LABEL of SELECTOR's series."""
+    query = var["query"]["query"]
+    assert var["definition"] == query
+    if m := re.fullmatch(r"query_result\((.+)\)", query, re.S):
+        assert var["query"]["qryType"] == 3  # Grafana's PromVariableQueryType.VarQueryResult
+        return m[1]
+    m = re.fullmatch(r"label_values\((.+), *(\w+)\)", query)
+    assert m, var["query"]
+    return f"count by ({m[2]}) ({m[1]})"
+
+
+def query_result_line(labels: dict[str, str], value: float = 1.0) -> str:
+    """One result of a query_result variable as Grafana's Prometheus data source writes it for
+    the variable's regex: ``NAME{k="v",...} VALUE TIMESTAMP_MS`` (no name after an aggregation)."""
+    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return f"{{{inner}}} {value:g} 1700000000000"
 
 
 # ----------------------------------------------------------------- PromQL's labels
@@ -290,8 +312,12 @@ def test_the_objects_are_off_by_default_and_carry_the_values_labels(
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     (cm,) = [c for c in rendered["ConfigMap"] if "iterserve.json" in c["data"]]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"  # the sidecar's default label
-    assert cm["data"]["iterserve.json"] == (CHART / "dashboards" / "iterserve.json").read_text(
-    ).rstrip("\n")  # fmt: skip
+    # The file's dashboard, with the release's uid and title.
+    shipped = json.loads((CHART / "dashboards" / "iterserve.json").read_text())
+    board = json.loads(cm["data"]["iterserve.json"])
+    assert {k: v for k, v in board.items() if k not in ("uid", "title")} == {
+        k: v for k, v in shipped.items() if k not in ("uid", "title")
+    }
 
     custom = render(
         helm,
@@ -303,6 +329,27 @@ def test_the_objects_are_off_by_default_and_carry_the_values_labels(
     (cm,) = [c for c in custom["ConfigMap"] if "iterserve.json" in c["data"]]
     assert cm["metadata"]["annotations"] == {"grafana_folder": "iterserve"}
     assert custom["PrometheusRule"][0]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_each_release_renders_its_own_dashboard_uid_and_title(helm: Path) -> None:
+    """The Grafana sidecar loads every release's ConfigMap into one Grafana: the uid (40
+    characters at most) and the title must differ between releases, and stay the same across
+    upgrades of one release (bookmarks, links)."""
+
+    def board(name: str, namespace: str) -> dict[str, Any]:
+        objects = render(helm, "dashboard.enabled=true", release=(name, namespace))
+        (cm,) = [c for c in objects["ConfigMap"] if "iterserve.json" in c["data"]]
+        return json.loads(cm["data"]["iterserve.json"])  # type: ignore[no-any-return]
+
+    releases = [("iterserve", "team-a"), ("iterserve", "team-b"), ("other", "team-a"),
+                ("a" * 53, "n" * 63)]  # fmt: skip
+    boards = [board(*r) for r in releases]
+    uids = [b["uid"] for b in boards]
+    assert len(set(uids)) == len(uids), uids
+    assert all(re.fullmatch(r"[a-zA-Z0-9_-]{1,40}", u) for u in uids), uids
+    assert len({b["title"] for b in boards}) == len(boards)
+    assert boards[0]["title"] == "iterserve (team-a/iterserve)"
+    assert board("iterserve", "team-a")["uid"] == uids[0]  # stable
 
 
 def test_the_dashboard_is_a_current_grafana_dashboard_with_the_issues_panels(
@@ -373,9 +420,23 @@ def test_the_pod_selectors_follow_the_operators_pod_names(
     server_pod, router_pod = f"{LLMD}-7d9f8b6c4-x2x9q", f"{LLMD}-router-5c8d7f9b6-k4m2p"
     assert re.fullmatch(server, server_pod) and not re.fullmatch(server, router_pod)
     assert re.fullmatch(router, router_pod) and not re.fullmatch(router, server_pod)
-    # The LLMDeployment variable and the alerts' label_replace take the name from a pod's.
-    (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "llmdeployment"]
-    assert (m := re.search(variable["regex"].strip("/"), server_pod)) and m[1] == LLMD
+    # The LLMDeployment variable takes the names from the server pods and from the router
+    # pods (a model scaled to zero keeps its routers), the alerts' label_replace from a pod's.
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    union = pp.parse(grafana_to_promql(variable_expr(variables["llmdeployment"]))).expr
+    assert str(union.op) == "or"
+    sides = [(union.lhs, server_pod, "iterserve_scheduler_config_version"),
+             (union.rhs, router_pod, "iterserve_router_ready_replicas")]  # fmt: skip
+    for side, pod, metric in sides:
+        assert side.func.name == "label_replace" and side.args[1].val == "llmdeployment"
+        assert side.args[0].name == metric
+        assert (m := re.fullmatch(side.args[4].val, pod)) and m[1] == LLMD
+    for name, label, value in (("llmdeployment", "llmdeployment", LLMD),
+                               ("namespace", "namespace", "serving")):  # fmt: skip
+        line = query_result_line({label: value})
+        assert (m := re.search(variables[name]["regex"].strip("/"), line)) and m[1] == value
+    namespaces = {s.name for s in selectors(variable_expr(variables["namespace"]))}
+    assert namespaces == {"iterserve_scheduler_config_version", "iterserve_router_ready_replicas"}
     skew = pp.parse(alert_rules(rendered)["IterserveSchedulerConfigSkew"]["expr"])
     replace = skew.lhs.expr  # max by (namespace, llmdeployment) (label_replace(...))
     assert replace.func.name == "label_replace"
@@ -405,6 +466,7 @@ def test_alerts_carry_severity_runbook_and_the_values_thresholds(helm: Path) -> 
     assert rules["IterserveKVBlocksNotReturned"]["for"] == "20m"
     assert rules["IterserveSchedulerConfigSkew"]["for"] == "11m"
     assert rules["IterserveTierQueueWaitOverLimit"]["for"] == "7m"
+    assert rules["IterservePrefillStall"]["for"] == "5m"  # one busy window does not page
     near_full = pp.parse(rules["IterserveKVCacheNearFull"]["expr"])
     assert near_full.lhs.rhs.val == 0.9  # (max(usage) > 0.9) and on(...) (preemptions > 0)
     _, bucket = selectors(rules["IterservePrefillStall"]["expr"])  # count - bucket{le=~...}
@@ -531,3 +593,93 @@ def test_the_kv_leak_alert_reads_blocks_held_by_requests_not_cached_ones(
     assert load["num_cached_blocks"] > 0
     assert idle["iterserve_kv_cache_usage_ratio"] == 0 == load["kv_cache_usage"]
     assert idle["iterserve_num_requests_running"] == idle["iterserve_num_requests_waiting"] == 0
+
+
+def queue_wait_bound(rules: dict[str, dict[str, Any]]) -> list[tuple[float, float]]:
+    """The queue-wait alert's right-hand side, ``max by (...) (label_replace(A or B or ...))``
+    with each branch ``(limit <= BOUND) * 0 + VALUE``: the (BOUND, VALUE) of each, in order."""
+    expr = pp.parse(rules["IterserveTierQueueWaitOverLimit"]["expr"])
+    assert str(expr.op) == ">" and expr.lhs.func.name == "histogram_quantile"
+    assert expr.lhs.args[0].val == 0.99
+    replace = expr.rhs.expr
+    assert replace.func.name == "label_replace"
+    branches, node = [], replace.args[0]
+    while str(node.op) == "or":  # or is left-associative: ((b1 or b2) or b3)
+        branches.append(node.rhs)
+        node = node.lhs
+    branches.append(node)
+    pairs = []
+    for branch in reversed(branches):
+        assert str(branch.op) == "+" and str(branch.lhs.op) == "*" and branch.lhs.rhs.val == 0
+        compare = branch.lhs.lhs.expr  # (limit <= BOUND)
+        assert str(compare.op) == "<=" and compare.modifier is None  # a filter, not bool
+        assert compare.lhs.name == "iterserve_tier_max_queue_wait_seconds"
+        pairs.append((compare.rhs.val, branch.rhs.val))
+    return pairs
+
+
+def histogram_quantile(q: float, bounds: list[float], waits: list[float]) -> float:
+    """Prometheus' histogram_quantile over the buckets ``waits`` fall in (linear inside the
+    bucket the rank lands in; the highest finite bound when it lands in +Inf)."""
+    counts = [sum(w <= b for w in waits) for b in bounds]
+    rank = q * len(waits)
+    for i, (bound, count) in enumerate(zip(bounds, counts, strict=True)):
+        if count >= rank:
+            lower, below = (bounds[i - 1], counts[i - 1]) if i else (0.0, 0)
+            return lower + (bound - lower) * (rank - below) / (count - below)
+    return bounds[-1]
+
+
+def test_the_queue_wait_alert_compares_with_the_bucket_bound_at_or_above_the_limit(
+    fleet: tuple[Server, Server], rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    """histogram_quantile interpolates inside a bucket: with a limit between two bounds, p99
+    can read above the limit while every request waited less. The alert compares p99 with the
+    first bound >= the limit instead (p99 > a bound holds exactly when more than 1% of the
+    requests waited longer than it), so it never fires while every wait is within the limit."""
+    replica, _ = fleet
+    exposed = sorted(
+        float(s.labels["le"])
+        for s in scrape(replica.url)
+        if s.name == "iterserve_request_queue_time_seconds_bucket" and s.labels["tier"] == "premium"
+    )
+    finite = exposed[:-1]
+    assert exposed[-1] == float("inf")
+    pairs = queue_wait_bound(alert_rules(rendered))
+    # Each branch maps the limits up to a bound onto that bound; the bounds in order are the
+    # histogram's, the last one (whose bucket reaches to +Inf) left out.
+    assert all(bound == value for bound, value in pairs)
+    assert [b for b, _ in pairs] == finite[:-1]
+
+    def bound_of(limit: float) -> float | None:  # the `or` chain: the first branch that holds
+        return next((value for bound, value in pairs if limit <= bound), None)
+
+    assert bound_of(0.25) == 0.3 and bound_of(0.3) == 0.3 and bound_of(0.001) == finite[0]
+    assert bound_of(finite[-2]) == finite[-2] and bound_of(finite[-2] + 1) is None
+
+    def fires(limit: float, waits: list[float]) -> bool:
+        bound = bound_of(limit)
+        return bound is not None and histogram_quantile(0.99, finite, waits) > bound
+
+    # The finding: a 250 ms limit, every wait 0.21-0.25 s: p99 interpolates to 0.299 s.
+    within = [0.21 + 0.04 * i / 99 for i in range(100)]
+    assert histogram_quantile(0.99, finite, within) > 0.25
+    assert not fires(0.25, within)
+    # 2% of the requests past the bound: fires; with a limit on a bound it is exact.
+    late = [*within[2:], 0.35, 0.35]
+    assert fires(0.25, late) and fires(0.3, late) and not fires(0.4, late)
+
+
+def test_the_alerts_keep_to_the_watched_namespaces(helm: Path) -> None:
+    """With watchNamespaces, every selector of every alert matches only those namespaces (one
+    release per team alerts on its own LLMDeployments, never twice on one); cluster-wide, no
+    selector filters on the namespace."""
+    scoped = alert_rules(render(helm, "alerts.enabled=true", "watchNamespaces={team-a,team-b}"))
+    everywhere = alert_rules(render(helm, "alerts.enabled=true"))
+    assert set(scoped) == set(everywhere)
+    for name in scoped:
+        for s in selectors(scoped[name]["expr"]):
+            matchers = [(m.name, m.op, m.value) for m in s.matchers.matchers]
+            assert ("namespace", pp.MatchOp.Re, "team-a|team-b") in matchers, (name, s)
+        for s in selectors(everywhere[name]["expr"]):
+            assert "namespace" not in {m.name for m in s.matchers.matchers}, (name, s)
