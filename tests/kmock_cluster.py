@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import jsonpatch
 import kmock
 import kopf
 import yaml
@@ -31,7 +32,11 @@ class VersionedEmulator(kmock.KubernetesEmulator):
     """KMock that gives every created or patched object a new ``metadata.resourceVersion``,
     as the API server does. kopf waits after its own patches for the watch event carrying the
     version its patch returned; with KMock's constant version it takes the next event, an older
-    state of the object, for it, and handles an old spec again (a slow catch-up under load)."""
+    state of the object, for it, and handles an old spec again (a slow catch-up under load).
+
+    A JSON patch whose ``test`` of the resourceVersion fails (kopf's optimistic finalizer
+    patches, on a stale body) is answered 422, as the API server answers it; KMock answered
+    500, which kopf retried with the same stale patch for about a minute."""
 
     _next_version = 1
 
@@ -41,7 +46,10 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         ):
             self._next_version += 1
             request.data.setdefault("metadata", {})["resourceVersion"] = str(self._next_version)
-        return await super()._handle(request)
+        try:
+            return await super()._handle(request)
+        except jsonpatch.JsonPatchTestFailed as e:
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=str(e)) from e
 
 
 @contextlib.asynccontextmanager
