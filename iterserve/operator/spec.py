@@ -40,7 +40,9 @@ class SpecError(ValueError):
 # exponent suffix.
 QUANTITY_PATTERN = (
     r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
-    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+    # An integer exponent only: the OpenAPI pattern Kubernetes publishes allows "1e1.5",
+    # which its quantity parser then refuses when the pod is created.
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?[0-9]+))?$"
 )
 
 

@@ -456,6 +456,7 @@ QUANTITIES_BAD = [
     ("resources.memory", "64GB"),
     ("resources.memory", "-64Gi"),
     ("resources.memory", [64]),
+    ("resources.memory", "1e1.5"),  # a fractional exponent: the quantity parser refuses it
 ]
 
 
