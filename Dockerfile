@@ -68,9 +68,9 @@ CMD ["--help"]
 # --------------------------------------------------------------------------- server
 # The GPU server. torch, CUDA and cuDNN come from the base image: pyproject's `server` extra
 # asks for torch>=2.5 without pinning it, and the constraint file below (the base's own torch
-# version) makes pip fail rather than replace it with another build. The base's Python is the
-# system one and marked externally managed (PEP 668), hence PIP_BREAK_SYSTEM_PACKAGES for the
-# one install. No compiler: GPU pods do not use the CPU C kernels.
+# version) makes pip fail rather than replace it with another build. PIP_BREAK_SYSTEM_PACKAGES
+# for the one install: a system Python marked externally managed (PEP 668) needs it, a conda
+# one (older bases) ignores it. No compiler: GPU pods do not use the CPU C kernels.
 FROM pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime AS server
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="iterserve" \
