@@ -908,6 +908,7 @@ def test_desired_settings_of_the_example() -> None:
         "kv_watermark": 0.01,
         "preemption_mode": "auto",
         "aging_interval_s": 5.0,
+        "priority_preemption_margin": 0,
         "max_waiting": 1024,
         "tiers": [
             {"name": "premium", "priority": 0, "max_queue_wait_ms": 500.0, "ttft_target_ms": 200.0},
