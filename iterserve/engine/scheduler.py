@@ -51,6 +51,8 @@ class _Batch:
         self.preempted: list[Request] = []
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
+        # Swapped back in by this batch: their copies are pending, so they are no victims.
+        self.resumed: list[Request] = []
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_tokens[request.request_id] = num_tokens
@@ -154,7 +156,13 @@ class Scheduler:
         batch.preempted.append(victim)
         victim.preempted_at.append(self.iteration)
         victim.num_preemptions += 1
-        can_swap = len(self.swapped) < policy.MAX_CONCURRENT_SWAPS and self.kv.can_swap_out(victim)
+        # The runner copies swap-outs before swap-ins: a swap-out after this batch's swap-ins
+        # (priority preemption at admission) could overwrite host blocks they just released.
+        can_swap = (
+            not batch.swap_in
+            and len(self.swapped) < policy.MAX_CONCURRENT_SWAPS
+            and self.kv.can_swap_out(victim)
+        )
         mode = policy.choose_preemption_mode(victim, self.config, self.preemption_costs, can_swap)
         self.num_preemptions_by_cause[mode, reason] += 1
         if mode == "swap":
@@ -246,6 +254,7 @@ class Scheduler:
                 return False
             self.swapped.pop(0)
             batch.swap_in += copies
+            batch.resumed.append(request)
             self._start_running(request)
             batch.add(request, num_new)
         return not self.swapped
@@ -302,10 +311,12 @@ class Scheduler:
             batch.add(request, num_new)
 
     def _preempt_for(self, request: Request, batch: _Batch, now: float, num_blocks: int) -> bool:
-        """Preempt the first of ``request``'s priority victims; False (nothing preempted) when
-        it has none, or when ``num_blocks`` more blocks would not be free even after all of
-        them gave theirs back (an estimate: a block shared with another request stays)."""
-        victims = policy.priority_victims(request, self.running, now, self.iteration, self.config)
+        """Preempt the first of ``request``'s priority victims (never one swapped in by this
+        batch); False (nothing preempted) when it has none, or when ``num_blocks`` more blocks
+        would not be free even after all of them gave theirs back (an estimate: a block shared
+        with another request stays)."""
+        candidates = [r for r in self.running if not any(r is x for x in batch.resumed)]
+        victims = policy.priority_victims(request, candidates, now, self.iteration, self.config)
         if not victims:
             return False
         if num_blocks > 0:

@@ -192,6 +192,32 @@ def test_swapped_victims_do_not_hold_back_more_urgent_arrivals() -> None:
         assert tokens == expected_output(f"be{i}", 3, 40)
 
 
+def test_a_request_swapped_in_this_iteration_is_no_victim_and_others_are_recomputed() -> None:
+    h = Harness(
+        simulate_kv=True,
+        strict=True,
+        num_host_blocks=64,
+        preemption_mode="swap",
+        swap_space=1.0,
+        max_num_seqs=2,
+        priority_preemption_margin=1,
+    )
+    fill_seats(h, 2)
+    h.add("p0", 3, max_tokens=1, priority=PREMIUM)
+    h.step()  # p0 swaps be1 out, prefills, samples its only token and finishes
+    assert "p0" in h.finished and h.status("be1") == RequestStatus.SWAPPED
+    h.add("p1", 3, max_tokens=4, priority=PREMIUM)
+    # be1 swaps back in; p1 takes the seat of be0, not of be1 (its copies are pending), and
+    # be0 is recomputed: a swap-out now could reuse the host blocks be1 just gave back.
+    h.step()
+    assert h.sampled("p1") == 1
+    assert h.status("be1") == RequestStatus.RUNNING and h.status("be0") == RequestStatus.PREEMPTED
+    h.run()  # the runner checks every context read
+    for i in range(2):
+        tokens, _ = engine_fakes.completion(h.finished[f"be{i}"])
+        assert tokens == expected_output(f"be{i}", 3, 40)
+
+
 # ----------------------------------------------------------------- margin
 
 
