@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import pydantic
 import pytest
 import yaml
 
@@ -935,6 +936,17 @@ def test_default_tiers_when_sla_tiers_are_absent() -> None:
         ("standard", 1),
         ("best-effort", 2),
     ]
+
+
+def test_priority_preemption_margin_is_pushed_as_the_live_setting() -> None:
+    spec = LLMDeploymentSpec.model_validate(
+        {**MINIMAL["spec"], "scheduler": {"priorityPreemptionMargin": 2}}
+    )
+    assert desired_settings(spec)["priority_preemption_margin"] == 2
+    with pytest.raises(pydantic.ValidationError, match="priorityPreemptionMargin"):
+        LLMDeploymentSpec.model_validate(
+            {**MINIMAL["spec"], "scheduler": {"priorityPreemptionMargin": -1}}
+        )
 
 
 @pytest.mark.parametrize(
