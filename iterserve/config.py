@@ -248,6 +248,13 @@ class SchedulerConfig:
     aging_interval_s: float = field(
         default=5.0, metadata={"help": "seconds waited per step of priority gained"}
     )
+    priority_preemption_margin: int = field(
+        default=0,
+        metadata={
+            "help": "preempt a running request for a waiting one at least this many priority "
+            "steps more urgent (0 = off)"
+        },
+    )
     max_waiting: int = field(
         default=1024,
         metadata={"help": "most requests queued before the server answers 429 (server only)"},
@@ -273,6 +280,11 @@ class SchedulerConfig:
             f"seconds, got {self.aging_interval_s}",
         )
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.priority_preemption_margin >= 0,
+            f"priority_preemption_margin must be >= 0 (0 = off), "
+            f"got {self.priority_preemption_margin}",
+        )
         _require(self.max_waiting >= 1, f"max_waiting must be >= 1, got {self.max_waiting}")
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,
@@ -424,6 +436,7 @@ LIVE_SCHEDULER_KEYS: tuple[str, ...] = (
     "kv_watermark",
     "preemption_mode",
     "aging_interval_s",
+    "priority_preemption_margin",
     "max_waiting",
     "tiers",
 )

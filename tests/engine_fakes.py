@@ -393,6 +393,7 @@ class Scenario:
     preemption_mode: str = "auto"
     costs: PreemptionCosts | None = None
     vocab_size: int = VOCAB_SIZE
+    priority_preemption_margin: int = 0
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The settings every scenario passes to the engine config."""
@@ -404,6 +405,7 @@ class Scenario:
             "max_num_seqs": self.max_num_seqs,
             "long_prefill_token_threshold": self.long_prefill_token_threshold,
             "enable_prefix_caching": self.enable_prefix_caching,
+            "priority_preemption_margin": self.priority_preemption_margin,
         }
 
     def sample(self, request_id: str, position: int) -> int:

@@ -124,7 +124,7 @@ class LLMEngine:
         self.num_iterations = 0
         self.model_dir = model_dir
         # Cumulative counters as of the last telemetry record (records hold differences).
-        self._last_counts = (0, 0, 0)
+        self._last_counts = (0, 0, 0, 0, 0)
 
     # ----------------------------------------------------------------- requests
 
@@ -339,12 +339,15 @@ class LLMEngine:
             if not s.sample or s.num_scheduled_tokens > 1
         )
         sched = self.scheduler
+        by_cause = sched.num_preemptions_by_cause
         counts = (
-            sched.num_preemptions_by_mode["swap"],
+            by_cause["swap", "kv"] + by_cause["swap", "priority"],
+            by_cause["recompute", "priority"] + by_cause["swap", "priority"],
+            by_cause["swap", "priority"],
             sched.num_prefix_cache_queries,
             sched.num_prefix_cache_hits,
         )
-        swaps, queries, hits = (
+        swaps, priority, priority_swaps, queries, hits = (
             now - last for now, last in zip(counts, self._last_counts, strict=True)
         )
         self._last_counts = counts
@@ -363,6 +366,8 @@ class LLMEngine:
                 num_generated_tokens=num_generated,
                 num_prefix_cache_queries=queries,
                 num_prefix_cache_hits=hits,
+                num_priority_preemptions=priority,
+                num_priority_swap_preemptions=priority_swaps,
             )
         )
 

@@ -122,6 +122,8 @@ class IterationStats(_Positional):
     num_generated_tokens: int = 0  # tokens sampled
     num_prefix_cache_queries: int = 0  # prompt tokens looked up at admission
     num_prefix_cache_hits: int = 0  # of those, tokens found cached
+    num_priority_preemptions: int = 0  # of num_preemptions, those for a more urgent request
+    num_priority_swap_preemptions: int = 0  # of num_priority_preemptions, those that swapped
 
 
 # ----------------------------------------------------------------- client -> engine

@@ -1,5 +1,6 @@
 """Small scheduling policies the scheduler calls: queue order with aging, preemption victims
-with anti-thrashing protection, and the recompute-vs-swap cost model."""
+with anti-thrashing protection, priority preemption at admission, and the recompute-vs-swap
+cost model."""
 
 from __future__ import annotations
 
@@ -69,6 +70,38 @@ def select_victim(
     oldest = min(candidates, key=lambda r: r.preempted_at[-1])
     oldest.preempted_at.clear()
     return oldest
+
+
+def priority_victims(
+    candidate: Request,
+    running: Sequence[Request],
+    now: float,
+    iteration: int,
+    config: SchedulerConfig,
+) -> list[Request]:
+    """The running requests that ``candidate`` (waiting, not admissible for lack of seats or
+    KV blocks) may preempt, in the order to preempt them: least urgent first, then the most
+    recently admitted (DESIGN.md, "Priority preemption at admission").
+
+    A running request is a victim only when its effective priority is at least
+    ``config.priority_preemption_margin`` steps less urgent than the candidate's (both aged
+    by :func:`effective_priority`, so a request that has waited long enough is never a
+    victim, which keeps aging's bound on how long a low tier is held off). Protected
+    (thrashing) requests are never victims: unlike an allocation failure, nothing forces this
+    preemption. Empty when the margin is 0 (off) or the policy is ``fcfs`` (every effective
+    priority is equal).
+    """
+    margin = config.priority_preemption_margin
+    if margin <= 0:
+        return []
+    threshold = effective_priority(candidate, now, config) + margin
+    victims = [
+        r
+        for r in running
+        if effective_priority(r, now, config) >= threshold and not is_protected(r, iteration)
+    ]
+    victims.sort(key=lambda r: (effective_priority(r, now, config), r.admit_seq), reverse=True)
+    return victims
 
 
 @dataclass(frozen=True)

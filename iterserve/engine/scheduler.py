@@ -11,14 +11,19 @@ A prefill takes ``min(remaining, budget, long_prefill_token_threshold)`` tokens,
 prompts are chunked across iterations (Sarathi-Serve, Agrawal et al., OSDI 2024). When a
 running request cannot get a block, a victim is preempted (``policy.select_victim``) by
 recompute (blocks freed, tokens kept, recomputed on re-admission) or by swap (blocks copied
-to the host pool), as ``policy.choose_preemption_mode`` decides. With ``batching=static`` a
-new batch is admitted only when every request of the previous one has finished.
+to the host pool), as ``policy.choose_preemption_mode`` decides. With
+``priority_preemption_margin`` > 0, a waiting request that finds every seat or block taken
+preempts running requests at least that much less urgent (``policy.priority_victims``) and is
+admitted in the same iteration (DESIGN.md, "Priority preemption at admission"). With
+``batching=static`` a new batch is admitted only when every request of the previous one has
+finished.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
+from typing import Literal
 
 from iterserve.config import SchedulerConfig
 from iterserve.engine import policy
@@ -30,6 +35,12 @@ from iterserve.engine.request import Request, RequestStatus
 # Called after a token is appended; returns True when a stop string ended the request.
 StopChecker = Callable[[Request], bool]
 
+# Why a request was preempted: a running request found no KV block (kv), or a more urgent
+# waiting request found no seat or block (priority).
+PreemptionReason = Literal["kv", "priority"]
+PREEMPTION_MODES = ("recompute", "swap")
+PREEMPTION_REASONS: tuple[PreemptionReason, ...] = ("kv", "priority")
+
 
 class _Batch:
     """The decisions of one ``schedule()`` call, in batch order."""
@@ -40,6 +51,8 @@ class _Batch:
         self.preempted: list[Request] = []
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
+        # Swapped back in by this batch: their copies are pending, so they are no victims.
+        self.resumed: list[Request] = []
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_tokens[request.request_id] = num_tokens
@@ -88,7 +101,10 @@ class Scheduler:
         self._arrival_counter = itertools.count()
         self._static_batch_open = True
         self.iteration = 0
-        self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
+        # Preemptions so far by (mode, reason).
+        self.num_preemptions_by_cause = {
+            (mode, reason): 0 for mode in PREEMPTION_MODES for reason in PREEMPTION_REASONS
+        }
         # Prompt tokens looked up in the prefix cache at admission, and those found there.
         self.num_prefix_cache_queries = 0
         self.num_prefix_cache_hits = 0
@@ -134,15 +150,21 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)
 
-    def _preempt(self, victim: Request, batch: _Batch) -> None:
+    def _preempt(self, victim: Request, batch: _Batch, reason: PreemptionReason) -> None:
         self.running.remove(victim)
         batch.remove(victim)
         batch.preempted.append(victim)
         victim.preempted_at.append(self.iteration)
         victim.num_preemptions += 1
-        can_swap = len(self.swapped) < policy.MAX_CONCURRENT_SWAPS and self.kv.can_swap_out(victim)
+        # The runner copies swap-outs before swap-ins: a swap-out after this batch's swap-ins
+        # (priority preemption at admission) could overwrite host blocks they just released.
+        can_swap = (
+            not batch.swap_in
+            and len(self.swapped) < policy.MAX_CONCURRENT_SWAPS
+            and self.kv.can_swap_out(victim)
+        )
         mode = policy.choose_preemption_mode(victim, self.config, self.preemption_costs, can_swap)
-        self.num_preemptions_by_mode[mode] += 1
+        self.num_preemptions_by_cause[mode, reason] += 1
         if mode == "swap":
             batch.swap_out += self.kv.swap_out(victim)
             victim.status = RequestStatus.SWAPPED
@@ -159,7 +181,23 @@ class Scheduler:
 
     @property
     def num_preemptions(self) -> int:
-        return sum(self.num_preemptions_by_mode.values())
+        return sum(self.num_preemptions_by_cause.values())
+
+    @property
+    def num_preemptions_by_mode(self) -> dict[str, int]:
+        """Preemptions so far by mode, whatever their reason."""
+        counts = dict.fromkeys(PREEMPTION_MODES, 0)
+        for (mode, _), n in self.num_preemptions_by_cause.items():
+            counts[mode] += n
+        return counts
+
+    @property
+    def num_preemptions_by_reason(self) -> dict[str, int]:
+        """Preemptions so far by reason, whatever their mode."""
+        counts: dict[str, int] = dict.fromkeys(PREEMPTION_REASONS, 0)
+        for (_, reason), n in self.num_preemptions_by_cause.items():
+            counts[reason] += n
+        return counts
 
     # ----------------------------------------------------------------- one iteration
 
@@ -168,8 +206,13 @@ class Scheduler:
         self.iteration += 1
         batch = _Batch(self.config.max_num_batched_tokens)
         self._schedule_running(batch)
-        if not batch.preempted and self._resume_swapped(batch):
-            self._admit_waiting(batch)
+        if not batch.preempted:
+            if self._resume_swapped(batch):
+                self._admit_waiting(batch)
+            elif self.config.priority_preemption_margin > 0:
+                # Swapped requests wait for room; only those more urgent than all of them
+                # (by the margin) may go first, taking room from less urgent running ones.
+                self._admit_waiting(batch, urgent_only=True)
         out = self._build_output(batch)
         assert out.num_scheduled_tokens <= self.config.max_num_batched_tokens
         return out
@@ -190,7 +233,7 @@ class Scheduler:
                 victim = policy.select_victim(
                     self.running, self.clock(), self.iteration, self.config
                 )
-                self._preempt(victim, batch)
+                self._preempt(victim, batch, "kv")
                 if victim is request:
                     break
             if request.status == RequestStatus.RUNNING:
@@ -211,22 +254,33 @@ class Scheduler:
                 return False
             self.swapped.pop(0)
             batch.swap_in += copies
+            batch.resumed.append(request)
             self._start_running(request)
             batch.add(request, num_new)
         return not self.swapped
 
-    def _admit_waiting(self, batch: _Batch) -> None:
+    def _admit_waiting(self, batch: _Batch, urgent_only: bool = False) -> None:
+        """Admit waiting requests in queue order while budget, seats and blocks allow; with
+        ``urgent_only``, only those more urgent than every swapped request by the margin."""
         if self.config.batching == "static" and not self._static_admission_open():
             return
-        self.waiting.sort(key=policy.waiting_key(self.clock(), self.config))
+        now = self.clock()
+        self.waiting.sort(key=policy.waiting_key(now, self.config))
         idx = 0
         while idx < len(self.waiting) and batch.budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
             request = self.waiting[idx]
+            if urgent_only and not self._more_urgent_than_swapped(request, now):
+                break
             if request.wait_for is not None and not self._sibling_ready(request.wait_for):
                 idx += 1  # completion i > 0 of n: wait for the shared prompt blocks
                 continue
+            if any(request is r for r in batch.preempted):
+                idx += 1  # preempted for a more urgent one in this iteration: not back yet
+                continue
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._preempt_for(request, batch, now, num_blocks=0):
+                    continue  # a seat is free now: try again
+                break
             hits = self.kv.get_computed_blocks(request)
             num_computed = len(hits) * self.kv.block_size
             remaining = request.num_tokens - num_computed
@@ -242,6 +296,9 @@ class Scheduler:
                     self.waiting.pop(idx)
                     self._finish_capacity(request, queued=True)
                     continue
+                num_blocks = self.kv.num_blocks_for(num_computed + num_new) - len(hits)
+                if self._preempt_for(request, batch, now, num_blocks):
+                    continue  # blocks were freed: look the prefix up again and retry
                 break
             self.waiting.pop(idx)
             request.num_computed_tokens = num_computed
@@ -252,6 +309,32 @@ class Scheduler:
                 self.num_prefix_cache_hits += num_computed
             self._start_running(request)
             batch.add(request, num_new)
+
+    def _preempt_for(self, request: Request, batch: _Batch, now: float, num_blocks: int) -> bool:
+        """Preempt the first of ``request``'s priority victims (never one swapped in by this
+        batch); False (nothing preempted) when it has none, or when ``num_blocks`` more blocks
+        would not be free even after all of them gave theirs back (an estimate: a block shared
+        with another request stays)."""
+        candidates = [r for r in self.running if not any(r is x for x in batch.resumed)]
+        victims = policy.priority_victims(request, candidates, now, self.iteration, self.config)
+        if not victims:
+            return False
+        if num_blocks > 0:
+            freeable = sum(len(self.kv.block_ids(v.request_id)) for v in victims)
+            free = self.kv.pool.num_free_blocks - self.kv.num_watermark_blocks
+            if free + freeable < num_blocks:
+                return False
+        self._preempt(victims[0], batch, "priority")
+        return True
+
+    def _more_urgent_than_swapped(self, request: Request, now: float) -> bool:
+        """Whether ``request`` may be admitted ahead of every swapped request: more urgent
+        than each by at least the priority preemption margin."""
+        margin = self.config.priority_preemption_margin
+        mine = policy.effective_priority(request, now, self.config)
+        return all(
+            policy.effective_priority(r, now, self.config) - mine >= margin for r in self.swapped
+        )
 
     def _static_admission_open(self) -> bool:
         """Static batching: admit only into an empty engine, and keep admitting (over several

@@ -308,6 +308,14 @@ class SchedulerSpec(_Model):
         description="Seconds of waiting that raise a queued request one priority step (so "
         "low tiers are not starved). Default 5.",
     )
+    priorityPreemptionMargin: int = Field(
+        0,
+        ge=0,
+        le=2000,
+        description="Preempt running requests for a waiting one that finds every seat or KV "
+        "block taken, when it is at least this many priority steps more urgent than they "
+        "are (after aging); 0 = off. Default 0.",
+    )
     maxWaiting: int = Field(
         1024,
         ge=0,
@@ -544,6 +552,7 @@ def desired_settings(spec: LLMDeploymentSpec) -> dict[str, Any]:
         "kv_watermark": s.kvWatermark,
         "preemption_mode": s.preemptionMode,
         "aging_interval_s": s.agingIntervalS,
+        "priority_preemption_margin": s.priorityPreemptionMargin,
         "max_waiting": s.maxWaiting,
         "tiers": [
             {

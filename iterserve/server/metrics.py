@@ -70,7 +70,9 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             p + "generation_tokens", "Output tokens sampled", registry=r
         )
-        self.preemptions = Counter(p + "num_preemptions", "Preemptions", ["mode"], registry=r)
+        self.preemptions = Counter(
+            p + "num_preemptions", "Preemptions", ["mode", "reason"], registry=r
+        )
         self.success = Counter(
             p + "request_success", "Finished requests", ["finished_reason"], registry=r
         )
@@ -99,7 +101,8 @@ class ServerMetrics:
             "iteration_tokens", "Tokens of one iteration", ["phase"], _TOKEN_BUCKETS
         )
         for mode in ("recompute", "swap"):
-            self.preemptions.labels(mode=mode)
+            for cause in ("kv", "priority"):
+                self.preemptions.labels(mode=mode, reason=cause)
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(finished_reason=reason)
         for reason in ("invalid", "queue_full", "queue_wait", "shutting_down"):
@@ -126,6 +129,20 @@ class ServerMetrics:
             if tier.max_queue_wait_ms is not None:
                 self.tier_max_queue_wait.labels(tier=tier.name).set(tier.max_queue_wait_ms / 1000)
 
+    def _count_preemptions(self, it: IterationStats) -> None:
+        priority_swap = it.num_priority_swap_preemptions
+        priority_recompute = it.num_priority_preemptions - priority_swap
+        kv_swap = it.num_swap_preemptions - priority_swap
+        kv_recompute = it.num_preemptions - it.num_priority_preemptions - kv_swap
+        for mode, reason, n in (
+            ("swap", "kv", kv_swap),
+            ("recompute", "kv", kv_recompute),
+            ("swap", "priority", priority_swap),
+            ("recompute", "priority", priority_recompute),
+        ):
+            if n:
+                self.preemptions.labels(mode=mode, reason=reason).inc(n)
+
     def set_load(self, load: EngineLoad) -> None:
         """Queue gauges from the engine's counts."""
         self.num_running.set(load.num_running)
@@ -147,10 +164,7 @@ class ServerMetrics:
                 self.iteration_tokens.labels(phase="decode").observe(it.num_decode_tokens)
             self.generation_tokens.inc(it.num_generated_tokens)
             if it.num_preemptions:
-                self.preemptions.labels(mode="swap").inc(it.num_swap_preemptions)
-                self.preemptions.labels(mode="recompute").inc(
-                    it.num_preemptions - it.num_swap_preemptions
-                )
+                self._count_preemptions(it)
             self.prefix_queries.inc(it.num_prefix_cache_queries)
             self.prefix_hits.inc(it.num_prefix_cache_hits)
         self.set_load(load)

@@ -421,13 +421,15 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         preemption_mode=mode,
         costs=costs,
         requests=requests,
+        priority_preemption_margin=draw(st.sampled_from([0, 0, 1, 2])),
     )
 
 
 def run_scenario(scenario: Scenario) -> set[str]:
     """Run the scenario to the end, checking every step; returns what it exercised:
     ``swapped`` (out to the host pool), ``swapped in`` (back), ``recomputed`` (a recompute
-    preemption), ``aborted while swapped`` and ``prefix hit``."""
+    preemption), ``aborted while swapped``, ``prefix hit`` and ``priority preempted`` (at
+    admission, for a more urgent request)."""
     h = Harness(
         num_host_blocks=scenario.num_host_blocks,
         preemption_costs=scenario.costs,
@@ -500,6 +502,7 @@ def run_scenario(scenario: Scenario) -> set[str]:
         "recomputed": h.scheduler.num_preemptions_by_mode["recompute"] > 0,
         "aborted while swapped": aborted_swapped,
         "prefix hit": h.scheduler.num_prefix_cache_hits > 0,
+        "priority preempted": h.scheduler.num_preemptions_by_reason["priority"] > 0,
     }
     return {name for name, happened in exercised.items() if happened}
 
@@ -519,3 +522,4 @@ def test_swap_under_pressure_keeps_invariants_and_exact_outputs() -> None:
     # (test_abort_of_a_swapped_request_frees_its_host_blocks covers them).
     assert counts["swapped"] >= 30 and counts["swapped in"] >= 30, counts
     assert counts["recomputed"] >= 30 and counts["prefix hit"] >= 20, counts
+    assert counts["priority preempted"] >= 5, counts

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import pydantic
 import pytest
 import yaml
 
@@ -908,6 +909,7 @@ def test_desired_settings_of_the_example() -> None:
         "kv_watermark": 0.01,
         "preemption_mode": "auto",
         "aging_interval_s": 5.0,
+        "priority_preemption_margin": 0,
         "max_waiting": 1024,
         "tiers": [
             {"name": "premium", "priority": 0, "max_queue_wait_ms": 500.0, "ttft_target_ms": 200.0},
@@ -934,6 +936,17 @@ def test_default_tiers_when_sla_tiers_are_absent() -> None:
         ("standard", 1),
         ("best-effort", 2),
     ]
+
+
+def test_priority_preemption_margin_is_pushed_as_the_live_setting() -> None:
+    spec = LLMDeploymentSpec.model_validate(
+        {**MINIMAL["spec"], "scheduler": {"priorityPreemptionMargin": 2}}
+    )
+    assert desired_settings(spec)["priority_preemption_margin"] == 2
+    with pytest.raises(pydantic.ValidationError, match="priorityPreemptionMargin"):
+        LLMDeploymentSpec.model_validate(
+            {**MINIMAL["spec"], "scheduler": {"priorityPreemptionMargin": -1}}
+        )
 
 
 @pytest.mark.parametrize(

@@ -74,6 +74,8 @@ def test_without_an_admin_token_the_admin_api_is_403_saying_how_to_enable_it(
         ({"config_version": "seven"}, "config_version"),
         ({"config_version": 10**30}, "config_version"),
         ({"aging_interval_s": 5e-324}, "aging_interval_s"),
+        ({"priority_preemption_margin": -1}, "priority_preemption_margin must be >= 0"),
+        ({"priority_preemption_margin": 0.5}, "integer"),
         ({"tiers": [{"name": "a", "priority": 0, "max_queue_wait_ms": -5}]}, "max_queue_wait_ms"),
         ([1, 2], "JSON object"),
     ],
@@ -106,6 +108,16 @@ def test_put_merges_versions_noops_and_reaches_the_engine(tokenizer: Any) -> Non
         assert [c.kv_watermark for c in fake.config_updates] == [0.01, 0.02, 0.03]
         assert (await http.get("/load")).json()["config_version"] == 1001
         assert "iterserve_scheduler_config_version 1001.0" in (await http.get("/metrics")).text
+
+    run_with_server(tokenizer, check, CONFIG)
+
+
+def test_put_priority_preemption_margin_reaches_the_engine(tokenizer: Any) -> None:
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        assert (await get_config(http))["priority_preemption_margin"] == 0  # off by default
+        after = await put_config(http, {"priority_preemption_margin": 1})
+        assert after["priority_preemption_margin"] == 1
+        assert fake.config_updates[-1].priority_preemption_margin == 1
 
     run_with_server(tokenizer, check, CONFIG)
 

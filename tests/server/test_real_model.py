@@ -186,8 +186,8 @@ def test_swap_preemption_under_kv_pressure_keeps_every_stream_whole() -> None:
         results = asyncio.run(main())
         assert [(r.status, r.completion_tokens, r.errors) for r in results] == [(200, 80, [])] * 6
         assert max(seen_swapped) > 0, "no request was ever swapped out"
-        swaps = metric(server, 'iterserve_num_preemptions_total{mode="swap"}')
+        swaps = metric(server, 'iterserve_num_preemptions_total{mode="swap",reason="kv"}')
         assert swaps >= 1
-        assert metric(server, 'iterserve_num_preemptions_total{mode="recompute"}') == 0
+        assert metric(server, 'iterserve_num_preemptions_total{mode="recompute",reason="kv"}') == 0
         assert metric(server, "iterserve_num_requests_swapped") == 0
         wait_all_blocks_free(server, within_s=5.0)

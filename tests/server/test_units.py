@@ -1,4 +1,4 @@
-"""Admission control and the live-settings merge, without a model."""
+"""Admission control, the live-settings merge and metric bookkeeping, without a model."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import dataclasses
 import pytest
 
 from iterserve.config import SchedulerConfig, Tier
+from iterserve.engine.messages import EngineLoad, IterationStats
 from iterserve.server.admission import Admission, Rejected
 from iterserve.server.live_config import LiveConfigError, VersionedSettings, merge, settings_hash
+from iterserve.server.metrics import ServerMetrics
 
 
 class Clock:
@@ -134,3 +136,43 @@ def test_settings_hash_is_canonical() -> None:
     assert settings_hash(a) != settings_hash(SchedulerConfig())
     # Settings that are not live do not change the hash.
     assert settings_hash(dataclasses.replace(a, scheduling_policy="fcfs")) == settings_hash(a)
+
+
+# ----------------------------------------------------------------- preemption metrics
+
+
+def _preemptions(metrics: ServerMetrics) -> dict[tuple[str, str], float]:
+    return {
+        (s.labels["mode"], s.labels["reason"]): s.value
+        for family in metrics.registry.collect()
+        if family.name == "iterserve_num_preemptions"
+        for s in family.samples
+        if s.name == "iterserve_num_preemptions_total"
+    }
+
+
+def test_preemptions_are_counted_by_mode_and_reason_every_pair_from_the_start() -> None:
+    metrics = ServerMetrics()
+    pairs = {(m, r) for m in ("recompute", "swap") for r in ("kv", "priority")}
+    assert _preemptions(metrics) == dict.fromkeys(pairs, 0.0)
+    stats = IterationStats(
+        time=1.0,
+        latency_s=0.01,
+        num_prefill_tokens=0,
+        num_decode_tokens=4,
+        num_running=4,
+        num_waiting=0,
+        num_swapped=3,
+        num_free_blocks=0,
+        num_preemptions=10,  # 5 kv (1 swap + 4 recompute) + 5 priority
+        num_swap_preemptions=4,  # 1 kv + 3 priority
+        num_priority_preemptions=5,  # 3 swap + 2 recompute
+        num_priority_swap_preemptions=3,
+    )
+    metrics.observe_iterations([stats, stats], EngineLoad())
+    assert _preemptions(metrics) == {
+        ("swap", "kv"): 2.0,
+        ("recompute", "kv"): 8.0,
+        ("swap", "priority"): 6.0,
+        ("recompute", "priority"): 4.0,
+    }

@@ -1,0 +1,376 @@
+"""Priority preemption at admission (DESIGN.md, "Priority preemption at admission"): a waiting
+request at least ``priority_preemption_margin`` more urgent than running ones that finds every
+seat or KV block taken preempts them (fake runner, fake clock).
+
+Priorities are the default tiers: premium 0, standard 1, best-effort 2. The fake clock stands
+still unless a test moves it, so effective priorities are the requests' own until then.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import engine_fakes
+import pytest
+from engine_fakes import FakeClock, expected_output
+
+from iterserve.config import SchedulerConfig
+from iterserve.engine import policy
+from iterserve.engine.request import Request, RequestStatus
+from iterserve.engine.sampling_params import SamplingParams
+from iterserve.server.live_config import VersionedSettings, merge
+
+PREMIUM, STANDARD, BEST_EFFORT = 0, 1, 2
+
+
+class Harness(engine_fakes.Harness):
+    """The shared harness on a fake clock, recompute preemption unless told otherwise."""
+
+    clock: FakeClock
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("preemption_mode", "recompute")
+        kwargs.setdefault("aging_interval_s", 1000.0)
+        super().__init__(clock=FakeClock(), max_steps=500, **kwargs)
+
+    def sampled(self, request_id: str) -> int:
+        """Output tokens of a request so far (finished ones included)."""
+        if request_id in self.finished:
+            return len(self.finished[request_id].outputs[0].token_ids)
+        return self.request(request_id).num_output_tokens
+
+    def steps_until_sampled(self, request_id: str, limit: int) -> int | None:
+        """Steps until ``request_id`` has its first token; None if not within ``limit``."""
+        for n in range(1, limit + 1):
+            self.step()
+            if self.sampled(request_id) >= 1:
+                return n
+        return None
+
+    @property
+    def priority_preemptions(self) -> int:
+        return self.scheduler.num_preemptions_by_reason["priority"]
+
+
+def fill_seats(h: Harness, n: int, priority: int = BEST_EFFORT, max_tokens: int = 40) -> None:
+    """``n`` requests of ``priority`` admitted and decoding."""
+    for i in range(n):
+        h.add(f"be{i}", 3, max_tokens=max_tokens, priority=priority)
+    h.step()
+    h.step()
+    assert len(h.scheduler.running) == n and not h.scheduler.waiting
+
+
+# ----------------------------------------------------------------- seats
+
+
+@pytest.mark.parametrize("margin", [1, 2])
+def test_premium_arrival_preempts_a_best_effort_seat(margin: int) -> None:
+    h = Harness(max_num_seqs=4, priority_preemption_margin=margin)
+    fill_seats(h, 4)
+    h.add("p", 3, max_tokens=4, priority=PREMIUM)
+    assert h.steps_until_sampled("p", limit=2) == 1  # admitted and prefilled at once
+    assert h.priority_preemptions == 1
+    # The victim: the least urgent, most recently admitted one (all equal: the last).
+    assert h.status("be3") == RequestStatus.PREEMPTED
+    assert [r.request_id for r in h.scheduler.running] == ["be0", "be1", "be2", "p"]
+    assert h.scheduler.num_preemptions_by_cause["recompute", "priority"] == 1
+    assert h.scheduler.num_preemptions_by_reason["kv"] == 0
+
+
+def test_without_the_policy_the_premium_arrival_waits_for_a_seat() -> None:
+    h = Harness(max_num_seqs=4)  # priority_preemption_margin defaults to 0: off
+    assert SchedulerConfig().priority_preemption_margin == 0
+    fill_seats(h, 4)
+    h.add("p", 3, max_tokens=4, priority=PREMIUM)
+    assert h.steps_until_sampled("p", limit=20) is None
+    assert h.status("p") == RequestStatus.WAITING
+    assert h.scheduler.num_preemptions == 0
+
+
+def test_preempted_best_effort_request_is_readmitted_and_finishes_with_its_tokens() -> None:
+    h = Harness(max_num_seqs=2, priority_preemption_margin=1)
+    fill_seats(h, 2, max_tokens=10)
+    h.add("p", 3, max_tokens=3, priority=PREMIUM)
+    h.run()
+    assert h.priority_preemptions == 1
+    for request_id, max_tokens in (("be0", 10), ("be1", 10), ("p", 3)):
+        tokens, reason = engine_fakes.completion(h.finished[request_id])
+        assert (tokens, reason) == (expected_output(request_id, 3, max_tokens), "length")
+
+
+# ----------------------------------------------------------------- KV blocks
+
+
+def kv_full_harness(margin: int) -> Harness:
+    """Four best-effort requests hold all 8 blocks (2 each, room to decode 15 tokens); seats
+    are free. Blocks of 16 tokens."""
+    h = Harness(
+        simulate_kv=True,
+        strict=True,
+        num_kv_blocks=8,
+        block_size=16,
+        max_num_batched_tokens=128,
+        priority_preemption_margin=margin,
+    )
+    for i in range(4):
+        h.add(f"be{i}", 17, max_tokens=20, priority=BEST_EFFORT)
+    h.step()
+    h.step()
+    assert len(h.scheduler.running) == 4 and h.kv_free == 0
+    return h
+
+
+def test_premium_arrival_preempts_when_the_kv_pool_is_full() -> None:
+    h = kv_full_harness(margin=1)
+    h.add("p", 4, max_tokens=4, priority=PREMIUM)
+    assert h.steps_until_sampled("p", limit=2) == 1
+    assert h.priority_preemptions == 1 and h.scheduler.num_preemptions_by_reason["kv"] == 0
+    assert h.status("be3") == RequestStatus.PREEMPTED
+    h.run()
+    for i in range(4):
+        tokens, _ = engine_fakes.completion(h.finished[f"be{i}"])
+        assert tokens == expected_output(f"be{i}", 17, 20)
+
+
+def test_without_the_policy_the_premium_arrival_waits_for_blocks() -> None:
+    h = kv_full_harness(margin=0)
+    h.add("p", 4, max_tokens=4, priority=PREMIUM)
+    assert h.steps_until_sampled("p", limit=10) is None
+    assert h.scheduler.num_preemptions == 0
+
+
+def test_no_preemption_when_the_victims_cannot_free_enough_blocks() -> None:
+    h = Harness(
+        simulate_kv=True,
+        num_kv_blocks=8,
+        block_size=16,
+        max_num_batched_tokens=128,
+        priority_preemption_margin=1,
+    )
+    h.add("pa", 40, max_tokens=8, priority=PREMIUM)  # 3 blocks
+    h.add("pb", 40, max_tokens=8, priority=PREMIUM)  # 3 blocks
+    h.add("be", 17, max_tokens=20, priority=BEST_EFFORT)  # 2 blocks
+    h.step()
+    assert h.kv_free == 0
+    # 3 blocks needed; the only victim holds 2: preempting it would not admit the arrival.
+    h.add("p", 40, max_tokens=4, priority=PREMIUM)
+    for _ in range(3):
+        h.step()
+        assert h.status("p") == RequestStatus.WAITING
+    assert h.scheduler.num_preemptions == 0
+    h.run()
+    assert h.scheduler.num_preemptions == 0 and len(h.finished) == 4
+
+
+def test_swapped_victims_do_not_hold_back_more_urgent_arrivals() -> None:
+    h = Harness(
+        simulate_kv=True,
+        num_host_blocks=64,
+        preemption_mode="swap",
+        swap_space=1.0,  # validation only: the pool is num_host_blocks
+        max_num_seqs=3,
+        priority_preemption_margin=1,
+    )
+    fill_seats(h, 3)
+    h.add("p0", 3, max_tokens=20, priority=PREMIUM)
+    assert h.steps_until_sampled("p0", limit=2) == 1
+    assert h.status("be2") == RequestStatus.SWAPPED
+    # be2 waits in the swapped queue (no seat); a second premium arrival still goes first.
+    h.add("p1", 3, max_tokens=20, priority=PREMIUM)
+    assert h.steps_until_sampled("p1", limit=2) == 1
+    assert h.status("be1") == RequestStatus.SWAPPED
+    assert h.scheduler.num_preemptions_by_cause["swap", "priority"] == 2
+    # What the server's metrics are fed: per-iteration counts by reason and mode.
+    telemetry = list(h.engine.telemetry)
+    assert sum(t.num_priority_preemptions for t in telemetry) == 2
+    assert sum(t.num_priority_swap_preemptions for t in telemetry) == 2
+    assert sum(t.num_swap_preemptions for t in telemetry) == 2
+    h.run()
+    for i in range(3):
+        tokens, _ = engine_fakes.completion(h.finished[f"be{i}"])
+        assert tokens == expected_output(f"be{i}", 3, 40)
+
+
+def test_a_request_swapped_in_this_iteration_is_no_victim_and_others_are_recomputed() -> None:
+    h = Harness(
+        simulate_kv=True,
+        strict=True,
+        num_host_blocks=64,
+        preemption_mode="swap",
+        swap_space=1.0,
+        max_num_seqs=2,
+        priority_preemption_margin=1,
+    )
+    fill_seats(h, 2)
+    h.add("p0", 3, max_tokens=1, priority=PREMIUM)
+    h.step()  # p0 swaps be1 out, prefills, samples its only token and finishes
+    assert "p0" in h.finished and h.status("be1") == RequestStatus.SWAPPED
+    h.add("p1", 3, max_tokens=4, priority=PREMIUM)
+    # be1 swaps back in; p1 takes the seat of be0, not of be1 (its copies are pending), and
+    # be0 is recomputed: a swap-out now could reuse the host blocks be1 just gave back.
+    h.step()
+    assert h.sampled("p1") == 1
+    assert h.status("be1") == RequestStatus.RUNNING and h.status("be0") == RequestStatus.PREEMPTED
+    h.run()  # the runner checks every context read
+    for i in range(2):
+        tokens, _ = engine_fakes.completion(h.finished[f"be{i}"])
+        assert tokens == expected_output(f"be{i}", 3, 40)
+
+
+# ----------------------------------------------------------------- margin
+
+
+@pytest.mark.parametrize("priority", [PREMIUM, STANDARD, BEST_EFFORT])
+def test_equal_priorities_never_preempt_each_other(priority: int) -> None:
+    h = Harness(max_num_seqs=3, priority_preemption_margin=1)
+    fill_seats(h, 3, priority=priority)
+    h.add("new", 3, max_tokens=4, priority=priority)
+    assert h.steps_until_sampled("new", limit=10) is None
+    assert h.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize(
+    ("arrival", "margin", "preempts"),
+    [
+        (STANDARD, 1, True),  # 2 - 1 = 1 >= 1
+        (STANDARD, 2, False),  # 1 < 2
+        (PREMIUM, 2, True),  # 2 - 0 = 2 >= 2
+        (PREMIUM, 3, False),  # 2 < 3
+    ],
+)
+def test_margin_is_respected(arrival: int, margin: int, preempts: bool) -> None:
+    h = Harness(max_num_seqs=2, priority_preemption_margin=margin)
+    fill_seats(h, 2)
+    h.add("new", 3, max_tokens=4, priority=arrival)
+    steps = h.steps_until_sampled("new", limit=10)
+    assert (steps == 1) == preempts and (steps is None) == (not preempts)
+    assert h.priority_preemptions == int(preempts)
+
+
+def test_less_urgent_arrivals_never_preempt() -> None:
+    h = Harness(max_num_seqs=2, priority_preemption_margin=1)
+    fill_seats(h, 2, priority=PREMIUM)
+    h.add("be", 3, max_tokens=4, priority=BEST_EFFORT)
+    assert h.steps_until_sampled("be", limit=10) is None
+    assert h.scheduler.num_preemptions == 0
+
+
+# ----------------------------------------------------------------- aging and anti-thrash
+
+
+def test_aging_bounds_how_long_best_effort_work_is_held_off_by_a_premium_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Aging alone, without the anti-thrash protection's help.
+    monkeypatch.setattr(policy, "PROTECT_AFTER_PREEMPTIONS", 10**6)
+    interval = 1.0
+    h = Harness(max_num_seqs=2, priority_preemption_margin=1, aging_interval_s=interval)
+    h.add("be", 3, max_tokens=10, priority=BEST_EFFORT)
+    # One premium request per 0.1 s, each holding a seat for 4 iterations: more premium work
+    # than two seats serve, for good.
+    finished_at = None
+    for n in range(200):
+        h.add(f"p{n}", 3, max_tokens=4, priority=PREMIUM)
+        h.step()
+        h.clock.now += 0.1
+        if "be" in h.finished:
+            finished_at = h.clock.now
+            break
+    assert finished_at is not None, "the best-effort request starved"
+    assert h.finished["be"].outputs[0].token_ids == expected_output("be", 3, 10)
+    # Preempted while still less urgent; once aged to premium (2 intervals) it is no victim,
+    # heads the queue by arrival, and takes the next free seat (4 iterations) to decode 10.
+    assert h.priority_preemptions >= 1
+    assert finished_at <= 2 * interval + (4 + 10 + 2) * 0.1
+
+
+def test_a_protected_request_stays_protected_from_priority_preemption() -> None:
+    h = Harness(max_num_seqs=1, priority_preemption_margin=1)
+    h.add("be", 3, max_tokens=60, priority=BEST_EFFORT)
+    h.step()
+    for n in range(policy.PROTECT_AFTER_PREEMPTIONS):
+        h.add(f"p{n}", 3, max_tokens=1, priority=PREMIUM)
+        h.step()  # p{n} preempts be, prefills, samples its only token and finishes
+        assert f"p{n}" in h.finished and h.status("be") == RequestStatus.PREEMPTED
+        h.step()  # be is back
+        assert h.status("be") == RequestStatus.RUNNING
+    assert policy.is_protected(h.request("be"), h.scheduler.iteration + 1)
+    h.add("late", 3, max_tokens=1, priority=PREMIUM)
+    for _ in range(5):
+        h.step()
+        assert h.status("be") == RequestStatus.RUNNING
+        assert h.status("late") == RequestStatus.WAITING
+    assert h.priority_preemptions == policy.PROTECT_AFTER_PREEMPTIONS
+
+
+# ----------------------------------------------------------------- the live setting
+
+
+def test_the_live_setting_turns_the_policy_on_between_iterations() -> None:
+    h = Harness(max_num_seqs=2)
+    fill_seats(h, 2)
+    h.add("p", 3, max_tokens=4, priority=PREMIUM)
+    assert h.steps_until_sampled("p", limit=3) is None
+    # What PUT /admin/scheduler_config does: merge, validate, hand the engine the new config.
+    current = VersionedSettings(h.scheduler.config, version=1)
+    changed = merge(current, {"priority_preemption_margin": 1}, 0, 64)
+    assert changed is not None and changed.config.priority_preemption_margin == 1
+    h.engine.update_scheduler_config(changed.config)
+    assert h.steps_until_sampled("p", limit=2) == 1
+    assert h.priority_preemptions == 1
+
+
+def test_the_margin_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="priority_preemption_margin must be >= 0"):
+        SchedulerConfig(priority_preemption_margin=-1)
+
+
+# ----------------------------------------------------------------- the policy alone
+
+
+def running(request_id: str, priority: int, admit_seq: int, arrival_time: float = 0.0) -> Request:
+    request = Request(
+        request_id,
+        [3, 4],
+        SamplingParams(max_tokens=4),
+        arrival_time=arrival_time,
+        priority=priority,
+    )
+    request.admit_seq = admit_seq
+    return request
+
+
+def test_priority_victims_order_least_urgent_then_most_recently_admitted() -> None:
+    config = SchedulerConfig(priority_preemption_margin=1, aging_interval_s=1000.0)
+    candidate = running("c", PREMIUM, 99)
+    batch = [
+        running("s0", STANDARD, 0),
+        running("b1", BEST_EFFORT, 1),
+        running("p2", PREMIUM, 2),
+        running("b3", BEST_EFFORT, 3),
+        running("s4", STANDARD, 4),
+    ]
+    victims = policy.priority_victims(candidate, batch, 0.0, 10, config)
+    assert [v.request_id for v in victims] == ["b3", "b1", "s4", "s0"]
+    config2 = SchedulerConfig(priority_preemption_margin=2, aging_interval_s=1000.0)
+    assert [v.request_id for v in policy.priority_victims(candidate, batch, 0.0, 10, config2)] == [
+        "b3",
+        "b1",
+    ]
+
+
+def test_priority_victims_none_when_off_fcfs_aged_or_protected() -> None:
+    candidate = running("c", PREMIUM, 99, arrival_time=10.0)
+    victim = running("b", BEST_EFFORT, 0, arrival_time=0.0)
+    on = SchedulerConfig(priority_preemption_margin=1, aging_interval_s=1000.0)
+    assert policy.priority_victims(candidate, [victim], 10.0, 10, on) == [victim]
+    off = SchedulerConfig(aging_interval_s=1000.0)
+    assert policy.priority_victims(candidate, [victim], 10.0, 10, off) == []
+    fcfs = SchedulerConfig(priority_preemption_margin=1, scheduling_policy="fcfs")
+    assert policy.priority_victims(candidate, [victim], 10.0, 10, fcfs) == []
+    # Waiting since 0 with 5 s intervals: aged to premium by t=10, so no longer a victim.
+    aging = SchedulerConfig(priority_preemption_margin=1, aging_interval_s=5.0)
+    assert policy.priority_victims(candidate, [victim], 10.0, 10, aging) == []
+    victim.preempted_at = [9, 9]  # preempted twice within the window: protected
+    assert policy.priority_victims(candidate, [victim], 10.0, 10, on) == []
