@@ -52,6 +52,7 @@ COMMANDS = [
     "operator run",
     "operator render",
     "simulate",
+    "report",
     "bench",
     "bench decode",
     "bench offline",

@@ -25,6 +25,7 @@ from iterserve.engine.messages import (
     EngineMessage,
     Shutdown,
 )
+from iterserve.telemetry.iterations import IterationRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +35,14 @@ class AsyncEngine(EngineClientBase):
 
     Args:
         engine: the engine; once started only the engine thread touches it.
+        telemetry_db: SQLite file the engine thread writes ``scheduler_iterations`` to
+            (through its own writer thread; None: off).
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, telemetry_db: str | None = None) -> None:
         super().__init__()
         self.engine = engine
+        self.telemetry_db = telemetry_db
         self.config = engine.config
         self.limits = engine.limits
         self.model_dir = engine.model_dir
@@ -90,8 +94,9 @@ class AsyncEngine(EngineClientBase):
 
     def _run(self) -> None:
         error: BaseException = EngineDeadError("the engine stopped")
+        telemetry = IterationRecorder(self.telemetry_db) if self.telemetry_db else None
         try:
-            EngineCore(self.engine, self._send).run(self._recv)
+            EngineCore(self.engine, self._send, telemetry).run(self._recv)
         except BaseException as e:  # the loop itself broke: fail every stream
             logger.exception("engine loop died")
             error = EngineDeadError(f"engine loop died: {e}")
@@ -99,6 +104,8 @@ class AsyncEngine(EngineClientBase):
         finally:
             with self._submit_lock:
                 self._closed = True
+            if telemetry is not None:
+                telemetry.close()
             self.engine.abort_all()
             assert self._loop is not None
             with contextlib.suppress(RuntimeError):
