@@ -63,6 +63,7 @@ COMMANDS = [
     "bench calibrate",
     "bench fidelity",
     "bench router",
+    "bench telemetry",
 ]
 
 

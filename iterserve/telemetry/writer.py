@@ -3,9 +3,9 @@
 The producer (the engine loop between iterations, the HTTP event loop as a request ends) calls
 :meth:`TelemetryWriter.submit`, which only ``put_nowait``\\ s a tuple: a full queue drops the row
 and counts it (``num_dropped[table]``, and ``on_drop`` for a metric). One thread owns the
-connection (sqlite3 connections are per thread) and writes what has queued in batches, one
-transaction each, so a slow disk or the other process's transaction delays rows, never an
-iteration.
+connection (sqlite3 connections are per thread) and, every ``flush_interval_s``, writes what
+has queued in batches, one transaction each, so a slow disk or the other process's transaction
+delays rows, never an iteration.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUE = 10_000
 DEFAULT_MAX_BATCH = 512
 
-_STOP = None
-
 
 def _insert_sql(table: str) -> str:
     columns = COLUMNS[table]
@@ -44,6 +42,7 @@ class TelemetryWriter:
             is dropped (and counted).
         on_drop: called with (table, number of rows) for every drop, from the producer's
             thread (queue full) or the writer's (a failed write).
+        flush_interval_s: the writer wakes this often and writes what has queued.
 
     Raises:
         sqlite3.Error: ``path`` cannot be opened (checked here, before any row is queued).
@@ -56,13 +55,16 @@ class TelemetryWriter:
         max_batch: int = DEFAULT_MAX_BATCH,
         busy_timeout_ms: int = 5000,
         on_drop: Callable[[str, int], None] | None = None,
+        flush_interval_s: float = 0.05,
     ) -> None:
         self.path = path
         self.max_batch = max_batch
         self.on_drop = on_drop
         self.num_dropped: dict[str, int] = defaultdict(int)
         self.num_written: dict[str, int] = defaultdict(int)
-        self._queue: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue(max_queue)
+        self.flush_interval_s = flush_interval_s
+        self._queue: queue.Queue[tuple[str, tuple[Any, ...]]] = queue.Queue(max_queue)
+        self._stop = threading.Event()
         self._conn = connect(path, busy_timeout_ms)
         self._conn.close()  # the schema exists; the thread opens its own connection
         self._busy_timeout_ms = busy_timeout_ms
@@ -85,11 +87,7 @@ class TelemetryWriter:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Write what is queued, then stop the thread (waits up to ``timeout_s``)."""
-        try:
-            self._queue.put(_STOP, timeout=timeout_s)
-        except queue.Full:
-            logger.warning("telemetry writer: queue still full at close; rows are lost")
-            return
+        self._stop.set()
         self._thread.join(timeout_s)
 
     def _dropped(self, table: str, count: int) -> None:
@@ -101,25 +99,31 @@ class TelemetryWriter:
                 logger.exception("telemetry on_drop callback failed")
 
     def _run(self) -> None:
+        # Wakes every flush_interval_s rather than at each row: a thread woken per row would
+        # take the GIL from the engine loop once per iteration.
         conn = connect(self.path, self._busy_timeout_ms)
         try:
             while True:
-                item = self._queue.get()
-                batch = []
-                while item is not _STOP:
-                    batch.append(item)
-                    if len(batch) >= self.max_batch:
-                        break
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                if batch:
-                    self._write(conn, batch)
-                if item is _STOP:
+                stopping = self._stop.wait(self.flush_interval_s)
+                self._drain(conn)
+                if stopping:
                     return
         finally:
             conn.close()
+
+    def _drain(self, conn: sqlite3.Connection) -> None:
+        """Write what is queued now, ``max_batch`` rows per transaction."""
+        while True:
+            batch: list[tuple[str, tuple[Any, ...]]] = []
+            try:
+                while len(batch) < self.max_batch:
+                    batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                pass
+            if batch:
+                self._write(conn, batch)
+            if len(batch) < self.max_batch:
+                return
 
     def _write(self, conn: sqlite3.Connection, batch: list[Any]) -> None:
         by_table: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
