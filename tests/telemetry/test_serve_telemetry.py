@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from server_utils import run_server
 from sim_profiles import make_profile, write_profile
 
@@ -99,3 +100,24 @@ def test_serve_writes_the_tables(tmp_path: Path, capsys: Any) -> None:
     assert main(["report", "--db", str(db)]) == 0
     out = capsys.readouterr().out
     assert "team-a" in out and "alice" in out and "premium" in out
+
+
+@pytest.mark.model
+def test_real_serve_writes_iterations_from_the_engine_process(tmp_path: Path) -> None:
+    """``iterserve serve`` on the real default model: ``scheduler_iterations`` comes from the
+    engine's own process (``ProcessEngine``), ``sequences`` from the HTTP process."""
+    db = tmp_path / "telemetry.db"
+    with run_server("--telemetry-db", str(db), "--num-kv-blocks", "64") as server:
+        body = {"prompt": "The sky is", "max_tokens": 6, "ignore_eos": True}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        (seq,) = _poll(db, "SELECT * FROM sequences", 1)
+        iterations = _poll(db, "SELECT * FROM scheduler_iterations ORDER BY rowid", 6)
+    assert seq["generated_tokens"] == 6 and seq["model_version"] == "SmolLM2-135M-Instruct"
+    assert seq["tenant_id"] == "default" and seq["status"] == "finished"
+    # The prompt in one iteration, then one decode token per iteration.
+    assert [(i["num_prefill_tokens"], i["num_decode_tokens"]) for i in iterations] == [
+        (seq["prompt_tokens"], 0)
+    ] + [(0, 1)] * 5
+    assert [i["iteration_id"] for i in iterations] == list(range(1, 7))
+    assert iterations[-1]["free_kv_blocks"] == 64  # freed when it finished
