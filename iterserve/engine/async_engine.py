@@ -53,9 +53,16 @@ class AsyncEngine(EngineClientBase):
         # queued after the loop has gone (it would never be answered).
         self._submit_lock = threading.Lock()
         self._closed = False
+        self._recorder: IterationRecorder | None = None
 
     async def start(self) -> None:
-        """Start the engine thread, bound to the running event loop; returns once it runs."""
+        """Start the engine thread, bound to the running event loop; returns once it runs.
+
+        Raises:
+            sqlite3.Error: ``telemetry_db`` cannot be opened.
+        """
+        if self.telemetry_db:
+            self._recorder = IterationRecorder(self.telemetry_db)
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name="iterserve-engine", daemon=True)
@@ -94,9 +101,8 @@ class AsyncEngine(EngineClientBase):
 
     def _run(self) -> None:
         error: BaseException = EngineDeadError("the engine stopped")
-        telemetry = IterationRecorder(self.telemetry_db) if self.telemetry_db else None
         try:
-            EngineCore(self.engine, self._send, telemetry).run(self._recv)
+            EngineCore(self.engine, self._send, self._recorder).run(self._recv)
         except BaseException as e:  # the loop itself broke: fail every stream
             logger.exception("engine loop died")
             error = EngineDeadError(f"engine loop died: {e}")
@@ -104,8 +110,8 @@ class AsyncEngine(EngineClientBase):
         finally:
             with self._submit_lock:
                 self._closed = True
-            if telemetry is not None:
-                telemetry.close()
+            if self._recorder is not None:
+                self._recorder.close()
             self.engine.abort_all()
             assert self._loop is not None
             with contextlib.suppress(RuntimeError):

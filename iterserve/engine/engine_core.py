@@ -42,16 +42,16 @@ class EngineCore:
     Args:
         engine: the engine; only this loop touches it from now on.
         send: delivers a message to the client (pipe send, or a hand-over to its event loop).
-        telemetry: where each iteration's ``scheduler_iterations`` row goes
+        recorder: where each iteration's ``scheduler_iterations`` row goes
             (``--telemetry-db``; queued without waiting), or None.
     """
 
     def __init__(
-        self, engine: LLMEngine, send: Send, telemetry: IterationRecorder | None = None
+        self, engine: LLMEngine, send: Send, recorder: IterationRecorder | None = None
     ) -> None:
         self.engine = engine
         self.send = send
-        self.telemetry = telemetry
+        self.recorder = recorder
         self._num_sent_iterations = engine.num_iterations
         self._errors: list[RequestError] = []
 
@@ -129,7 +129,7 @@ class EngineCore:
         self._num_sent_iterations = engine.num_iterations
         errors, self._errors = self._errors, []
         num_dropped = 0
-        if self.telemetry is not None:
+        if self.recorder is not None:
             first_id = engine.num_iterations - len(telemetry) + 1
-            num_dropped = self.telemetry.record(first_id, telemetry)
+            num_dropped = self.recorder.record(first_id, telemetry)
         self.send(StepResult(outputs, engine.load(), telemetry, errors, num_dropped))

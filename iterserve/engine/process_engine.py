@@ -47,12 +47,12 @@ def _engine_main(
     def recv(block: bool) -> EngineCommand | None:
         return commands.recv() if block or commands.poll() else None
 
-    telemetry = IterationRecorder(telemetry_db) if telemetry_db else None
+    recorder = IterationRecorder(telemetry_db) if telemetry_db else None
     try:
-        EngineCore(engine, results.send, telemetry).run(recv)
+        EngineCore(engine, results.send, recorder).run(recv)
     finally:
-        if telemetry is not None:
-            telemetry.close()
+        if recorder is not None:
+            recorder.close()
 
 
 class ProcessEngine(EngineClientBase):

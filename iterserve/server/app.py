@@ -147,8 +147,8 @@ def _start_telemetry(state: ServerState, path: str) -> ServerTelemetry:
     engine_dropped = metrics.telemetry_dropped.labels(table="scheduler_iterations")
     seen = [0]
 
-    def on_iteration(telemetry: list[IterationStats], load: EngineLoad) -> None:
-        metrics.observe_iterations(telemetry, load)
+    def on_iteration(iterations: list[IterationStats], load: EngineLoad) -> None:
+        metrics.observe_iterations(iterations, load)
         num_dropped = getattr(engine, "num_telemetry_dropped", 0)
         if num_dropped > seen[0]:
             engine_dropped.inc(num_dropped - seen[0])
