@@ -23,6 +23,7 @@ from iterserve.engine_flags import add_engine_flags
 from iterserve.operator.cli_args import add_operator_args
 from iterserve.router.cli_args import add_router_args
 from iterserve.sim.cli_args import add_simulate_args
+from iterserve.telemetry.cli_args import add_report_args
 
 _EXAMPLE_PROMPTS = [
     "What is the capital of France?",
@@ -136,6 +137,12 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from iterserve.telemetry.report import main
+
+    return main(args)
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from iterserve.sim.simulate import main
 
@@ -174,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_simulate_args(sim)
     sim.set_defaults(func=_cmd_simulate)
+    rep = sub.add_parser(
+        "report", help="per-tenant and per-tier latency, queue time, preemptions (telemetry DB)"
+    )
+    add_report_args(rep)
+    rep.set_defaults(func=_cmd_report)
     bench = sub.add_parser("bench", help="benchmarks")
     add_bench_parsers(bench.add_subparsers(dest="bench_command", required=True))
     return parser

@@ -378,6 +378,14 @@ class ServerConfig:
             "ConfigMap sets it to the resource's generation)"
         },
     )
+    telemetry_db: str | None = field(
+        default=None,
+        metadata={
+            "help": "SQLite file for the telemetry tables (sequences, scheduler_iterations, "
+            "scheduler_config), written off the hot path; read it with iterserve report "
+            "(default: off)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)

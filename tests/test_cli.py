@@ -52,6 +52,7 @@ COMMANDS = [
     "operator run",
     "operator render",
     "simulate",
+    "report",
     "bench",
     "bench decode",
     "bench offline",
@@ -62,6 +63,7 @@ COMMANDS = [
     "bench calibrate",
     "bench fidelity",
     "bench router",
+    "bench telemetry",
 ]
 
 

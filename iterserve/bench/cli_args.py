@@ -38,6 +38,7 @@ def add_bench_parsers(sub: Any) -> None:
     _add_calibrate(sub)
     _add_fidelity(sub)
     _add_router(sub)
+    _add_telemetry(sub)
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -215,3 +216,16 @@ def _add_router(sub: Any) -> None:
     p.add_argument("--output-dir", type=Path, default=None, help=_SMOKE_DIR_HELP)
     p.add_argument("--smoke", action="store_true", help="2 replicas, tiny workloads (tests)")
     p.set_defaults(func=_main_of("router"))
+
+
+def _add_telemetry(sub: Any) -> None:
+    p = sub.add_parser("telemetry", help="engine iterations/s with and without --telemetry-db")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=32, help="max_num_seqs")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-kv-blocks", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=5, help="runs per mode, alternating order")
+    p.add_argument("--output-dir", type=Path, default=None, help=_SMOKE_DIR_HELP)
+    p.add_argument("--smoke", action="store_true", help="4 requests of 4 tokens, 1 run (tests)")
+    p.set_defaults(func=_main_of("telemetry"))

@@ -25,6 +25,7 @@ from iterserve.engine.messages import (
     EngineMessage,
     Shutdown,
 )
+from iterserve.telemetry.iterations import IterationRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +35,14 @@ class AsyncEngine(EngineClientBase):
 
     Args:
         engine: the engine; once started only the engine thread touches it.
+        telemetry_db: SQLite file the engine thread writes ``scheduler_iterations`` to
+            (through its own writer thread; None: off).
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, telemetry_db: str | None = None) -> None:
         super().__init__()
         self.engine = engine
+        self.telemetry_db = telemetry_db
         self.config = engine.config
         self.limits = engine.limits
         self.model_dir = engine.model_dir
@@ -49,9 +53,16 @@ class AsyncEngine(EngineClientBase):
         # queued after the loop has gone (it would never be answered).
         self._submit_lock = threading.Lock()
         self._closed = False
+        self._recorder: IterationRecorder | None = None
 
     async def start(self) -> None:
-        """Start the engine thread, bound to the running event loop; returns once it runs."""
+        """Start the engine thread, bound to the running event loop; returns once it runs.
+
+        Raises:
+            sqlite3.Error: ``telemetry_db`` cannot be opened.
+        """
+        if self.telemetry_db:
+            self._recorder = IterationRecorder(self.telemetry_db)
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name="iterserve-engine", daemon=True)
@@ -91,7 +102,7 @@ class AsyncEngine(EngineClientBase):
     def _run(self) -> None:
         error: BaseException = EngineDeadError("the engine stopped")
         try:
-            EngineCore(self.engine, self._send).run(self._recv)
+            EngineCore(self.engine, self._send, self._recorder).run(self._recv)
         except BaseException as e:  # the loop itself broke: fail every stream
             logger.exception("engine loop died")
             error = EngineDeadError(f"engine loop died: {e}")
@@ -99,6 +110,8 @@ class AsyncEngine(EngineClientBase):
         finally:
             with self._submit_lock:
                 self._closed = True
+            if self._recorder is not None:
+                self._recorder.close()
             self.engine.abort_all()
             assert self._loop is not None
             with contextlib.suppress(RuntimeError):

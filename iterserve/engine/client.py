@@ -55,6 +55,8 @@ class EngineClientBase:
         self.model_dir: str | None = None
         self.load = EngineLoad()
         self.on_iteration: IterationCallback | None = None
+        # scheduler_iterations rows the engine's telemetry writer dropped, in all.
+        self.num_telemetry_dropped = 0
         self._streams: dict[str, asyncio.Queue[_Item]] = {}  # internal id ->
         self._live: dict[str, str] = {}  # request id -> internal id
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -96,13 +98,7 @@ class EngineClientBase:
                     finished = True
                     raise item
                 finished = item.finished
-                yield RequestDelta(
-                    request_id,
-                    item.completions,
-                    finished,
-                    item.num_cached_tokens,
-                    item.first_scheduled_time,
-                )
+                yield dataclasses.replace(item, request_id=request_id)
         finally:
             # However the reader leaves: finished, an error, or early (a client disconnect,
             # where the request must be aborted now).
@@ -149,6 +145,7 @@ class EngineClientBase:
     def _on_message(self, message: EngineMessage) -> None:
         if isinstance(message, StepResult):
             self.load = message.load
+            self.num_telemetry_dropped = message.num_telemetry_dropped
             for delta in message.outputs:
                 stream = self._streams.get(delta.request_id)
                 if stream is not None:

@@ -27,6 +27,7 @@ from iterserve.engine.messages import (
     StepResult,
     UpdateSchedulerConfig,
 )
+from iterserve.telemetry.iterations import IterationRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +42,16 @@ class EngineCore:
     Args:
         engine: the engine; only this loop touches it from now on.
         send: delivers a message to the client (pipe send, or a hand-over to its event loop).
+        recorder: where each iteration's ``scheduler_iterations`` row goes
+            (``--telemetry-db``; queued without waiting), or None.
     """
 
-    def __init__(self, engine: LLMEngine, send: Send) -> None:
+    def __init__(
+        self, engine: LLMEngine, send: Send, recorder: IterationRecorder | None = None
+    ) -> None:
         self.engine = engine
         self.send = send
+        self.recorder = recorder
         self._num_sent_iterations = engine.num_iterations
         self._errors: list[RequestError] = []
 
@@ -122,4 +128,8 @@ class EngineCore:
         telemetry = engine.telemetry_since(self._num_sent_iterations)
         self._num_sent_iterations = engine.num_iterations
         errors, self._errors = self._errors, []
-        self.send(StepResult(outputs, engine.load(), telemetry, errors))
+        num_dropped = 0
+        if self.recorder is not None:
+            first_id = engine.num_iterations - len(telemetry) + 1
+            num_dropped = self.recorder.record(first_id, telemetry)
+        self.send(StepResult(outputs, engine.load(), telemetry, errors, num_dropped))

@@ -7,6 +7,7 @@ request (:meth:`LLMEngine.step_deltas`, what the engine loop sends its clients);
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from typing import Any
@@ -368,16 +369,26 @@ class LLMEngine:
                 num_prefix_cache_hits=hits,
                 num_priority_preemptions=priority,
                 num_priority_swap_preemptions=priority_swaps,
+                num_scheduled_seqs=len(out.scheduled),
             )
         )
 
     def _make_delta(self, parent: ParentRequest, changed: list[Completion]) -> RequestDelta:
         """The delta of ``changed`` completions; forgets a finished parent."""
+        delta = parent.take_delta(changed)
         if parent.finished:
             self._parents.pop(parent.request_id, None)
             for c in parent.completions:
                 self._completions.pop(c.request.request_id, None)
-        return parent.take_delta(changed)
+            requests = [c.request for c in parent.completions]
+            block_size = self.config.cache.block_size
+            delta = dataclasses.replace(
+                delta,
+                num_preemptions=sum(r.num_preemptions for r in requests),
+                num_computed_tokens=sum(r.num_computed_tokens for r in requests),
+                num_kv_blocks=sum(-(-r.num_computed_tokens // block_size) for r in requests),
+            )
+        return delta
 
     def _accumulate(self, deltas: list[RequestDelta]) -> list[RequestOutput]:
         """Cumulative snapshots of the offline requests among ``deltas``."""

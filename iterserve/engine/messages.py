@@ -124,6 +124,7 @@ class IterationStats(_Positional):
     num_prefix_cache_hits: int = 0  # of those, tokens found cached
     num_priority_preemptions: int = 0  # of num_preemptions, those for a more urgent request
     num_priority_swap_preemptions: int = 0  # of num_priority_preemptions, those that swapped
+    num_scheduled_seqs: int = 0  # sequences in the iteration's batch
 
 
 # ----------------------------------------------------------------- client -> engine
@@ -217,6 +218,9 @@ class RequestDelta(_Positional):
         finished: every completion of the request has finished (its last delta).
         num_cached_tokens: prompt tokens found in the prefix cache at first admission.
         first_scheduled_time: when first admitted (engine clock, seconds), None before.
+        num_preemptions, num_computed_tokens, num_kv_blocks: summed over the completions, set
+            on the last delta only (0 before): preemptions, computed tokens, and the KV blocks
+            those tokens filled (``ceil(num_computed_tokens / block_size)`` each).
     """
 
     request_id: str
@@ -224,6 +228,9 @@ class RequestDelta(_Positional):
     finished: bool
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+    num_computed_tokens: int = 0
+    num_kv_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +254,7 @@ class StepResult(_Positional):
     load: EngineLoad
     telemetry: list[IterationStats] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
+    num_telemetry_dropped: int = 0  # scheduler_iterations rows the engine dropped, in all
 
 
 @dataclass(frozen=True, slots=True)

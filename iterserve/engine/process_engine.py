@@ -21,6 +21,7 @@ from typing import Any
 from iterserve.engine.client import EngineClientBase
 from iterserve.engine.engine_core import EngineCore
 from iterserve.engine.messages import EngineCommand, EngineDeadError, EngineReady, Shutdown
+from iterserve.telemetry.iterations import IterationRecorder
 
 logger = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -28,8 +29,15 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DEFAULT_FACTORY = "iterserve.executor.build:build_llm_engine"
 
 
-def _engine_main(factory: str, kwargs: dict[str, Any], commands: Any, results: Any) -> None:
-    """The child: build the engine, then run the engine loop over the two pipes."""
+def _engine_main(
+    factory: str,
+    kwargs: dict[str, Any],
+    commands: Any,
+    results: Any,
+    telemetry_db: str | None = None,
+) -> None:
+    """The child: build the engine, then run the engine loop over the two pipes (writing
+    ``scheduler_iterations`` to ``telemetry_db`` when given)."""
     # A spawned child starts with no logging set up: log as the server does (start-up notes
     # such as the one-time kernel build, warnings such as a fallback to plain torch).
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
@@ -39,7 +47,12 @@ def _engine_main(factory: str, kwargs: dict[str, Any], commands: Any, results: A
     def recv(block: bool) -> EngineCommand | None:
         return commands.recv() if block or commands.poll() else None
 
-    EngineCore(engine, results.send).run(recv)
+    recorder = IterationRecorder(telemetry_db) if telemetry_db else None
+    try:
+        EngineCore(engine, results.send, recorder).run(recv)
+    finally:
+        if recorder is not None:
+            recorder.close()
 
 
 class ProcessEngine(EngineClientBase):
@@ -48,12 +61,19 @@ class ProcessEngine(EngineClientBase):
     Args:
         engine_kwargs: keywords of the factory (for the default: ``LLM``-style config keys).
         factory: ``"module:function"`` returning an ``LLMEngine``; runs in the child.
+        telemetry_db: SQLite file the child writes ``scheduler_iterations`` to (None: off).
     """
 
-    def __init__(self, engine_kwargs: dict[str, Any], factory: str = DEFAULT_FACTORY) -> None:
+    def __init__(
+        self,
+        engine_kwargs: dict[str, Any],
+        factory: str = DEFAULT_FACTORY,
+        telemetry_db: str | None = None,
+    ) -> None:
         super().__init__()
         self.engine_kwargs = engine_kwargs
         self.factory = factory
+        self.telemetry_db = telemetry_db
         self._proc: Any = None
         self._send_lock = threading.Lock()
         self._outbox: queue.SimpleQueue[EngineCommand | None] = queue.SimpleQueue()
@@ -71,7 +91,7 @@ class ProcessEngine(EngineClientBase):
         self._res_recv, res_send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=_engine_main,
-            args=(self.factory, self.engine_kwargs, cmd_recv, res_send),
+            args=(self.factory, self.engine_kwargs, cmd_recv, res_send, self.telemetry_db),
             name="iterserve-engine-core",
             daemon=True,
         )

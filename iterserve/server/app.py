@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import iterserve
 from iterserve.config import ServerConfig
-from iterserve.engine.messages import EngineClient
+from iterserve.engine.messages import EngineClient, EngineLoad, IterationStats
 from iterserve.server.admission import Admission
 from iterserve.server.live_config import VersionedSettings
 from iterserve.server.metrics import ServerMetrics
@@ -31,6 +31,8 @@ from iterserve.server.protocol import APIError
 from iterserve.server.routes import router
 from iterserve.server.serving import OpenAIServing
 from iterserve.server.state import ServerState, served_model_name
+from iterserve.server.telemetry import ServerTelemetry
+from iterserve.telemetry.writer import TelemetryWriter
 
 logger = logging.getLogger("iterserve.server")
 
@@ -86,6 +88,9 @@ def build_app(
             yield
         finally:
             await engine_client.stop()
+            started = holder.get("state")
+            if started is not None and started.telemetry is not None:
+                started.telemetry.close()
 
     app = FastAPI(title="iterserve", version=iterserve.__version__, lifespan=lifespan)
     app.add_middleware(
@@ -121,8 +126,36 @@ def _server_state(
     metrics.set_settings(state.settings.version, state.settings.config.tiers)
     metrics.set_cache_config(engine.limits.block_size, engine.limits.num_kv_blocks)
     engine.on_iteration = metrics.observe_iterations
+    if server_config.telemetry_db:
+        state.telemetry = _start_telemetry(state, server_config.telemetry_db)
     metrics.set_load(engine.load)
     return state
+
+
+def _start_telemetry(state: ServerState, path: str) -> ServerTelemetry:
+    """The HTTP process's writer (the engine's writes ``scheduler_iterations`` itself), the
+    start's ``scheduler_config`` row, and the drop counter of both writers."""
+    metrics, engine = state.metrics, state.engine
+
+    def on_drop(table: str, count: int) -> None:
+        metrics.telemetry_dropped.labels(table=table).inc(count)
+
+    telemetry = ServerTelemetry(
+        TelemetryWriter(path, on_drop=on_drop), engine.config, state.model_name, state.clock
+    )
+    telemetry.record_config(state.settings.version, state.settings.config)
+    engine_dropped = metrics.telemetry_dropped.labels(table="scheduler_iterations")
+    seen = [0]
+
+    def on_iteration(iterations: list[IterationStats], load: EngineLoad) -> None:
+        metrics.observe_iterations(iterations, load)
+        num_dropped = getattr(engine, "num_telemetry_dropped", 0)
+        if num_dropped > seen[0]:
+            engine_dropped.inc(num_dropped - seen[0])
+            seen[0] = num_dropped
+
+    engine.on_iteration = on_iteration
+    return telemetry
 
 
 def _add_error_handlers(app: FastAPI, holder: dict[str, ServerState]) -> None:

@@ -34,6 +34,7 @@ from iterserve.engine.sampling_params import SamplingParams
 from iterserve.server.metrics import RequestTracker
 from iterserve.server.protocol import APIError, PromptTokensDetails, UsageInfo
 from iterserve.server.state import ServerState
+from iterserve.server.tenants import DEFAULT_TENANT
 
 _DISCONNECTED = object()
 
@@ -68,6 +69,7 @@ class Generation:
     Attributes:
         request_id: ``cmpl-...`` / ``chatcmpl-...``, the response id and ``X-Request-Id``.
         priority: resolved integer priority; ``tier`` its tier's name (metric label).
+        tenant: :func:`~iterserve.server.tenants.resolve_tenant` of the request.
         arrival_time: when the HTTP request was accepted (server clock, seconds).
         logprobs: completions: the top count; chat: ``top_logprobs`` (None: off).
     """
@@ -84,6 +86,7 @@ class Generation:
     include_usage: bool
     echo: bool
     logprobs: int | None
+    tenant: str = DEFAULT_TENANT
     choices: dict[int, Choice] = field(default_factory=dict)
     num_cached_tokens: dict[int, int] = field(default_factory=dict)
     disconnected: bool = False
@@ -159,8 +162,10 @@ class GenerationRun:
             engine_id, prompt.token_ids, gen.params, gen.priority, gen.arrival_time
         )
         reason = "abort"  # unless it finishes or fails
+        last_delta: RequestDelta | None = None
         try:
             async for delta in state.engine.generate(request):
+                last_delta = delta
                 if tracker.on_delta(delta):
                     state.admission.left_queue(engine_id)
                 for d in delta.completions:
@@ -174,6 +179,17 @@ class GenerationRun:
         finally:
             state.admission.left_queue(engine_id, started=False)
             tracker.finish(reason)
+            if state.telemetry is not None:
+                state.telemetry.record_sequence(
+                    engine_id,
+                    gen.request_id,
+                    gen.tenant,
+                    len(prompt.token_ids),
+                    gen.params.max_tokens,
+                    tracker,
+                    last_delta,
+                    reason,
+                )
 
     async def _watch_disconnect(self) -> None:
         while (await self.raw.receive())["type"] != "http.disconnect":

@@ -66,7 +66,8 @@ def serve(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> int:
     setup_logging()
     # Invalid settings fail here, before any process starts.
     require_single_device(EngineConfig.from_kwargs(**engine_kwargs))
-    return run_server(build_app(ProcessEngine(engine_kwargs), server_config), server_config)
+    engine = ProcessEngine(engine_kwargs, telemetry_db=server_config.telemetry_db)
+    return run_server(build_app(engine, server_config), server_config)
 
 
 def run_server(app: FastAPI, server_config: ServerConfig) -> int:

@@ -100,6 +100,12 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens", "Tokens of one iteration", ["phase"], _TOKEN_BUCKETS
         )
+        self.telemetry_dropped = Counter(
+            p + "telemetry_records_dropped",
+            "Telemetry rows dropped (the writer's queue was full, or a write failed)",
+            ["table"],
+            registry=r,
+        )
         for mode in ("recompute", "swap"):
             for cause in ("kv", "priority"):
                 self.preemptions.labels(mode=mode, reason=cause)
@@ -191,6 +197,8 @@ class RequestTracker:
         self.last_token: float | None = None
         self.num_tokens_by_index: dict[int, int] = {}
         self.num_tokens = 0  # of the longest completion
+        # Per-token gaps after the first token (a delta of k tokens after a gap g: k x g/k).
+        self.token_gaps: list[float] = []
         self.done = False
 
     def on_delta(self, delta: RequestDelta) -> bool:
@@ -211,6 +219,8 @@ class RequestTracker:
                 self.metrics.queue_time.labels(tier=self.tier).observe(queue_s)
         elif self.last_token is not None:
             self.metrics.itl.observe(now - self.last_token)
+            k = num_tokens - self.num_tokens
+            self.token_gaps += [(now - self.last_token) / k] * k
         self.last_token = now
         self.num_tokens = num_tokens
         return first

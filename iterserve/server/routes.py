@@ -189,6 +189,8 @@ async def put_scheduler_config(request: Request) -> Any:
             raise engine_error(e) from e
         state.settings = new
         state.metrics.set_settings(new.version, new.config.tiers)
+        if state.telemetry is not None:
+            state.telemetry.record_config(new.version, new.config)
         logger.info("scheduler settings version %d applied: %s", new.version, new.view())
     return new.view()
 

@@ -44,6 +44,7 @@ from iterserve.server.protocol import (
     CompletionRequest,
 )
 from iterserve.server.state import ServerState
+from iterserve.server.tenants import TENANT_HEADER, resolve_tenant
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +217,7 @@ class OpenAIServing:
             include_usage=include_usage,
             echo=getattr(req, "echo", False),
             logprobs=logprobs,
+            tenant=resolve_tenant(raw.headers.get(TENANT_HEADER), req.user),
         )
 
     # ----------------------------------------------------------------- endpoints

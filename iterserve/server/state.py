@@ -14,6 +14,7 @@ from iterserve.engine.messages import EngineClient
 from iterserve.server.admission import Admission
 from iterserve.server.live_config import VersionedSettings
 from iterserve.server.metrics import ServerMetrics
+from iterserve.server.telemetry import ServerTelemetry
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -38,6 +39,7 @@ class ServerState:
         settings: the live scheduler settings in force and their version.
         clock: seconds, monotonic: arrival times, latencies, admission (injectable for tests).
         num_active: generation requests whose response has not ended (the drain waits).
+        telemetry: the ``sequences`` / ``scheduler_config`` rows (``--telemetry-db``), or None.
     """
 
     engine: EngineClient
@@ -52,3 +54,4 @@ class ServerState:
     admission: Admission = field(default_factory=Admission)
     settings_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     num_active: int = 0
+    telemetry: ServerTelemetry | None = None

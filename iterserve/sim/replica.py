@@ -261,5 +261,6 @@ def serve_simulated(
         if engine.model_dir
         else "~4 characters per token (no tokenizer file)",
     )
-    app = build_app(AsyncEngine(engine), server_config, tokenizer=tokenizer, clock=clock)
+    client = AsyncEngine(engine, telemetry_db=server_config.telemetry_db)
+    app = build_app(client, server_config, tokenizer=tokenizer, clock=clock)
     return run_server(app, server_config)

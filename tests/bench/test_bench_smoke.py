@@ -90,3 +90,16 @@ def test_messages_bench_shows_constant_bytes_per_token_for_deltas(tmp_path: Path
     assert long["cumulative_bytes_per_token"] > 1.5 * short["cumulative_bytes_per_token"]
     assert long["delta_bytes_per_token"] < long["cumulative_bytes_per_token"] / 3
     assert (tmp_path / "messages.png").stat().st_size > 1000
+
+
+def test_telemetry_bench_smoke(tmp_path: Path) -> None:
+    """Both modes run the same iterations; only ``on`` writes rows, one per iteration."""
+    from iterserve.cli import main
+
+    assert main(["bench", "telemetry", "--smoke", "--output-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "telemetry.json").read_text())
+    (off,), (on,) = data["off"]["runs"], data["on"]["runs"]
+    assert off["iterations"] == on["iterations"] > 0
+    assert (off["rows_written"], on["rows_written"]) == (0, on["iterations"])
+    assert on["rows_dropped"] == 0 and on["record_us_per_iteration"] > 0
+    assert data["on_over_off"] > 0
