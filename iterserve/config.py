@@ -281,8 +281,8 @@ class SchedulerConfig:
         )
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _require(
-            self.priority_preemption_margin >= 0,
-            f"priority_preemption_margin must be >= 0 (0 = off), "
+            0 <= self.priority_preemption_margin < 2**53,
+            f"priority_preemption_margin must be in [0, 2**53) (0 = off), "
             f"got {self.priority_preemption_margin}",
         )
         _require(self.max_waiting >= 1, f"max_waiting must be >= 1, got {self.max_waiting}")

@@ -65,6 +65,35 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def num_free_blocks_needed(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
+    ) -> int:
+        """Free blocks :meth:`allocate_slots` would take for the same arguments (new blocks,
+        plus prefix-cache hits nobody owns, which sit in the free queue); the watermark not
+        included."""
+        table = self._tables.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(0, num_needed - len(table) - len(new_computed_blocks))
+        return num_new_blocks + sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+
+    def num_blocks_freed_by(self, request_ids: Sequence[str], keep: Sequence[KVBlock] = ()) -> int:
+        """Blocks that would return to the free queue if these requests gave theirs back: those
+        no other request holds (prefix sharing), less the ``keep`` blocks (another request's
+        prefix-cache hits: freed, then taken again, they free nothing)."""
+        holders: dict[int, int] = {}
+        blocks: dict[int, KVBlock] = {}
+        for request_id in request_ids:
+            for block in self._tables.get(request_id, ()):
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+                blocks[block.block_id] = block
+        kept = {b.block_id for b in keep}
+        return sum(
+            1
+            for block_id, n in holders.items()
+            if blocks[block_id].ref_cnt == n and block_id not in kept
+        )
+
     def _update_block_hashes(self, request: Request) -> None:
         bs = self.block_size
         hashes = request.block_hashes
@@ -110,9 +139,9 @@ class KVCacheManager:
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(0, num_needed - len(table) - len(new_computed_blocks))
         # Hits that nobody owns sit in the free queue: taking them shrinks what is free.
-        num_unowned_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        needed = self.num_free_blocks_needed(request, num_new_tokens, new_computed_blocks)
         reserve = self.num_watermark_blocks if use_watermark else 0
-        if num_new_blocks + num_unowned_hits + reserve > self.pool.num_free_blocks:
+        if needed + reserve > self.pool.num_free_blocks:
             return False
         self.pool.touch(new_computed_blocks)
         table = table + list(new_computed_blocks) + self.pool.allocate(num_new_blocks)

@@ -27,6 +27,7 @@ from typing import Literal
 
 from iterserve.config import SchedulerConfig
 from iterserve.engine import policy
+from iterserve.engine.block_pool import KVBlock
 from iterserve.engine.kv_cache_manager import KVCacheManager
 from iterserve.engine.messages import Clock, monotonic_clock
 from iterserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -277,16 +278,19 @@ class Scheduler:
             if any(request is r for r in batch.preempted):
                 idx += 1  # preempted for a more urgent one in this iteration: not back yet
                 continue
-            if len(self.running) >= self.config.max_num_seqs:
-                if self._preempt_for(request, batch, now, num_blocks=0):
-                    continue  # a seat is free now: try again
-                break
             hits = self.kv.get_computed_blocks(request)
             num_computed = len(hits) * self.kv.block_size
             remaining = request.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and remaining > batch.budget:
                 break
             num_new = self._num_new_tokens(request, num_computed, batch.budget)
+            if len(self.running) >= self.config.max_num_seqs:
+                # One seat short only: over the cap (max_num_seqs lowered live) the excess
+                # drains as it finishes rather than all at once for one arrival.
+                at_cap = len(self.running) == self.config.max_num_seqs
+                if at_cap and self._preempt_for(request, batch, now, hits, num_new):
+                    continue  # a seat is free now (and the blocks will be): try again
+                break
             nothing_running = not self.running
             if not self.kv.allocate_slots(
                 request, num_new, hits, use_watermark=not nothing_running
@@ -296,8 +300,7 @@ class Scheduler:
                     self.waiting.pop(idx)
                     self._finish_capacity(request, queued=True)
                     continue
-                num_blocks = self.kv.num_blocks_for(num_computed + num_new) - len(hits)
-                if self._preempt_for(request, batch, now, num_blocks):
+                if self._preempt_for(request, batch, now, hits, num_new):
                     continue  # blocks were freed: look the prefix up again and retry
                 break
             self.waiting.pop(idx)
@@ -310,19 +313,24 @@ class Scheduler:
             self._start_running(request)
             batch.add(request, num_new)
 
-    def _preempt_for(self, request: Request, batch: _Batch, now: float, num_blocks: int) -> bool:
+    def _preempt_for(
+        self, request: Request, batch: _Batch, now: float, hits: list[KVBlock], num_new: int
+    ) -> bool:
         """Preempt the first of ``request``'s priority victims (never one swapped in by this
-        batch); False (nothing preempted) when it has none, or when ``num_blocks`` more blocks
-        would not be free even after all of them gave theirs back (an estimate: a block shared
-        with another request stays)."""
+        batch) so that ``request`` (its prefix-cache ``hits`` and ``num_new`` tokens to
+        schedule) can be admitted; False (nothing preempted) when it has none, or when its
+        blocks would not be free even after all of them gave theirs back. Exact: blocks another
+        request still holds, and ``request``'s own hits, are not counted as freed."""
         candidates = [r for r in self.running if not any(r is x for x in batch.resumed)]
         victims = policy.priority_victims(request, candidates, now, self.iteration, self.config)
         if not victims:
             return False
-        if num_blocks > 0:
-            freeable = sum(len(self.kv.block_ids(v.request_id)) for v in victims)
-            free = self.kv.pool.num_free_blocks - self.kv.num_watermark_blocks
-            if free + freeable < num_blocks:
+        needed = self.kv.num_free_blocks_needed(request, num_new, hits)
+        reserve = self.kv.num_watermark_blocks if self.running else 0
+        shortfall = needed + reserve - self.kv.pool.num_free_blocks
+        if shortfall > 0:
+            freed = self.kv.num_blocks_freed_by([v.request_id for v in victims], keep=hits)
+            if freed < shortfall:
                 return False
         self._preempt(victims[0], batch, "priority")
         return True

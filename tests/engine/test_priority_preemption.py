@@ -8,6 +8,7 @@ still unless a test moves it, so effective priorities are the requests' own unti
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import engine_fakes
@@ -218,6 +219,83 @@ def test_a_request_swapped_in_this_iteration_is_no_victim_and_others_are_recompu
         assert tokens == expected_output(f"be{i}", 3, 40)
 
 
+# ----------------------------------------------------------------- no preemption for nothing
+# (breaker findings: each preempted a victim and still did not admit the arrival, which then
+# blocked the queue's head; the victim waited behind it with its KV gone)
+
+
+def _kv_harness(num_kv_blocks: int, **kwargs: Any) -> Harness:
+    return Harness(
+        simulate_kv=True,
+        strict=True,
+        num_kv_blocks=num_kv_blocks,
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        priority_preemption_margin=1,
+        **kwargs,
+    )
+
+
+def test_a_seat_is_not_taken_when_the_arrival_would_not_fit_in_the_blocks_anyway() -> None:
+    h = _kv_harness(10, max_num_seqs=2)
+    h.add("q", 29, max_tokens=30, priority=PREMIUM)  # 8 of the 10 blocks
+    h.add("be", 3, max_tokens=30, priority=BEST_EFFORT)  # 1 block
+    h.step()
+    h.step()
+    h.add("p2", 20, max_tokens=3, priority=PREMIUM)  # 5 blocks: 1 free + be's 1 are not enough
+    h.step()
+    assert h.priority_preemptions == 0
+    assert h.status("be") == RequestStatus.RUNNING
+    h.run()
+    assert set(h.finished) == {"q", "be", "p2"}
+
+
+def test_the_arrivals_unowned_prefix_hits_count_in_what_it_needs() -> None:
+    h = _kv_harness(12, enable_prefix_caching=True)
+    base = engine_fakes.prompt(16, first=5)
+    h.add("old", base, max_tokens=1, priority=PREMIUM)
+    h.run()  # its 4 full blocks stay cached, owned by nobody (free)
+    h.add("q", engine_fakes.prompt(13, first=9), max_tokens=3, priority=PREMIUM)
+    h.add("be", engine_fakes.prompt(13, first=11), max_tokens=3, priority=BEST_EFFORT)
+    h.step()
+    # 4 free blocks: the arrival takes 5 new ones plus its 4 cached hits from them; be's 4 do
+    # not make up the difference.
+    h.add("p2", [*base, *engine_fakes.prompt(20, first=17)], max_tokens=3, priority=PREMIUM)
+    h.step()
+    assert h.priority_preemptions == 0
+    assert h.status("be") == RequestStatus.RUNNING
+    h.run()
+    assert h.kv_free == 12
+
+
+def test_blocks_a_victim_shares_with_another_request_are_not_counted_as_freed() -> None:
+    h = _kv_harness(10, enable_prefix_caching=True)
+    shared = engine_fakes.prompt(16)  # 4 full blocks
+    h.add("p0", [*shared, 9], max_tokens=30, priority=PREMIUM)
+    h.step()
+    h.step()
+    h.add("be", [*shared, 7], max_tokens=30, priority=BEST_EFFORT)  # 4 shared blocks, 1 own
+    h.step()
+    h.step()
+    h.add("p1", engine_fakes.prompt(22, first=20), max_tokens=30, priority=PREMIUM)  # 6 blocks
+    h.step()
+    assert h.priority_preemptions == 0  # be would free 1 block, not 5
+    assert h.status("be") == RequestStatus.RUNNING
+
+
+def test_max_num_seqs_lowered_live_drains_instead_of_preempting_the_excess() -> None:
+    h = Harness(max_num_seqs=8, priority_preemption_margin=1)
+    fill_seats(h, 8)
+    h.engine.update_scheduler_config(dataclasses.replace(h.scheduler.config, max_num_seqs=2))
+    h.step()
+    h.add("p", 3, max_tokens=3, priority=PREMIUM)
+    h.step()
+    assert h.priority_preemptions == 0  # 7 over the cap: they finish, none is thrown away
+    h.run()
+    assert "p" in h.finished and h.priority_preemptions <= 1
+
+
 # ----------------------------------------------------------------- margin
 
 
@@ -321,9 +399,11 @@ def test_the_live_setting_turns_the_policy_on_between_iterations() -> None:
     assert h.priority_preemptions == 1
 
 
-def test_the_margin_must_not_be_negative() -> None:
-    with pytest.raises(ValueError, match="priority_preemption_margin must be >= 0"):
-        SchedulerConfig(priority_preemption_margin=-1)
+@pytest.mark.parametrize("margin", [-1, 2**53])
+def test_the_margin_is_bounded(margin: int) -> None:
+    """Not negative, and below 2**53 (what a JSON client represents exactly)."""
+    with pytest.raises(ValueError, match=r"priority_preemption_margin must be in \[0, 2\*\*53\)"):
+        SchedulerConfig(priority_preemption_margin=margin)
 
 
 # ----------------------------------------------------------------- the policy alone
