@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.bench.stats import percentile
-from iterserve.telemetry.schema import parse_utc
+from iterserve.telemetry.schema import check_columns, parse_utc
 
 _METRICS = ("ttft_ms", "tpot_ms", "queue_ms")
 
@@ -77,6 +77,7 @@ def build_report(db: str, prefill_ceiling: int | None = None, limit: int = 20) -
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     conn.row_factory = sqlite3.Row
     try:
+        check_columns(conn, db)
         rows = conn.execute("SELECT * FROM sequences").fetchall()
         if prefill_ceiling is None:
             latest = conn.execute(
@@ -158,5 +159,16 @@ def main(args: argparse.Namespace) -> int:
     except (FileNotFoundError, sqlite3.Error) as e:
         print(f"iterserve report: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    print(json.dumps(_without_nan(report), indent=2) if args.json else format_report(report))
     return 0
+
+
+def _without_nan(value: Any) -> Any:
+    """``value`` with NaN (a latency without data) as None: JSON has no NaN (``null``)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _without_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_nan(v) for v in value]
+    return value

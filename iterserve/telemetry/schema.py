@@ -99,7 +99,24 @@ def connect(path: str, busy_timeout_ms: int = 5000) -> sqlite3.Connection:
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = NORMAL")  # WAL: durable at checkpoints, never corrupt
     conn.executescript(SCHEMA)
+    check_columns(conn, path)
     return conn
+
+
+def check_columns(conn: sqlite3.Connection, path: str) -> None:
+    """Every table has every column this version writes (``CREATE TABLE IF NOT EXISTS`` keeps
+    an older table as it is; its rows would then all fail to insert, silently dropped).
+
+    Raises:
+        sqlite3.DatabaseError: a table lacks columns (another version's database).
+    """
+    for table, columns in COLUMNS.items():
+        present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if missing := [c for c in columns if c not in present]:
+            raise sqlite3.DatabaseError(
+                f"{path}: table {table} lacks columns {', '.join(missing)}: not a telemetry "
+                "database of this version (use a new file)"
+            )
 
 
 def utc_iso(epoch_s: float) -> str:

@@ -109,3 +109,44 @@ def test_cli_text_and_json(db: str, capsys: pytest.CaptureFixture[str]) -> None:
 def test_missing_file_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", "--db", str(tmp_path / "none.db")]) == 2
     assert "no database file" in capsys.readouterr().err
+
+
+def test_json_has_null_not_nan(db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A latency without data (tenant c: one-token requests, no TPOT) is null: JSON has no NaN."""
+    conn = connect(db)
+    _insert(conn, "sequences", _sequence(30, "c", "premium", 5.0, None, 0.1))
+    conn.close()
+    assert main(["report", "--db", db, "--json"]) == 0
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    data = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert data["by_tenant"]["c"]["tpot_ms"] == {"p50": None, "p99": None}
+
+
+def test_another_versions_database_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sequences table of another version (columns missing): refused when serving opens it
+    (its rows would all fail to insert) and by the report, not read half."""
+    path = str(tmp_path / "old.db")
+    old = sqlite3.connect(path)
+    old.execute(
+        "CREATE TABLE sequences (seq_id TEXT, request_id TEXT, tenant_id TEXT, "
+        "priority_tier TEXT, completed_at TEXT, preemption_count INTEGER)"
+    )
+    old.commit()
+    old.close()
+    with pytest.raises(sqlite3.DatabaseError, match=r"table sequences lacks columns .*prompt"):
+        connect(path)
+    assert main(["report", "--db", path]) == 2
+    assert "not a telemetry database of this version" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--prefill-ceiling", "--limit"])
+@pytest.mark.parametrize("value", ["-1", str(2**63), "x"])
+def test_counts_out_of_range_are_usage_errors(db: str, flag: str, value: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", "--db", db, flag, value])
+    assert exit_.value.code == 2

@@ -48,6 +48,13 @@ def test_resolve_tenant() -> None:
     assert resolve_tenant("  ", "") == "default"
     assert resolve_tenant(None, None) == "default"
     assert resolve_tenant("x" * 1000, None) == "x" * 256
+    # Control characters never reach a row (a terminal would run them in `iterserve report`).
+    assert resolve_tenant(None, "\x1b[31mRED\x1b[0m\x1b[2J") == "[31mRED[0m[2J"
+    assert resolve_tenant("a\x00b\nc\td", None) == "abcd"
+    assert resolve_tenant("\x1b\x07", "alice") == "alice"
+    # The ASGI server decodes header bytes as latin-1: UTF-8 ones are read as UTF-8.
+    assert resolve_tenant("日本".encode().decode("latin-1"), None) == "日本"
+    assert resolve_tenant("caf\xe9", None) == "caf\xe9"  # latin-1 bytes, not UTF-8: kept
 
 
 def test_serve_writes_the_tables(tmp_path: Path, capsys: Any) -> None:
