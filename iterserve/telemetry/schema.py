@@ -56,7 +56,7 @@ COLUMNS = {
     "scheduler_config": CONFIG_COLUMNS,
 }
 
-SCHEMA = """
+TABLES = """
 CREATE TABLE IF NOT EXISTS sequences (
     seq_id TEXT NOT NULL, request_id TEXT NOT NULL, tenant_id TEXT NOT NULL,
     priority_tier TEXT NOT NULL, prompt_tokens INTEGER NOT NULL,
@@ -66,22 +66,26 @@ CREATE TABLE IF NOT EXISTS sequences (
     arrival_time TEXT NOT NULL, admitted_at TEXT, completed_at TEXT NOT NULL,
     ttft_ms REAL, tpot_p50_ms REAL, model_version TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS sequences_tenant ON sequences (tenant_id, completed_at);
-CREATE INDEX IF NOT EXISTS sequences_tier ON sequences (priority_tier, completed_at);
 CREATE TABLE IF NOT EXISTS scheduler_iterations (
     iteration_id INTEGER NOT NULL, recorded_at TEXT NOT NULL,
     num_decode_tokens INTEGER NOT NULL, num_prefill_tokens INTEGER NOT NULL,
     batch_size INTEGER NOT NULL, free_kv_blocks INTEGER NOT NULL,
     iteration_latency_ms REAL NOT NULL
 );
-CREATE INDEX IF NOT EXISTS scheduler_iterations_prefill
-    ON scheduler_iterations (num_prefill_tokens);
 CREATE TABLE IF NOT EXISTS scheduler_config (
     config_id INTEGER NOT NULL, max_num_seqs INTEGER NOT NULL,
     max_num_batched_tokens INTEGER NOT NULL, chunk_size INTEGER NOT NULL,
     gpu_memory_utilization REAL NOT NULL, kv_watermark REAL NOT NULL,
     updated_at TEXT NOT NULL, tiers TEXT NOT NULL
 );
+"""
+# After the column check: an older table without an indexed column would fail here with
+# SQLite's "no such column" rather than the check's message.
+INDEXES = """
+CREATE INDEX IF NOT EXISTS sequences_tenant ON sequences (tenant_id, completed_at);
+CREATE INDEX IF NOT EXISTS sequences_tier ON sequences (priority_tier, completed_at);
+CREATE INDEX IF NOT EXISTS scheduler_iterations_prefill
+    ON scheduler_iterations (num_prefill_tokens);
 CREATE INDEX IF NOT EXISTS scheduler_config_id ON scheduler_config (config_id);
 """
 
@@ -98,8 +102,9 @@ def connect(path: str, busy_timeout_ms: int = 5000) -> sqlite3.Connection:
     conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = NORMAL")  # WAL: durable at checkpoints, never corrupt
-    conn.executescript(SCHEMA)
+    conn.executescript(TABLES)
     check_columns(conn, path)
+    conn.executescript(INDEXES)
     return conn
 
 

@@ -125,20 +125,27 @@ def test_json_has_null_not_nan(db: str, capsys: pytest.CaptureFixture[str]) -> N
     assert data["by_tenant"]["c"]["tpot_ms"] == {"p50": None, "p99": None}
 
 
+@pytest.mark.parametrize(
+    "columns",
+    [
+        "seq_id TEXT, request_id TEXT, tenant_id TEXT, priority_tier TEXT, completed_at TEXT, "
+        "preemption_count INTEGER",
+        "seq_id TEXT, tenant_id TEXT",  # without the indexes' columns too
+    ],
+)
 def test_another_versions_database_is_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], columns: str
 ) -> None:
     """A sequences table of another version (columns missing): refused when serving opens it
     (its rows would all fail to insert) and by the report, not read half."""
     path = str(tmp_path / "old.db")
     old = sqlite3.connect(path)
-    old.execute(
-        "CREATE TABLE sequences (seq_id TEXT, request_id TEXT, tenant_id TEXT, "
-        "priority_tier TEXT, completed_at TEXT, preemption_count INTEGER)"
-    )
+    old.execute(f"CREATE TABLE sequences ({columns})")
     old.commit()
     old.close()
-    with pytest.raises(sqlite3.DatabaseError, match=r"table sequences lacks columns .*prompt"):
+    with pytest.raises(
+        sqlite3.DatabaseError, match=r"table sequences lacks columns .*prompt_tokens"
+    ):
         connect(path)
     assert main(["report", "--db", path]) == 2
     assert "not a telemetry database of this version" in capsys.readouterr().err
