@@ -347,7 +347,12 @@ def test_many_odd_pods_and_owned_objects_changed_by_hand(tmp_path: Path) -> None
                 status = await _status(k8s)
                 versions = status.get("podConfigVersions") or {}
                 c = _condition(status, "SchedulerConfigApplied")
-                if set(many) <= set(versions) and "chat-401" in c.get("message", ""):
+                # A pass that listed every pod: the pods are created one by one, and a pass
+                # in between reports chat-401 before chat-down exists.
+                message = c.get("message", "")
+                if set(many) <= set(versions) and all(
+                    p in message for p in ("chat-401", "chat-down")
+                ):
                     break
                 assert time.monotonic() < deadline, status
                 await asyncio.sleep(0.05)
