@@ -33,7 +33,7 @@ from iterserve.engine.outputs import (
 )
 from iterserve.engine.parent_request import Completion, ParentRequest
 from iterserve.engine.policy import PreemptionCosts
-from iterserve.engine.request import Request
+from iterserve.engine.request import DEFAULT_TENANT, Request
 from iterserve.engine.request import RequestStatus as Status
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.engine.scheduler import Scheduler
@@ -158,6 +158,7 @@ class LLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
         priority: int | str | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
         """Validate and queue a request (``params.n`` completions of the prompt); offline use,
         where this is the edge: :meth:`step` returns its cumulative outputs.
@@ -177,6 +178,7 @@ class LLMEngine:
             self.resolve_priority(priority),
             arrival,
             prompt,
+            tenant,
         )
         self.add(message)
         self._accumulators[request_id] = OutputAccumulator(
@@ -213,6 +215,7 @@ class LLMEngine:
                 self.eos_token_ids,
                 message.arrival_time,
                 message.priority,
+                message.tenant,
             )
             if index > 0:
                 request.wait_for = completions[0].request

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 from iterserve.config import EngineConfig, SchedulerConfig
 from iterserve.engine.limits import RequestLimits
+from iterserve.engine.request import DEFAULT_TENANT
 from iterserve.engine.sampling_params import SamplingParams
 
 Clock = Callable[[], float]
@@ -143,6 +144,7 @@ class AddRequest:
             and aging count from here.
         prompt: the prompt text, kept for offline outputs (None over HTTP: the server keeps
             its own).
+        tenant: who sent it; the scheduler shares each tier fairly between tenants.
     """
 
     request_id: str
@@ -151,6 +153,7 @@ class AddRequest:
     priority: int
     arrival_time: float
     prompt: str | None = None
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass(frozen=True, slots=True)

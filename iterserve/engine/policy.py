@@ -1,15 +1,18 @@
-"""Small scheduling policies the scheduler calls: queue order with aging, preemption victims
-with anti-thrashing protection, priority preemption at admission, and the recompute-vs-swap
-cost model."""
+"""Small scheduling policies the scheduler calls: queue order with aging and fair share
+between tenants, preemption victims with anti-thrashing protection, priority preemption at
+admission, and the recompute-vs-swap cost model."""
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from iterserve.config import SchedulerConfig
+from iterserve.engine.fair_share import VirtualTokenCounter
 from iterserve.engine.request import Request
 
 # A request preempted this many times within the window is protected from being chosen again.
@@ -41,6 +44,67 @@ def effective_priority(request: Request, now: float, config: SchedulerConfig) ->
 def waiting_key(now: float, config: SchedulerConfig) -> Callable[[Request], tuple[int, float, int]]:
     """Sort key of the waiting queue: effective priority, then arrival (then insertion)."""
     return lambda r: (effective_priority(r, now, config), r.arrival_time, r.arrival_seq)
+
+
+class AdmissionOrder:
+    """The waiting queue in admission order, for one ``schedule()`` call: effective
+    priority, then the tenant with the least service (:class:`VirtualTokenCounter`), then
+    arrival (DESIGN.md, "Tenants"). The counters are read each time a tenant's turn comes
+    up, so a tenant charged for a request admitted in this iteration yields to the others
+    within the same iteration.
+
+    Use: :meth:`peek` the next candidate, then :meth:`skip` it (it stays waiting) or
+    :meth:`take` it (admitted, or ended); or peek again after making room for it. Without
+    ``counters`` (or under policy ``fcfs``) the order is :func:`waiting_key`'s.
+
+    Cost: O(n log n) to build for n waiting requests, O(log t) per step for t tenants.
+    """
+
+    def __init__(
+        self,
+        waiting: Sequence[Request],
+        now: float,
+        config: SchedulerConfig,
+        counters: VirtualTokenCounter | None,
+    ) -> None:
+        key = waiting_key(now, config)
+        self._counters = counters if config.scheduling_policy != "fcfs" else None
+        # (effective priority, tenant) -> its requests in arrival order
+        self._groups: dict[tuple[int, str], deque[Request]] = {}
+        for request in sorted(waiting, key=key):
+            group = (key(request)[0], request.tenant if self._counters else "")
+            self._groups.setdefault(group, deque()).append(request)
+        self._heap = [self._entry(group) for group in self._groups]
+        heapq.heapify(self._heap)
+        self._current: tuple[int, str] | None = None
+
+    def _entry(self, group: tuple[int, str]) -> tuple[int, float, float, int, str]:
+        head = self._groups[group][0]
+        service = self._counters.counter(group[1]) if self._counters else 0.0
+        return (group[0], service, head.arrival_time, head.arrival_seq, group[1])
+
+    def peek(self) -> Request | None:
+        """The next candidate (the same one until it is skipped or taken); None at the end."""
+        if self._current is None:
+            if not self._heap:
+                return None
+            priority, _, _, _, tenant = heapq.heappop(self._heap)
+            self._current = (priority, tenant)
+        return self._groups[self._current][0]
+
+    def skip(self) -> None:
+        """Pass over the current candidate (it keeps waiting)."""
+        assert self._current is not None, "peek() first"
+        group, self._current = self._current, None
+        queue = self._groups[group]
+        queue.popleft()
+        if queue:
+            heapq.heappush(self._heap, self._entry(group))
+
+    def take(self) -> None:
+        """The current candidate left the queue: admitted (charge it first, so its tenant's
+        next turn reads the new counter) or ended."""
+        self.skip()
 
 
 def is_protected(request: Request, iteration: int) -> bool:

@@ -6,6 +6,9 @@ import enum
 
 from iterserve.engine.sampling_params import SamplingParams
 
+# The tenant of a request that names none (DESIGN.md, "HTTP API").
+DEFAULT_TENANT = "default"
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered so that every status after ``SWAPPED`` is finished."""
@@ -52,6 +55,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float = 0.0,
         priority: int = 1,
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -59,12 +63,16 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = arrival_time  # seconds of the engine's clock
         self.priority = priority  # lower is more urgent
+        self.tenant = tenant  # who sent it (fair share between tenants)
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache when first admitted (usage reporting).
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
+        # Prompt tokens whose computation has been charged to the tenant (fair share): the
+        # high-water mark, so a recompute after preemption is not charged twice.
+        self.num_charged_prompt_tokens = 0
         # When it was first admitted (monotonic seconds; queue time = this - arrival_time).
         self.first_scheduled_time: float | None = None
         # Admission order among running requests (set each time it is admitted).

@@ -4,8 +4,9 @@ Each iteration has one token budget (``max_num_batched_tokens``), spent in this 
 
 1. running requests: decodes, then unfinished prefill chunks, each in admission order;
 2. swapped requests, brought back from the host pool (before any new admission);
-3. waiting requests by effective priority (aging) then arrival, while the budget,
-   ``max_num_seqs`` and the KV watermark allow.
+3. waiting requests by effective priority (aging), then fair share between tenants (the
+   tenant with the least service first: ``fair_share.VirtualTokenCounter``), then arrival,
+   while the budget, ``max_num_seqs`` and the KV watermark allow.
 
 A prefill takes ``min(remaining, budget, long_prefill_token_threshold)`` tokens, so long
 prompts are chunked across iterations (Sarathi-Serve, Agrawal et al., OSDI 2024). When a
@@ -28,6 +29,7 @@ from typing import Literal
 from iterserve.config import SchedulerConfig
 from iterserve.engine import policy
 from iterserve.engine.block_pool import KVBlock
+from iterserve.engine.fair_share import VirtualTokenCounter
 from iterserve.engine.kv_cache_manager import KVCacheManager
 from iterserve.engine.messages import Clock, monotonic_clock
 from iterserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -109,6 +111,8 @@ class Scheduler:
         # Prompt tokens looked up in the prefix cache at admission, and those found there.
         self.num_prefix_cache_queries = 0
         self.num_prefix_cache_hits = 0
+        # Service per tenant (weighted tokens): the waiting order within a priority.
+        self.fair_share = VirtualTokenCounter()
 
     def update_config(self, config: SchedulerConfig) -> None:
         """Swap in new settings; call between iterations (they apply to the next one)."""
@@ -124,6 +128,7 @@ class Scheduler:
         request.arrival_seq = next(self._arrival_counter)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.fair_share.arrived(request.tenant)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests (abort): free their blocks now. Unknown ids are ignored."""
@@ -132,7 +137,10 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            self._queue_of(request).remove(request)
+            queue = self._queue_of(request)
+            queue.remove(request)
+            if queue is self.waiting:
+                self.fair_share.left_waiting(request.tenant)
             self._finish(request, status)
             done.append(request)
         return done
@@ -150,6 +158,7 @@ class Scheduler:
         self.kv.free_host(request)
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)
+        self.fair_share.left_engine(request.tenant)
 
     def _preempt(self, victim: Request, batch: _Batch, reason: PreemptionReason) -> None:
         self.running.remove(victim)
@@ -175,6 +184,7 @@ class Scheduler:
             victim.status = RequestStatus.PREEMPTED
             victim.num_computed_tokens = 0
             self.waiting.append(victim)
+            self.fair_share.requeued(victim.tenant)
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -238,7 +248,7 @@ class Scheduler:
                 if victim is request:
                     break
             if request.status == RequestStatus.RUNNING:
-                batch.add(request, num_new)
+                self._add_to_batch(batch, request, num_new)
 
     def _resume_swapped(self, batch: _Batch) -> bool:
         """Swap requests back in, oldest first; True when none is left waiting for room."""
@@ -257,26 +267,29 @@ class Scheduler:
             batch.swap_in += copies
             batch.resumed.append(request)
             self._start_running(request)
-            batch.add(request, num_new)
+            self._add_to_batch(batch, request, num_new)
         return not self.swapped
 
     def _admit_waiting(self, batch: _Batch, urgent_only: bool = False) -> None:
-        """Admit waiting requests in queue order while budget, seats and blocks allow; with
-        ``urgent_only``, only those more urgent than every swapped request by the margin."""
+        """Admit waiting requests in queue order (``policy.AdmissionOrder``) while budget,
+        seats and blocks allow; with ``urgent_only``, only those more urgent than every
+        swapped request by the margin."""
         if self.config.batching == "static" and not self._static_admission_open():
             return
+        seats_full = len(self.running) >= self.config.max_num_seqs
+        if not self.waiting or (seats_full and self.config.priority_preemption_margin <= 0):
+            return  # nothing could be admitted: skip ordering the queue
         now = self.clock()
-        self.waiting.sort(key=policy.waiting_key(now, self.config))
-        idx = 0
-        while idx < len(self.waiting) and batch.budget > 0:
-            request = self.waiting[idx]
+        order = policy.AdmissionOrder(self.waiting, now, self.config, self.fair_share)
+        admitted: set[int] = set()
+        while batch.budget > 0 and (request := order.peek()) is not None:
             if urgent_only and not self._more_urgent_than_swapped(request, now):
                 break
             if request.wait_for is not None and not self._sibling_ready(request.wait_for):
-                idx += 1  # completion i > 0 of n: wait for the shared prompt blocks
+                order.skip()  # completion i > 0 of n: wait for the shared prompt blocks
                 continue
             if any(request is r for r in batch.preempted):
-                idx += 1  # preempted for a more urgent one in this iteration: not back yet
+                order.skip()  # preempted for a more urgent one in this iteration: not back yet
                 continue
             hits = self.kv.get_computed_blocks(request)
             num_computed = len(hits) * self.kv.block_size
@@ -297,13 +310,16 @@ class Scheduler:
             ):
                 if nothing_running:
                     # Every block is free and it still does not fit: it never will.
-                    self.waiting.pop(idx)
+                    order.take()
+                    admitted.add(id(request))
+                    self.fair_share.left_waiting(request.tenant)
                     self._finish_capacity(request, queued=True)
                     continue
                 if self._preempt_for(request, batch, now, hits, num_new):
                     continue  # blocks were freed: look the prefix up again and retry
                 break
-            self.waiting.pop(idx)
+            admitted.add(id(request))
+            self.fair_share.left_waiting(request.tenant)
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
@@ -311,7 +327,10 @@ class Scheduler:
                 self.num_prefix_cache_queries += request.num_tokens
                 self.num_prefix_cache_hits += num_computed
             self._start_running(request)
-            batch.add(request, num_new)
+            self._add_to_batch(batch, request, num_new)
+            order.take()  # after the charge: its tenant's next turn reads the new counter
+        if admitted:
+            self.waiting = [r for r in self.waiting if id(r) not in admitted]
 
     def _preempt_for(
         self, request: Request, batch: _Batch, now: float, hits: list[KVBlock], num_new: int
@@ -334,6 +353,16 @@ class Scheduler:
                 return False
         self._preempt(victims[0], batch, "priority")
         return True
+
+    def _add_to_batch(self, batch: _Batch, request: Request, num_new: int) -> None:
+        """Schedule ``num_new`` tokens of ``request``; charge its tenant for the prompt tokens
+        computed for the first time (fair share)."""
+        batch.add(request, num_new)
+        end = min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
+        start = max(request.num_computed_tokens, request.num_charged_prompt_tokens)
+        if end > start:
+            self.fair_share.charge(request.tenant, num_prefill_tokens=end - start)
+            request.num_charged_prompt_tokens = end
 
     def _more_urgent_than_swapped(self, request: Request, now: float) -> bool:
         """Whether ``request`` may be admitted ahead of every swapped request: more urgent
@@ -423,6 +452,7 @@ class Scheduler:
             if not sched.sample:
                 continue
             request.append_output_token(runner_output.sampled_token_ids[sched.request_id])
+            self.fair_share.charge(request.tenant, num_output_tokens=1)
             self._static_batch_open = False  # a member decodes: the static batch is formed
             stopped = self.stop_checker is not None and self.stop_checker(request)
             status = RequestStatus.FINISHED_STOPPED if stopped else None
@@ -440,6 +470,9 @@ class Scheduler:
         ids = [r.request_id for q in queues for r in q]
         assert len(ids) == len(set(ids)) == len(self.requests), "a request is lost or queued twice"
         assert set(ids) == set(self.requests)
+        self.fair_share.check_counts(
+            [r.tenant for r in self.waiting], [r.tenant for r in self.requests.values()]
+        )
         for request in self.running:
             assert request.status == RequestStatus.RUNNING
             num_blocks = len(self.kv.block_ids(request.request_id))

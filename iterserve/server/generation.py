@@ -159,7 +159,12 @@ class GenerationRun:
         prompt, engine_id = gen.prompts[prompt_idx], gen.engine_id(prompt_idx)
         tracker = RequestTracker(state.metrics, gen.tier, gen.arrival_time, state.clock)
         request = AddRequest(
-            engine_id, prompt.token_ids, gen.params, gen.priority, gen.arrival_time
+            engine_id,
+            prompt.token_ids,
+            gen.params,
+            gen.priority,
+            gen.arrival_time,
+            tenant=gen.tenant,
         )
         reason = "abort"  # unless it finishes or fails
         last_delta: RequestDelta | None = None

@@ -36,6 +36,7 @@ from iterserve.engine.sampling_params import SamplingParams
 from iterserve.router.scoring import LoadReport, Picker, ReplicaState, prefix_key
 from iterserve.server.admission import Admission, Rejected
 from iterserve.server.protocol import APIError
+from iterserve.server.tenants import resolve_tenant
 from iterserve.sim.profile import LatencyProfile
 from iterserve.sim.replica import SimTokenizer, VirtualClock, build_engine
 from iterserve.sim.runner import SimulatedModelRunner
@@ -363,5 +364,6 @@ def _admit(
         return False
     replica.admission.enqueue(request_id, priority)
     replica.routed_since_report += 1
-    engine.add(AddRequest(request_id, token_ids, params, priority, t))
+    tenant = resolve_tenant(None, req.tenant)  # as the server reads the `user` field
+    engine.add(AddRequest(request_id, token_ids, params, priority, t, tenant=tenant))
     return True
