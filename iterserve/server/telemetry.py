@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-from iterserve.config import EngineConfig, SchedulerConfig
+from iterserve.config import LIVE_SCHEDULER_KEYS, EngineConfig, SchedulerConfig
 from iterserve.engine.messages import RequestDelta
 from iterserve.server.metrics import RequestTracker
 from iterserve.telemetry.schema import utc_iso
@@ -60,6 +60,10 @@ class ServerTelemetry:
                 config.kv_watermark,
                 utc_iso(time.time()),
                 json.dumps([asdict(t) for t in config.tiers]),
+                json.dumps(
+                    {k: getattr(config, k) for k in LIVE_SCHEDULER_KEYS if k != "tiers"},
+                    sort_keys=True,
+                ),
             ),
         )
 

@@ -49,6 +49,7 @@ CONFIG_COLUMNS = (
     "kv_watermark",
     "updated_at",
     "tiers",  # JSON: [{name, priority, max_queue_wait_ms, ttft_target_ms}, ...]
+    "settings",  # JSON: every live setting of the version (DESIGN.md's live keys), by name
 )
 COLUMNS = {
     "sequences": SEQUENCE_COLUMNS,
@@ -76,7 +77,7 @@ CREATE TABLE IF NOT EXISTS scheduler_config (
     config_id INTEGER NOT NULL, max_num_seqs INTEGER NOT NULL,
     max_num_batched_tokens INTEGER NOT NULL, chunk_size INTEGER NOT NULL,
     gpu_memory_utilization REAL NOT NULL, kv_watermark REAL NOT NULL,
-    updated_at TEXT NOT NULL, tiers TEXT NOT NULL
+    updated_at TEXT NOT NULL, tiers TEXT NOT NULL, settings TEXT NOT NULL
 );
 """
 # After the column check: an older table without an indexed column would fail here with

@@ -161,6 +161,44 @@ def test_sixteen_streams_survive_two_config_changes(server: Server) -> None:
     assert config["max_num_seqs"] == 16 and config["max_num_batched_tokens"] == 128
 
 
+def test_a_tenant_queued_behind_another_tenants_backlog_goes_next(server: Server) -> None:
+    """One seat: tenant a queues five requests, then tenant b sends one. Fair share (the
+    Virtual Token Counter) serves b as soon as a seat frees, not after a's backlog (arrival
+    order would serve it sixth). The tenant travels from the X-Tenant-Id header and the
+    `user` field to the engine's scheduler."""
+    done: list[str] = []
+
+    async def send(http: httpx.AsyncClient, name: str, tenant: dict[str, Any]) -> None:
+        body = {"prompt": f"{name}: count to twenty.", "max_tokens": 12, "ignore_eos": True}
+        r = await http.post("/v1/completions", json={**body, **tenant.get("json", {})},
+                            headers={**AUTH, **tenant.get("headers", {})})  # fmt: skip
+        assert r.status_code == 200, r.text
+        done.append(name)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            backlog = [
+                asyncio.create_task(send(http, f"a{i}", {"headers": {"X-Tenant-Id": "a"}}))
+                for i in range(5)
+            ]
+            deadline = time.monotonic() + 60
+            while (await http.get("/load")).json()["num_waiting"] < 4:
+                assert time.monotonic() < deadline, "a's backlog never queued"
+                await asyncio.sleep(0.005)
+            await asyncio.gather(send(http, "b", {"json": {"user": "b"}}), *backlog)
+
+    original = httpx.get(server.url + "/admin/scheduler_config", headers=ADMIN).json()
+    r = httpx.put(server.url + "/admin/scheduler_config", json={"max_num_seqs": 1}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    try:
+        asyncio.run(main())
+    finally:
+        settings = {k: v for k, v in original.items() if k not in ("config_hash", "config_version")}
+        httpx.put(server.url + "/admin/scheduler_config", json=settings, headers=ADMIN, timeout=60)
+    assert sorted(done) == ["a0", "a1", "a2", "a3", "a4", "b"]
+    assert done.index("b") <= 2, done  # after the running one and at most one more of a's
+
+
 def test_swap_preemption_under_kv_pressure_keeps_every_stream_whole() -> None:
     """A pool too small for the batch: the scheduler swaps requests out to host memory and
     back; /load shows them swapped, the metrics count swap preemptions, and every stream

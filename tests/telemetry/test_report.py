@@ -60,7 +60,7 @@ def db(tmp_path: Path) -> str:
     _insert(conn, "scheduler_config", {
         "config_id": 1, "max_num_seqs": 8, "max_num_batched_tokens": 2048, "chunk_size": 512,
         "gpu_memory_utilization": 0.9, "kv_watermark": 0.01, "updated_at": utc_iso(T0),
-        "tiers": "[]",
+        "tiers": "[]", "settings": "{}",
     })  # fmt: skip
     conn.close()
     return path

@@ -98,6 +98,9 @@ def test_serve_writes_the_tables(tmp_path: Path, capsys: Any) -> None:
     assert [c["config_id"] for c in configs] == [1, version]
     assert [c["max_num_seqs"] for c in configs][1] == 7
     assert json.loads(configs[1]["tiers"])[0]["name"] == "premium"
+    settings = json.loads(configs[1]["settings"])
+    assert settings["max_num_seqs"] == 7 and settings["preemption_mode"] == "auto"
+    assert {"aging_interval_s", "priority_preemption_margin", "max_waiting"} <= set(settings)
     ids = [i["iteration_id"] for i in iterations]
     assert ids == list(range(1, len(ids) + 1))
     assert sum(i["num_decode_tokens"] for i in iterations) >= 8  # 4 decodes x 2 requests
