@@ -34,8 +34,12 @@ def effective_priority(request: Request, now: float, config: SchedulerConfig) ->
     if config.scheduling_policy == "fcfs":
         return 0
     floor = min(t.priority for t in config.tiers)
+    return _aged(request, now, config.aging_interval_s, floor)
+
+
+def _aged(request: Request, now: float, interval_s: float, floor: int) -> int:
     # The epsilon keeps exact multiples of the interval from rounding down (0.3 / 0.1).
-    steps = max(0.0, now - request.arrival_time) / config.aging_interval_s + 1e-9
+    steps = max(0.0, now - request.arrival_time) / interval_s + 1e-9
     if steps >= request.priority - floor:  # aged all the way (also when steps is huge or inf)
         return floor
     return max(floor, request.priority - math.floor(steps))
@@ -43,7 +47,11 @@ def effective_priority(request: Request, now: float, config: SchedulerConfig) ->
 
 def waiting_key(now: float, config: SchedulerConfig) -> Callable[[Request], tuple[int, float, int]]:
     """Sort key of the waiting queue: effective priority, then arrival (then insertion)."""
-    return lambda r: (effective_priority(r, now, config), r.arrival_time, r.arrival_seq)
+    if config.scheduling_policy == "fcfs":
+        return lambda r: (0, r.arrival_time, r.arrival_seq)
+    floor = min(t.priority for t in config.tiers)  # once per sort, not per request
+    interval_s = config.aging_interval_s
+    return lambda r: (_aged(r, now, interval_s, floor), r.arrival_time, r.arrival_seq)
 
 
 class AdmissionOrder:
@@ -71,9 +79,16 @@ class AdmissionOrder:
         self._counters = counters if config.scheduling_policy != "fcfs" else None
         # (effective priority, tenant) -> its requests in arrival order
         self._groups: dict[tuple[int, str], deque[Request]] = {}
-        for request in sorted(waiting, key=key):
-            group = (key(request)[0], request.tenant if self._counters else "")
-            self._groups.setdefault(group, deque()).append(request)
+        keys = [key(r) for r in waiting]
+        by_tenant = self._counters is not None
+        groups = self._groups
+        for i in sorted(range(len(keys)), key=keys.__getitem__):
+            request = waiting[i]
+            group = (keys[i][0], request.tenant if by_tenant else "")
+            queue = groups.get(group)
+            if queue is None:
+                queue = groups[group] = deque()
+            queue.append(request)
         self._heap = [self._entry(group) for group in self._groups]
         heapq.heapify(self._heap)
         self._current: tuple[int, str] | None = None
