@@ -250,9 +250,10 @@ class OpenAIServing:
         if not state.engine.is_running:  # known now: a 503, not a stream that fails at once
             raise engine_error(EngineDeadError("the engine is not running"))
         try:
-            state.admission.check(state.settings.config, gen.priority, len(gen.prompts))
+            config = state.settings.config
+            state.admission.check(config, gen.priority, len(gen.prompts), gen.tenant)
         except Rejected as e:
-            state.metrics.rejected.labels(reason=e.reason).inc()
+            state.metrics.count_rejection(e.reason, gen.tenant)
             raise
         raw.state.request_id = gen.request_id
         raw.state.tier = gen.tier
