@@ -249,6 +249,7 @@ class OpenAIServing:
         state = self.state
         if not state.engine.is_running:  # known now: a 503, not a stream that fails at once
             raise engine_error(EngineDeadError("the engine is not running"))
+        state.metrics.tenant_label(gen.tenant)  # labels go to tenants in arrival order
         try:
             config = state.settings.config
             state.admission.check(config, gen.priority, len(gen.prompts), gen.tenant)
