@@ -30,6 +30,9 @@ GiB = 1 << 30
 # Bounds of aging_interval_s (seconds): below 1 ms aging is meaningless, above a year it is off.
 MIN_AGING_INTERVAL_S = 1e-3
 MAX_AGING_INTERVAL_S = 365 * 86400.0
+# Most tenants with a label value of their own in the per-tenant metrics (each costs a
+# histogram's series on every replica).
+MAX_TENANT_LABEL_LIMIT = 1000
 # The API name of the embedded default model (``--model default``).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -259,6 +262,14 @@ class SchedulerConfig:
         default=1024,
         metadata={"help": "most requests queued before the server answers 429 (server only)"},
     )
+    max_waiting_per_tenant: int | None = field(
+        default=None,
+        metadata={
+            "help": "most requests one tenant (X-Tenant-Id, else the OpenAI user field) may "
+            "have queued before its new ones get 429 tenant_queue_full; the default tenant is "
+            "not capped; at most max_waiting (default: no cap; server only)"
+        },
+    )
     tiers: tuple[Tier, ...] = field(
         default=DEFAULT_TIERS,
         metadata={"help": "YAML file: list of {name, priority, max_queue_wait_ms, ttft_target_ms}"},
@@ -286,6 +297,12 @@ class SchedulerConfig:
             f"got {self.priority_preemption_margin}",
         )
         _require(self.max_waiting >= 1, f"max_waiting must be >= 1, got {self.max_waiting}")
+        _require(
+            self.max_waiting_per_tenant is None
+            or 1 <= self.max_waiting_per_tenant <= self.max_waiting,
+            f"max_waiting_per_tenant must be in [1, max_waiting={self.max_waiting}] "
+            f"(null = no cap), got {self.max_waiting_per_tenant}",
+        )
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,
             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
@@ -386,9 +403,21 @@ class ServerConfig:
             "(default: off)"
         },
     )
+    tenant_label_limit: int = field(
+        default=20,
+        metadata={
+            "help": "tenants that keep their name in the per-tenant metrics' tenant label: the "
+            "first ones seen; later ones are 'other' (0 = all but 'default' are 'other')"
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
+        _require(
+            0 <= self.tenant_label_limit <= MAX_TENANT_LABEL_LIMIT,
+            f"tenant_label_limit must be in [0, {MAX_TENANT_LABEL_LIMIT}], "
+            f"got {self.tenant_label_limit}",
+        )
         _require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
         _require(
             self.shutdown_grace_period_s >= 0,
@@ -446,6 +475,7 @@ LIVE_SCHEDULER_KEYS: tuple[str, ...] = (
     "aging_interval_s",
     "priority_preemption_margin",
     "max_waiting",
+    "max_waiting_per_tenant",
     "tiers",
 )
 

@@ -81,6 +81,10 @@ RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
             "self.chunkSize <= self.maxNumBatchedTokens",
             "scheduler.chunkSize must be <= scheduler.maxNumBatchedTokens",
         ),
+        _rule(
+            "!has(self.maxWaitingPerTenant) || self.maxWaitingPerTenant <= self.maxWaiting",
+            "scheduler.maxWaitingPerTenant must be <= scheduler.maxWaiting",
+        ),
     ],
     ("slaTiers",): [
         _rule("self.all(t, self.exists_one(u, u.name == t.name))", "slaTiers names must be unique"),

@@ -322,6 +322,14 @@ class SchedulerSpec(_Model):
         description="Requests queued in a pod (accepted, no first token yet) before it "
         "answers new ones with 429. Default 1024.",
     )
+    maxWaitingPerTenant: int | None = Field(
+        None,
+        ge=1,
+        description="Requests one tenant (the X-Tenant-Id header, else the OpenAI user "
+        "field) may have queued in a pod before its new ones get 429 tenant_queue_full, so "
+        "one noisy tenant cannot fill the queue in front of the others; requests without a "
+        "tenant are not capped; at most maxWaiting. Default null: no cap.",
+    )
 
 
 class SlaTier(_Model):
@@ -489,6 +497,8 @@ def cross_field_errors(spec: LLMDeploymentSpec) -> list[str]:
         errors.append("scheduler.maxNumBatchedTokens must be >= scheduler.maxNumSeqs")
     if s.chunkSize > s.maxNumBatchedTokens:
         errors.append("scheduler.chunkSize must be <= scheduler.maxNumBatchedTokens")
+    if s.maxWaitingPerTenant is not None and s.maxWaitingPerTenant > s.maxWaiting:
+        errors.append("scheduler.maxWaitingPerTenant must be <= scheduler.maxWaiting")
     gpus, tp = spec.resources.gpus, spec.tensorParallelSize
     if tp is not None and gpus > 0 and gpus % tp:
         errors.append("tensorParallelSize must divide resources.gpus")
@@ -554,6 +564,7 @@ def desired_settings(spec: LLMDeploymentSpec) -> dict[str, Any]:
         "aging_interval_s": s.agingIntervalS,
         "priority_preemption_margin": s.priorityPreemptionMargin,
         "max_waiting": s.maxWaiting,
+        "max_waiting_per_tenant": s.maxWaitingPerTenant,
         "tiers": [
             {
                 "name": t.name,

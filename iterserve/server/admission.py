@@ -5,19 +5,22 @@ A request is *queued* from the moment the server accepts it until its first toke
 with 429 when the queue holds ``max_waiting`` requests, or when the wait it would see (the
 queued requests of its tier or a more urgent one, over the measured drain rate) exceeds its
 tier's ``max_queue_wait_ms``: better an early, explicit "retry later" than accepted work
-that misses its SLA. ``Retry-After`` is the time the queue needs to drain enough at the
-measured rate.
+that misses its SLA. With ``max_waiting_per_tenant`` a tenant (other than ``default``) with
+that many requests queued gets 429 ``tenant_queue_full``, so one noisy tenant cannot fill the
+queue in front of every other tenant. ``Retry-After`` is the time the queue needs to drain
+enough at the measured rate.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from iterserve.config import SchedulerConfig
 from iterserve.server.protocol import APIError
+from iterserve.server.tenants import DEFAULT_TENANT
 
 # Requests leaving the queue within this window give the drain rate.
 DRAIN_WINDOW_S = 30.0
@@ -49,6 +52,8 @@ class Admission:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.queued: dict[str, int] = {}  # request id -> priority
+        self.tenant_of: dict[str, str] = {}  # request id -> tenant, of the queued requests
+        self.num_queued_by_tenant: Counter[str] = Counter()  # tenants with none are absent
         self.draining = False
         self._left_queue: deque[float] = deque()
 
@@ -66,25 +71,36 @@ class Admission:
         rate = self.drain_rate()
         return 1.0 if rate is None else num_requests / rate
 
-    def check(self, config: SchedulerConfig, priority: int, num_requests: int = 1) -> None:
+    def check(
+        self,
+        config: SchedulerConfig,
+        priority: int,
+        num_requests: int = 1,
+        tenant: str = DEFAULT_TENANT,
+    ) -> None:
         """Raise :class:`Rejected` when ``num_requests`` new requests of ``priority`` (the
-        prompts of one HTTP request) must not be accepted.
+        prompts of one HTTP request) of ``tenant`` must not be accepted.
 
         Raises:
-            Rejected: 503 draining, 429 queue full or tier wait too long.
-            APIError: 400 when ``num_requests`` alone is more than ``max_waiting``.
+            Rejected: 503 draining, 429 tenant queue full, queue full or tier wait too long.
+            APIError: 400 when ``num_requests`` alone is more than ``max_waiting`` (or
+                ``max_waiting_per_tenant``, for a capped tenant).
         """
-        if num_requests > config.max_waiting:
-            raise APIError(
-                400,
-                f"{num_requests} prompts in one request are more than max_waiting="
-                f"{config.max_waiting} can ever queue; split the batch",
-                param="prompt",
-            )
+        cap = config.max_waiting_per_tenant if tenant != DEFAULT_TENANT else None
+        for limit, name in ((config.max_waiting, "max_waiting"), (cap, "max_waiting_per_tenant")):
+            if limit is not None and num_requests > limit:
+                raise APIError(
+                    400,
+                    f"{num_requests} prompts in one request are more than {name}={limit} can "
+                    "ever queue; split the batch",
+                    param="prompt",
+                )
         if self.draining:
             raise Rejected(
                 503, "the server is shutting down; retry on another replica", "shutting_down", 1
             )
+        if cap is not None:
+            self._check_tenant(tenant, cap, num_requests)
         num_queued = len(self.queued)
         if num_queued + num_requests > config.max_waiting:
             excess = num_queued + num_requests - config.max_waiting
@@ -111,10 +127,37 @@ class Admission:
                 expected_s - limit_s,
             )
 
-    def enqueue(self, request_id: str, priority: int) -> None:
+    def _check_tenant(self, tenant: str, cap: int, num_requests: int) -> None:
+        """429 ``tenant_queue_full`` when ``tenant``'s queued requests would pass ``cap``.
+
+        ``Retry-After`` assumes the drain is shared evenly among the tenants with queued
+        requests (the scheduler's fair share across tenants): the excess times their number,
+        over the measured drain rate.
+        """
+        num_queued = self.num_queued_by_tenant[tenant]
+        if num_queued + num_requests <= cap:
+            return
+        excess = num_queued + num_requests - cap
+        raise Rejected(
+            429,
+            f"tenant {tenant!r} has {num_queued} requests queued (max_waiting_per_tenant="
+            f"{cap}); retry later",
+            "tenant_queue_full",
+            self._seconds_for(excess * len(self.num_queued_by_tenant)),
+        )
+
+    def enqueue(self, request_id: str, priority: int, tenant: str = DEFAULT_TENANT) -> None:
         self.queued[request_id] = priority
+        self.tenant_of[request_id] = tenant
+        self.num_queued_by_tenant[tenant] += 1
 
     def left_queue(self, request_id: str, started: bool = True) -> None:
         """The request got its first token (``started``) or ended before; idempotent."""
-        if self.queued.pop(request_id, None) is not None and started:
+        if self.queued.pop(request_id, None) is None:
+            return
+        tenant = self.tenant_of.pop(request_id)
+        self.num_queued_by_tenant[tenant] -= 1
+        if not self.num_queued_by_tenant[tenant]:
+            del self.num_queued_by_tenant[tenant]  # bounded by the queue, not by every tenant
+        if started:
             self._left_queue.append(self.clock())

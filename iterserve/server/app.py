@@ -110,7 +110,7 @@ def _server_state(
         tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
     config = engine.config
     assert config.model.max_model_len is not None  # resolved by the engine
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(server_config.tenant_label_limit)
     state = ServerState(
         engine=engine,
         tokenizer=tokenizer,

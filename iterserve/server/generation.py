@@ -150,7 +150,7 @@ class GenerationRun:
     def start(self) -> None:
         gen, admission = self.gen, self.state.admission
         for i in range(len(gen.prompts)):
-            admission.enqueue(gen.engine_id(i), gen.priority)
+            admission.enqueue(gen.engine_id(i), gen.priority, gen.tenant)
         self.tasks = [asyncio.create_task(self._produce(i)) for i in range(len(gen.prompts))]
         self.watcher = asyncio.create_task(self._watch_disconnect())
 
@@ -173,6 +173,7 @@ class GenerationRun:
                 last_delta = delta
                 if tracker.on_delta(delta):
                     state.admission.left_queue(engine_id)
+                    state.metrics.observe_tenant_queue_time(gen.tenant, tracker.queue_time_s)
                 for d in delta.completions:
                     if d.index == 0 and d.finish_reason is not None:
                         reason = d.finish_reason  # a request's reason is its first choice's

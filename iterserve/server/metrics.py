@@ -5,6 +5,8 @@ lookups, iteration histograms) come from the per-iteration telemetry the engine 
 with each message. Per-request latencies are measured here, where the client's tokens leave:
 a :class:`RequestTracker` per engine request observes TTFT, inter-token gaps, TPOT, queue time
 and end-to-end latency. A request with ``n > 1`` is one request in every per-request metric.
+Per-tenant series (queue time, admission's rejections) carry a ``tenant`` label of bounded
+cardinality (:class:`~iterserve.server.tenants.TenantLabels`).
 """
 
 from __future__ import annotations
@@ -17,21 +19,29 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from iterserve.config import Tier
 from iterserve.engine.messages import EngineLoad, IterationStats, RequestDelta
+from iterserve.server.tenants import DEFAULT_TENANT, TenantLabels
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 _TOKEN_BUCKETS = tuple(2**i for i in range(14))
+# The reasons of admission's refusals (:class:`~iterserve.server.admission.Rejected`).
+ADMISSION_REASONS = ("queue_full", "queue_wait", "tenant_queue_full", "shutting_down")
 
 # No ``*_created`` series: they double the exposition and no dashboard reads them.
 disable_created_metrics()
 
 
 class ServerMetrics:
-    """Every metric of the replica, in its own registry (several apps may share a process)."""
+    """Every metric of the replica, in its own registry (several apps may share a process).
 
-    def __init__(self) -> None:
+    Args:
+        tenant_label_limit: tenants that keep their name in the per-tenant series
+            (``--tenant-label-limit``; later ones are ``other``).
+    """
+
+    def __init__(self, tenant_label_limit: int = 20) -> None:
         r = self.registry = CollectorRegistry()
         p = "iterserve_"
         self.num_running = Gauge(p + "num_requests_running", "Requests running", registry=r)
@@ -96,6 +106,17 @@ class ServerMetrics:
         self.queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first admission", ["tier"]
         )
+        self.tenant_queue_time = histogram(
+            "tenant_request_queue_time_seconds", "Arrival to first admission", ["tenant"]
+        )
+        self.tenant_rejected = Counter(
+            p + "tenant_requests_rejected",
+            "Requests refused by admission (429/503)",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.tenant_labels = TenantLabels(tenant_label_limit)
+        self._tenant_series: set[str] = set()  # label values whose series exist
         self.iteration_latency = histogram("iteration_latency_seconds", "One engine iteration")
         self.iteration_tokens = histogram(
             "iteration_tokens", "Tokens of one iteration", ["phase"], _TOKEN_BUCKETS
@@ -111,8 +132,31 @@ class ServerMetrics:
                 self.preemptions.labels(mode=mode, reason=cause)
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(finished_reason=reason)
-        for reason in ("invalid", "queue_full", "queue_wait", "shutting_down"):
+        for reason in ("invalid", *ADMISSION_REASONS):
             self.rejected.labels(reason=reason)
+        self.tenant_label(DEFAULT_TENANT)
+
+    def tenant_label(self, tenant: str) -> str:
+        """The ``tenant`` label value of ``tenant``; the first time a value is given out its
+        series are created at zero (so ``rate()`` sees a tenant's first rejection)."""
+        label = self.tenant_labels(tenant)
+        if label not in self._tenant_series:
+            self._tenant_series.add(label)
+            self.tenant_queue_time.labels(tenant=label)
+            for reason in ADMISSION_REASONS:
+                self.tenant_rejected.labels(tenant=label, reason=reason)
+        return label
+
+    def count_rejection(self, reason: str, tenant: str) -> None:
+        """One request refused by admission (``reason``: one of :data:`ADMISSION_REASONS`)."""
+        self.rejected.labels(reason=reason).inc()
+        self.tenant_rejected.labels(tenant=self.tenant_label(tenant), reason=reason).inc()
+
+    def observe_tenant_queue_time(self, tenant: str, queue_time_s: float | None) -> None:
+        """A request's queue time (seconds; None: unknown, nothing observed) under its
+        tenant's label."""
+        if queue_time_s is not None:
+            self.tenant_queue_time.labels(tenant=self.tenant_label(tenant)).observe(queue_time_s)
 
     def set_cache_config(self, block_size: int, num_blocks: int) -> None:
         """``vllm:cache_config_info``: the pool's geometry, once at start."""
@@ -199,6 +243,7 @@ class RequestTracker:
         self.num_tokens = 0  # of the longest completion
         # Per-token gaps after the first token (a delta of k tokens after a gap g: k x g/k).
         self.token_gaps: list[float] = []
+        self.queue_time_s: float | None = None  # arrival to first admission, once known
         self.done = False
 
     def on_delta(self, delta: RequestDelta) -> bool:
@@ -215,8 +260,8 @@ class RequestTracker:
             self.first_token = now
             self.metrics.ttft.labels(tier=self.tier).observe(now - self.arrival)
             if delta.first_scheduled_time is not None:
-                queue_s = max(0.0, delta.first_scheduled_time - self.arrival)
-                self.metrics.queue_time.labels(tier=self.tier).observe(queue_s)
+                self.queue_time_s = max(0.0, delta.first_scheduled_time - self.arrival)
+                self.metrics.queue_time.labels(tier=self.tier).observe(self.queue_time_s)
         elif self.last_token is not None:
             self.metrics.itl.observe(now - self.last_token)
             k = num_tokens - self.num_tokens

@@ -249,10 +249,12 @@ class OpenAIServing:
         state = self.state
         if not state.engine.is_running:  # known now: a 503, not a stream that fails at once
             raise engine_error(EngineDeadError("the engine is not running"))
+        state.metrics.tenant_label(gen.tenant)  # labels go to tenants in arrival order
         try:
-            state.admission.check(state.settings.config, gen.priority, len(gen.prompts))
+            config = state.settings.config
+            state.admission.check(config, gen.priority, len(gen.prompts), gen.tenant)
         except Rejected as e:
-            state.metrics.rejected.labels(reason=e.reason).inc()
+            state.metrics.count_rejection(e.reason, gen.tenant)
             raise
         raw.state.request_id = gen.request_id
         raw.state.tier = gen.tier

@@ -35,3 +35,33 @@ def resolve_tenant(header: str | None, user: str | None) -> str:
         if value:
             return value[:MAX_TENANT_LEN]
     return DEFAULT_TENANT
+
+
+OTHER_TENANT = "other"  # the label value of tenants past the label limit
+
+
+class TenantLabels:
+    """The ``tenant`` label value of a tenant in the per-tenant metrics, of bounded
+    cardinality (DESIGN.md, "Metrics").
+
+    The first ``limit`` tenants seen keep their name, later ones are :data:`OTHER_TENANT`;
+    a tenant once named keeps its name for the life of the process (no churn: a series never
+    changes meaning between scrapes). :data:`DEFAULT_TENANT` is always ``default`` and does
+    not count against the limit. A tenant whose name is ``other`` shares that series.
+
+    Args:
+        limit: named tenants (0: every tenant but ``default`` is ``other``).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.named: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        """The label value of ``tenant`` (a :func:`resolve_tenant` result)."""
+        if tenant == DEFAULT_TENANT or tenant in self.named:
+            return tenant
+        if len(self.named) < self.limit:
+            self.named.add(tenant)
+            return tenant
+        return OTHER_TENANT

@@ -353,7 +353,8 @@ def _admit(
         )
         priority = engine.resolve_priority(req.priority)
         engine.validate(token_ids, params)
-        replica.admission.check(engine.scheduler.config, priority)
+        tenant = resolve_tenant(None, req.tenant)  # the trace's tenant, as the user field
+        replica.admission.check(engine.scheduler.config, priority, tenant=tenant)
     except Rejected as e:
         record.status, record.error = e.status, e.reason
         rejected[e.reason] = rejected.get(e.reason, 0) + 1
@@ -362,7 +363,7 @@ def _admit(
         record.status, record.error = 400, str(e)
         rejected["invalid"] = rejected.get("invalid", 0) + 1  # as the server's metric counts
         return False
-    replica.admission.enqueue(request_id, priority)
+    replica.admission.enqueue(request_id, priority, tenant)
     replica.routed_since_report += 1
     tenant = resolve_tenant(None, req.tenant)  # as the server reads the `user` field
     engine.add(AddRequest(request_id, token_ids, params, priority, t, tenant=tenant))

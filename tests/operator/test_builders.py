@@ -911,6 +911,7 @@ def test_desired_settings_of_the_example() -> None:
         "aging_interval_s": 5.0,
         "priority_preemption_margin": 0,
         "max_waiting": 1024,
+        "max_waiting_per_tenant": None,
         "tiers": [
             {"name": "premium", "priority": 0, "max_queue_wait_ms": 500.0, "ttft_target_ms": 200.0},
             {
@@ -947,6 +948,26 @@ def test_priority_preemption_margin_is_pushed_as_the_live_setting() -> None:
         LLMDeploymentSpec.model_validate(
             {**MINIMAL["spec"], "scheduler": {"priorityPreemptionMargin": -1}}
         )
+
+
+def test_max_waiting_per_tenant_is_written_and_pushed_as_the_live_setting() -> None:
+    assert desired_settings(parse_spec(MINIMAL["spec"]))["max_waiting_per_tenant"] is None  # off
+    document = with_spec(MINIMAL, scheduler={"maxWaiting": 64, "maxWaitingPerTenant": 16})
+    desired = desired_settings(parse_spec(document["spec"]))
+    assert desired["max_waiting_per_tenant"] == 16
+    data = build(document)["ConfigMap", "tiny-scheduler"]["data"]["scheduler.yaml"]
+    assert yaml.safe_load(data)["max_waiting_per_tenant"] == 16  # new pods start with it
+    # The push's body, onto a pod without the cap: the server applies it.
+    body = json.loads(json.dumps({**desired, "config_version": 2}))
+    merged = merge(VersionedSettings(SchedulerConfig(), 1), body, 4.0, 0)
+    assert merged is not None and merged.config.max_waiting_per_tenant == 16
+    assert merged.view()["config_hash"] == settings_hash_of(desired)
+    with pytest.raises(SpecError, match=r"maxWaitingPerTenant must be <= scheduler\.maxWaiting"):
+        parse_spec(
+            with_spec(MINIMAL, scheduler={"maxWaiting": 8, "maxWaitingPerTenant": 9})["spec"]
+        )
+    with pytest.raises(SpecError, match="maxWaitingPerTenant"):
+        parse_spec(with_spec(MINIMAL, scheduler={"maxWaitingPerTenant": 0})["spec"])
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,12 @@ SPEC: dict[str, Any] = {
     "image": "iterserve:test",
     "resources": {"gpus": 0},
     "engine": {"swapSpace": 0},
-    "scheduler": {"maxNumSeqs": 8, "maxNumBatchedTokens": 256, "chunkSize": 64},
+    "scheduler": {
+        "maxNumSeqs": 8,
+        "maxNumBatchedTokens": 256,
+        "chunkSize": 64,
+        "maxWaitingPerTenant": 4,
+    },
     "slaTiers": [{"name": "premium", "priority": 0}, {"name": "batch", "priority": 5}],
 }
 

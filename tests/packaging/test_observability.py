@@ -372,7 +372,8 @@ def test_the_dashboard_is_a_current_grafana_dashboard_with_the_issues_panels(
             assert '$namespace"' in target["expr"] and "$llmdeployment" in target["expr"], target
             metrics |= {s.name for s in selectors(grafana_to_promql(target["expr"]))}
     # The issue's list: throughput, TTFT/TPOT/ITL, queues and queue time, KV, preemptions,
-    # rejections, iterations, config version, router picks, retries, codes, ready replicas.
+    # rejections, iterations, config version, router picks, retries, codes, ready replicas;
+    # the tenants issue's per-tenant queue time and rejections.
     assert {
         "iterserve_request_success_total", "iterserve_generation_tokens_total",
         "iterserve_time_to_first_token_seconds_bucket",
@@ -385,6 +386,8 @@ def test_the_dashboard_is_a_current_grafana_dashboard_with_the_issues_panels(
         "iterserve_iteration_tokens_bucket", "iterserve_scheduler_config_version",
         "iterserve_router_picks_total", "iterserve_router_retries_total",
         "iterserve_router_requests_total", "iterserve_router_ready_replicas",
+        "iterserve_tenant_request_queue_time_seconds_bucket",
+        "iterserve_tenant_requests_rejected_total",
     } <= metrics  # fmt: skip
 
 

@@ -3,6 +3,7 @@ loop, several replicas, and the ``iterserve simulate`` command's table and JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,19 @@ def test_admission_rejects_in_the_loop() -> None:
     statuses = [r.status for r in result.records]
     assert result.rejected.get("queue_full", 0) == statuses.count(429) > 0
     assert statuses.count(200) + statuses.count(429) == 40
+
+
+def test_the_per_tenant_cap_rejects_in_the_loop() -> None:
+    # One noisy tenant sends 36 of the 40 requests (2 seats): a cap of 3 queued refuses only its
+    # own (the quiet tenant has at most 3 queued).
+    trace = [
+        dataclasses.replace(req, tenant="noisy" if i % 10 else "quiet")
+        for i, req in enumerate(_burst(40))
+    ]
+    result = _run(trace, max_num_seqs=2, max_waiting=100, max_waiting_per_tenant=3)
+    refused = [i for i, r in enumerate(result.records) if r.status == 429]
+    assert result.rejected == {"tenant_queue_full": len(refused)} and refused
+    assert all(trace[i].tenant == "noisy" for i in refused)
 
 
 def test_a_prompt_longer_than_the_model_is_a_400() -> None:
