@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import unicodedata
 
-DEFAULT_TENANT = "default"
+from iterserve.engine.request import DEFAULT_TENANT
+
 TENANT_HEADER = "x-tenant-id"
 MAX_TENANT_LEN = 256  # longer ids are cut (they end up in SQLite rows and metric labels)
 

@@ -365,6 +365,5 @@ def _admit(
         return False
     replica.admission.enqueue(request_id, priority, tenant)
     replica.routed_since_report += 1
-    tenant = resolve_tenant(None, req.tenant)  # as the server reads the `user` field
     engine.add(AddRequest(request_id, token_ids, params, priority, t, tenant=tenant))
     return True
