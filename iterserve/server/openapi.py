@@ -176,8 +176,9 @@ def _schema(app: FastAPI, server_config: ServerConfig) -> dict[str, Any]:
         components["securitySchemes"]["apiKey"] = {**bearer, "description": "--api-key"}
     for path, item in schema["paths"].items():
         for operation in item.values():
+            # FastAPI's own 422 (answered 400, app.py); the admin PUT's is an ErrorResponse.
             if "HTTPValidationError" in str(operation["responses"].get("422")):
-                del operation["responses"]["422"]  # answered 400 (app.py)
+                del operation["responses"]["422"]
             scheme = _auth_scheme(path, server_config)
             if scheme is not None:
                 operation["security"] = [{scheme: []}]
