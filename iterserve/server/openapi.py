@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, ConfigDict, TypeAdapter
 from pydantic.json_schema import models_json_schema
 
 from iterserve.config import LIVE_SCHEDULER_KEYS, MAX_TIERS, SchedulerConfig, ServerConfig
@@ -74,6 +74,20 @@ def sse_response(chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     return {200: {"content": {"text/event-stream": {"schema": event}}}}
 
 
+# The tenant header the generation endpoints read (``tenants.resolve_tenant``).
+TENANT_PARAMETER = {
+    "parameters": [
+        {
+            "name": "X-Tenant-Id",
+            "in": "header",
+            "required": False,
+            "description": "the request's tenant (else the body's user, else default)",
+            "schema": {"type": "string"},
+        }
+    ]
+}
+
+
 # ----------------------------------------------------------------- operations and admin bodies
 
 
@@ -85,6 +99,10 @@ class Status(BaseModel):
 
 class LoadResponse(BaseModel):
     """``GET /load``, the router's signal (DESIGN.md); ``num_*`` count sequences."""
+
+    # A key added to the route's answer is sent (and shows in the schema as allowed) even
+    # before it is declared here: a response_model would otherwise drop it.
+    model_config = ConfigDict(extra="allow")
 
     kv_cache_usage: float  # 0-1
     num_running: int

@@ -21,6 +21,7 @@ from iterserve.server.generation import engine_error
 from iterserve.server.live_config import LiveConfigError, merge
 from iterserve.server.openapi import (
     ADMIN_PUT_BODY,
+    TENANT_PARAMETER,
     LoadResponse,
     Status,
     errors,
@@ -68,6 +69,7 @@ def serving_of(request: Request) -> OpenAIServing:
     "/v1/completions",
     response_model=CompletionResponse,
     responses={**sse_response(CompletionChunk), **GENERATION_ERRORS},
+    openapi_extra=TENANT_PARAMETER,
 )
 async def completions(req: CompletionRequest, request: Request) -> Any:
     _log_extra_fields(req)
@@ -78,6 +80,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     "/v1/chat/completions",
     response_model=ChatCompletionResponse,
     responses={**sse_response(ChatCompletionChunk), **GENERATION_ERRORS},
+    openapi_extra=TENANT_PARAMETER,
 )
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     _log_extra_fields(req)
