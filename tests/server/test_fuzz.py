@@ -12,6 +12,7 @@ Two runs: (a) over the fake engine, in-process (every operation, many cases, sec
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -144,6 +145,8 @@ def fuzz(
 # ----------------------------------------------------------------- (a) the fake engine
 
 FAKE_SERVER_CONFIG = ServerConfig(api_key=API_KEY, admin_token=ADMIN_TOKEN)
+# Examples per strategy; a deeper run by hand: ITERSERVE_FUZZ_EXAMPLES=400 (docs/reliability.md).
+FAKE_EXAMPLES = int(os.environ.get("ITERSERVE_FUZZ_EXAMPLES", "40"))
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +175,7 @@ def test_the_schema_is_valid_and_documents_every_operation_and_no_422(fake_schem
 
 @pytest.mark.parametrize(("method", "path"), OPERATIONS)
 def test_fuzz_over_the_fake_engine(fake_schema: Any, method: str, path: str) -> None:
-    fuzz(fake_schema, method, path, max_examples=40, max_tokens=8, max_n=4)
+    fuzz(fake_schema, method, path, max_examples=FAKE_EXAMPLES, max_tokens=8, max_n=4)
 
 
 # ----------------------------------------------------------------- found by the fuzzer
