@@ -27,6 +27,7 @@ from iterserve.server.admission import Admission
 from iterserve.server.live_config import VersionedSettings
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.middleware import ServerMiddleware, error_response
+from iterserve.server.openapi import install_openapi
 from iterserve.server.protocol import APIError
 from iterserve.server.routes import router
 from iterserve.server.serving import OpenAIServing
@@ -98,6 +99,7 @@ def build_app(
     )
     _add_error_handlers(app, holder)
     app.include_router(router)
+    install_openapi(app, server_config)
     return app
 
 

@@ -1,8 +1,9 @@
 """OpenAI request and response bodies (pydantic) and the OpenAI error shape.
 
-pydantic checks JSON types (integers and booleans strictly: ``true`` is no 1, ``"yes"`` no
-``true``); value ranges are checked once, by ``SamplingParams`` and the engine's
-``RequestLimits``, whose ``InvalidRequestError`` becomes a 400 here like any validation error.
+pydantic checks JSON types strictly (``true`` is no 1 and no 1.0, ``"0.5"`` no number,
+``"yes"`` no ``true``; an integer is a number); value ranges are checked once, by
+``SamplingParams`` and the engine's ``RequestLimits``, whose ``InvalidRequestError`` becomes a
+400 here like any validation error.
 Fields OpenAI defines but iterserve does not implement are declared so that a request using
 them gets 400 "not supported" instead of being silently ignored; any other unknown field is
 ignored (and logged once).
@@ -12,7 +13,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_serializer,
+)
+from typing_extensions import TypedDict
 
 # OpenAI's limits: completions `logprobs` <= 5, chat `top_logprobs` <= 20.
 MAX_COMPLETION_LOGPROBS = 5
@@ -75,19 +85,19 @@ class _SamplingFields(BaseModel):
 
     model: str | None = None
     n: StrictInt = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extensions (vLLM names).
     top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
     min_tokens: StrictInt = 0
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
@@ -95,7 +105,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool = True
     priority: StrictInt | str | None = None
     # Declared only to refuse them clearly.
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     best_of: StrictInt | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
@@ -124,6 +134,22 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+                {
+                    "prompt": ["Once upon a time", "Hello"],
+                    "max_tokens": 4,
+                    "n": 2,
+                    "logprobs": 2,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            ]
+        }
+    )
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = 16
@@ -170,6 +196,25 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8},
+                {
+                    "messages": [
+                        {"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                    ],
+                    "max_completion_tokens": 4,
+                    "logprobs": True,
+                    "top_logprobs": 2,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            ]
+        }
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
@@ -182,6 +227,12 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(BaseModel):
     """``POST /tokenize``: a prompt, or chat messages (templated)."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"prompt": "Hello!"}, {"messages": [{"role": "user", "content": "Hi"}]}]
+        }
+    )
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -191,6 +242,8 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     """``POST /detokenize``."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [504, 3458, 314]}]})
 
     model: str | None = None
     tokens: list[StrictInt]
@@ -272,15 +325,27 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class SentDelta(TypedDict, total=False):
+    """A delta as sent (its schema in /openapi.json): the fields set, none of them null."""
+
+    role: Literal["assistant"]
+    content: str
+
+
 class DeltaMessage(BaseModel):
     """A chat chunk's delta: only the fields it sets are sent (``{}`` for none)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+    @model_serializer
+    def _drop_unset(self) -> SentDelta:
+        sent = SentDelta()
+        if self.role is not None:
+            sent["role"] = self.role
+        if self.content is not None:
+            sent["content"] = self.content
+        return sent
 
 
 class ChatStreamChoice(BaseModel):
@@ -309,3 +374,47 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+# ----------------------------------------------------------------- other response bodies
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer (:meth:`APIError.body`), and the error event that ends a stream."""
+
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str | None
+    max_model_len: int  # tokens
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int  # tokens
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

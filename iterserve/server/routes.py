@@ -19,18 +19,39 @@ import iterserve
 from iterserve.engine.messages import EngineDeadError
 from iterserve.server.generation import engine_error
 from iterserve.server.live_config import LiveConfigError, merge
+from iterserve.server.openapi import (
+    ADMIN_PUT_BODY,
+    TENANT_PARAMETER,
+    LoadResponse,
+    Status,
+    errors,
+    json_content,
+    sse_response,
+)
 from iterserve.server.protocol import (
     APIError,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ModelList,
     TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 from iterserve.server.serving import OpenAIServing
 from iterserve.server.state import ServerState
 
 logger = logging.getLogger("iterserve.server")
 router = APIRouter()
+
+# The errors each kind of operation can answer (401s are added where auth applies, openapi.py).
+GENERATION_ERRORS = errors(400, 404, 413, 429, 500, 503)
+TOKENIZER_ERRORS = errors(400, 404, 413)
 
 
 def state_of(request: Request) -> ServerState:
@@ -44,19 +65,29 @@ def serving_of(request: Request) -> OpenAIServing:
 # ----------------------------------------------------------------- OpenAI API
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    response_model=CompletionResponse,
+    responses={**sse_response(CompletionChunk), **GENERATION_ERRORS},
+    openapi_extra=TENANT_PARAMETER,
+)
 async def completions(req: CompletionRequest, request: Request) -> Any:
     _log_extra_fields(req)
     return await serving_of(request).completions(req, request)
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses={**sse_response(ChatCompletionChunk), **GENERATION_ERRORS},
+    openapi_extra=TENANT_PARAMETER,
+)
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     _log_extra_fields(req)
     return await serving_of(request).chat(req, request)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=ModelList)
 async def models(request: Request) -> dict[str, Any]:
     state = state_of(request)
     return {
@@ -74,7 +105,7 @@ async def models(request: Request) -> dict[str, Any]:
     }
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", response_model=TokenizeResponse, responses=TOKENIZER_ERRORS)
 async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     serving = serving_of(request)
     serving.check_model(req.model)
@@ -90,7 +121,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=TOKENIZER_ERRORS)
 async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, Any]:
     serving = serving_of(request)
     serving.check_model(req.model)
@@ -104,7 +135,7 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, Any]
     return {"prompt": state.tokenizer.decode(req.tokens)}
 
 
-@router.get("/version")
+@router.get("/version", response_model=VersionResponse)
 async def version() -> dict[str, str]:
     return {"version": iterserve.__version__}
 
@@ -112,14 +143,14 @@ async def version() -> dict[str, str]:
 # ----------------------------------------------------------------- operations
 
 
-@router.get("/health")
+@router.get("/health", response_model=Status, responses={503: {"model": Status}})
 async def health(request: Request) -> Response:
     if state_of(request).engine.is_running:
         return JSONResponse({"status": "ok"})
     return JSONResponse({"status": "engine not running"}, status_code=503)
 
 
-@router.get("/ready")
+@router.get("/ready", response_model=Status, responses={503: {"model": Status}})
 async def ready(request: Request) -> Response:
     state = state_of(request)
     if state.admission.draining:
@@ -129,7 +160,7 @@ async def ready(request: Request) -> Response:
     return JSONResponse({"status": "ready"})
 
 
-@router.get("/load")
+@router.get("/load", response_model=LoadResponse, responses=errors(503))
 async def load(request: Request) -> Any:
     state = state_of(request)
     if not state.engine.is_running:  # a router must not take a dead replica for an idle one
@@ -152,7 +183,11 @@ async def load(request: Request) -> Any:
     }
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}},
+)
 async def metrics(request: Request) -> Response:
     state = state_of(request)
     state.metrics.set_load(state.engine.load)
@@ -162,12 +197,21 @@ async def metrics(request: Request) -> Response:
 # ----------------------------------------------------------------- admin
 
 
-@router.get("/admin/scheduler_config")
+@router.get(
+    "/admin/scheduler_config",
+    response_model=None,
+    responses={200: json_content("SchedulerSettings"), **errors(403)},
+)
 async def get_scheduler_config(request: Request) -> dict[str, Any]:
     return state_of(request).settings.view()
 
 
-@router.put("/admin/scheduler_config")
+@router.put(
+    "/admin/scheduler_config",
+    response_model=None,
+    responses={200: json_content("SchedulerSettings"), **errors(400, 403, 413, 422, 503)},
+    openapi_extra=ADMIN_PUT_BODY,
+)
 async def put_scheduler_config(request: Request) -> Any:
     state = state_of(request)
     try:

@@ -132,10 +132,17 @@ class OpenAIServing:
                 if not item:
                     raise APIError(400, "the prompt is empty", param="prompt")
                 prompts.append(Prompt(await self.encode_async(item), item))
-            else:
-                text = str(self.state.tokenizer.decode(item)) if req.echo else None
-                prompts.append(Prompt(list(item), text))
+            else:  # text for echo once the ids are validated (_echo_texts)
+                prompts.append(Prompt(list(item), None))
         return prompts
+
+    def _echo_texts(self, gen: Generation) -> None:
+        """The text of each token-id prompt, for ``echo``: decoded only after ``_generation``
+        checked the ids (the tokenizer raises OverflowError on ids outside its range)."""
+        if gen.echo:
+            for p in gen.prompts:
+                if p.text is None:
+                    p.text = str(self.state.tokenizer.decode(p.token_ids))
 
     def _sampling_params(self, req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
         kwargs: dict[str, Any] = {
@@ -228,7 +235,9 @@ class OpenAIServing:
             raise error
         max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default
         prompts = await self._completion_prompts(req)
-        return await self._serve(self._generation("completion", req, raw, prompts, max_tokens), raw)
+        gen = self._generation("completion", req, raw, prompts, max_tokens)
+        self._echo_texts(gen)
+        return await self._serve(gen, raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
