@@ -1,0 +1,82 @@
+"""A real ``iterserve serve`` (the real default model) whose engine process is killed
+mid-stream (docs/reliability.md, "Engine crash"). The other way round, the server killed under
+its engine, is in tests/test_process_engine.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+from server_utils import Server, run_server
+
+from iterserve.server.launch import ENGINE_DEAD_EXIT_S
+
+FLAGS = ("--dtype", "float32", "--num-kv-blocks", "128", "--max-num-seqs", "8")
+
+
+def engine_process(server: Server) -> psutil.Process:
+    """The engine child of a server (multiprocessing's spawned child, not its resource
+    tracker)."""
+    children = psutil.Process(server.proc.pid).children()
+    [engine] = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    return engine
+
+
+def wait_gone(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """The processes still alive (zombies count as gone) after up to ``timeout_s``."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+async def read_events(http: httpx.AsyncClient, i: int, started: asyncio.Event) -> list[str]:
+    body = {"prompt": f"Story {i}:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    events = []
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+    return events
+
+
+@pytest.mark.model
+def test_a_killed_engine_ends_every_stream_and_the_server_exits_non_zero() -> None:
+    with run_server(*FLAGS) as server:
+        tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children()]
+        engine = engine_process(server)
+
+        async def main() -> tuple[list[list[str]], httpx.Response, httpx.Response, float]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                started = [asyncio.Event() for _ in range(3)]
+                streams = [
+                    asyncio.create_task(read_events(http, i, e)) for i, e in enumerate(started)
+                ]
+                for e in started:
+                    await asyncio.wait_for(e.wait(), 60)
+                engine.send_signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+                events = await asyncio.wait_for(asyncio.gather(*streams), 10)
+                late = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                health = await http.get("/health")
+                return events, late, health, killed_at
+
+        events, late, health, killed_at = asyncio.run(main())
+        for stream in events:
+            assert stream[-1] == "[DONE]"
+            error = json.loads(stream[-2])["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["type"] == "service_unavailable_error"
+            assert "killed by SIGKILL" in error["message"]
+        assert late.status_code == 503
+        assert late.json()["error"]["type"] == "service_unavailable_error"
+        assert health.status_code == 503
+        assert server.proc.wait(ENGINE_DEAD_EXIT_S + 10) == 1
+        assert time.monotonic() - killed_at < ENGINE_DEAD_EXIT_S + 10
+        assert wait_gone(tree, 10) == []
+        assert "the engine process died (killed by SIGKILL)" in server.log_text()
