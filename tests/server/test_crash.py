@@ -62,6 +62,9 @@ def test_a_killed_engine_ends_every_stream_and_the_server_exits_non_zero() -> No
                 engine.send_signal(signal.SIGKILL)
                 killed_at = time.monotonic()
                 events = await asyncio.wait_for(asyncio.gather(*streams), 10)
+                print(
+                    f"streams ended {time.monotonic() - killed_at:.2f} s after the kill; ", end=""
+                )
                 late = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
                 health = await http.get("/health")
                 return events, late, health, killed_at
@@ -77,6 +80,8 @@ def test_a_killed_engine_ends_every_stream_and_the_server_exits_non_zero() -> No
         assert late.json()["error"]["type"] == "service_unavailable_error"
         assert health.status_code == 503
         assert server.proc.wait(ENGINE_DEAD_EXIT_S + 10) == 1
-        assert time.monotonic() - killed_at < ENGINE_DEAD_EXIT_S + 10
+        exited_after_s = time.monotonic() - killed_at
+        print(f"the server exited (code 1) {exited_after_s:.2f} s after it")
+        assert exited_after_s < ENGINE_DEAD_EXIT_S + 10
         assert wait_gone(tree, 10) == []
         assert "the engine process died (killed by SIGKILL)" in server.log_text()

@@ -99,6 +99,7 @@ def run_stalled_stream(
                 dropped_after = time.monotonic() - started
                 received = await stalled.read_to_end(10)
                 result = await reader
+                print(f"dropped after {dropped_after:.2f} s; reader {result}; ", end="")
             finally:  # else the server's shutdown waits for it
                 stalled.sock.close()
             load = (await http.get("/load")).json()
