@@ -1,6 +1,7 @@
 """A real ``iterserve serve`` (the real default model) whose engine process is killed
-mid-stream (docs/reliability.md, "Engine crash"). The other way round, the server killed under
-its engine, is in tests/test_process_engine.py."""
+mid-stream, and the exit that follows over the fake engine (docs/reliability.md, "Engine
+crash"). The other way round, the server killed under its engine, is in
+tests/test_process_engine.py."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ import asyncio
 import json
 import signal
 import time
+from typing import Any
 
 import httpx
 import psutil
 import pytest
+from fake_engine import FakeEngineClient, serve_in_process, until
 from server_utils import Server, run_server
 
-from iterserve.server.launch import ENGINE_DEAD_EXIT_S
+from iterserve.config import ServerConfig
+from iterserve.server.launch import ENGINE_DEAD_EXIT_S, GracefulServer
 
 FLAGS = ("--dtype", "float32", "--num-kv-blocks", "128", "--max-num-seqs", "8")
 
@@ -85,3 +89,32 @@ def test_a_killed_engine_ends_every_stream_and_the_server_exits_non_zero() -> No
         assert exited_after_s < ENGINE_DEAD_EXIT_S + 10
         assert wait_gone(tree, 10) == []
         assert "the engine process died (killed by SIGKILL)" in server.log_text()
+
+
+def test_a_dead_engine_exits_the_server_with_code_1_after_a_while(tokenizer: Any) -> None:
+    """Over the fake engine: in the seconds between the engine's death and the exit, /health
+    and new requests are 503 (what a probe and a router see)."""
+    fake = FakeEngineClient(tokenizer, time.monotonic, step_interval_s=0.01)
+    servers: list[GracefulServer] = []
+
+    def make_server(config: Any, app: Any) -> GracefulServer:
+        servers.append(GracefulServer(config, app, grace_period_s=30))
+        return servers[0]
+
+    async def main() -> float:
+        async with (
+            serve_in_process(fake, ServerConfig(), make_server=make_server) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as http,
+        ):
+            assert (await http.get("/health")).status_code == 200
+            fake.kill()
+            died_at = time.monotonic()
+            assert (await http.get("/health")).status_code == 503
+            late = await http.post("/v1/completions", json={"prompt": "x"})
+            assert late.status_code == 503
+            await until(lambda: servers[0].should_exit, "the server exits", ENGINE_DEAD_EXIT_S + 5)
+            return time.monotonic() - died_at
+
+    exited_after_s = asyncio.run(main())
+    assert ENGINE_DEAD_EXIT_S <= exited_after_s < ENGINE_DEAD_EXIT_S + 1
+    assert servers[0].exit_code == 1
