@@ -395,6 +395,20 @@ class ServerConfig:
             "ConfigMap sets it to the resource's generation)"
         },
     )
+    stream_stall_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "a streaming client that takes no bytes for this long is disconnected and "
+            "its request aborted (0: wait forever)"
+        },
+    )
+    max_stream_buffer_chunks: int = field(
+        default=1024,
+        metadata={
+            "help": "chunks a stream may hold unsent while its client reads slower than the "
+            "engine writes; past it the client is disconnected and its request aborted"
+        },
+    )
     telemetry_db: str | None = field(
         default=None,
         metadata={
@@ -426,6 +440,14 @@ class ServerConfig:
         _require(
             self.max_request_body_bytes >= 1024,
             f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}",
+        )
+        _require(
+            self.stream_stall_timeout_s >= 0,
+            f"stream_stall_timeout_s must be >= 0, got {self.stream_stall_timeout_s}",
+        )
+        _require(
+            self.max_stream_buffer_chunks >= 1,
+            f"max_stream_buffer_chunks must be >= 1, got {self.max_stream_buffer_chunks}",
         )
         _require(
             0 <= self.config_version < 2**53,

@@ -9,6 +9,7 @@ checks integrity after every step.
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -456,4 +457,23 @@ def build_fragile_engine(**kwargs: Any) -> LLMEngine:
         return schedule()
 
     engine.scheduler.schedule = fragile  # type: ignore[method-assign]
+    return engine
+
+
+STALL_S = 60.0
+
+
+def build_stalling_engine(**kwargs: Any) -> LLMEngine:
+    """An engine (fake runner) whose every iteration first says ``"stalling"`` on stdout and
+    then takes :data:`STALL_S` seconds: a stand-in for a long forward or a hung device (a
+    ``ProcessEngine`` factory)."""
+    engine = Harness(**kwargs).engine
+    step_deltas = engine.step_deltas
+
+    def stalling() -> Any:
+        print("stalling", flush=True)
+        time.sleep(STALL_S)
+        return step_deltas()
+
+    engine.step_deltas = stalling  # type: ignore[method-assign]
     return engine

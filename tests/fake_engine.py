@@ -347,14 +347,19 @@ async def serve_in_process(
     engine: Any,
     server_config: ServerConfig | None = None,
     make_server: Callable[[uvicorn.Config, Any], uvicorn.Server] | None = None,
+    send_buffer_bytes: int | None = None,
     **app_kwargs: Any,
 ) -> AsyncIterator[str]:
     """``build_app(engine)`` under uvicorn on a loopback port of this event loop; its URL.
 
     ``make_server(config, app)`` builds the uvicorn server (default: a plain one).
+    ``send_buffer_bytes`` fixes the kernel's send buffer of every connection (SO_SNDBUF;
+    default: Linux grows it up to ``tcp_wmem``, 4 MiB, before a stalled client blocks a send).
     """
     app = build_app(engine, server_config, tokenizer=engine.tokenizer, **app_kwargs)
     sock = socket.socket()
+    if send_buffer_bytes is not None:  # accepted sockets inherit it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on")
     server = make_server(config, app) if make_server else uvicorn.Server(config)

@@ -136,3 +136,53 @@ def test_reused_ids_errors_outside_the_forward_and_stopping_twice() -> None:
         await engine.stop()  # idempotent
 
     asyncio.run(main())
+
+
+_OWNER = """
+import asyncio
+from iterserve.engine.messages import AddRequest
+from iterserve.engine.process_engine import ProcessEngine
+from iterserve.engine.sampling_params import SamplingParams
+
+async def main():
+    engine = ProcessEngine({}, factory="engine_fakes:build_stalling_engine")
+    await engine.start()
+    print(engine.pid, flush=True)
+    request = AddRequest("r", [2, 3, 4], SamplingParams(max_tokens=4), 1, 0.0)
+    async for _ in engine.generate(request):
+        pass
+
+asyncio.run(main())
+"""
+
+
+def test_the_engine_process_dies_with_its_server_even_mid_iteration() -> None:
+    """The server SIGKILLed while its engine child is inside a 60 s iteration (a long forward,
+    a hung device): the child and the multiprocessing resource tracker are gone at once, not
+    when the iteration ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil
+
+    tests_dir = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests_dir, *sys.path])}
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        assert owner.stdout is not None
+        engine_pid = int(owner.stdout.readline())
+        assert owner.stdout.readline().strip() == "stalling"  # the child is in its iteration
+        tree = psutil.Process(owner.pid).children()
+        assert engine_pid in [p.pid for p in tree]
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        _, alive = psutil.wait_procs(tree, timeout=5)
+        assert alive == []
+    finally:
+        owner.kill()
+        owner.wait()

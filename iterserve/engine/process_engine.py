@@ -5,6 +5,13 @@ imports no torch) and runs :class:`~iterserve.engine.engine_core.EngineCore`; co
 one pipe, each step's result comes back pickled on another, read by a thread that hands it to
 the event loop. Measured faster than the thread on the development machine (``iterserve bench
 engine-loop``): the engine's Python work no longer shares the GIL with the HTTP handlers.
+
+Either side may die without warning (SIGKILL, the OOM killer, a segfault). The child dying ends
+every stream with :class:`~iterserve.engine.messages.EngineDeadError` (its pipe's EOF) and
+``is_running`` turns False, which the server acts on (:mod:`iterserve.server.launch`). The
+parent dying kills the child: on Linux the kernel sends it SIGKILL (``PR_SET_PDEATHSIG``, so
+even a child in a long forward or still loading its model goes), elsewhere a thread polls for a
+new parent; and an idle child shuts down on its command pipe's EOF.
 """
 
 from __future__ import annotations
@@ -14,8 +21,12 @@ import contextlib
 import importlib
 import logging
 import multiprocessing as mp
+import os
 import queue
+import signal
+import sys
 import threading
+import time
 from typing import Any
 
 from iterserve.engine.client import EngineClientBase
@@ -27,6 +38,41 @@ logger = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 DEFAULT_FACTORY = "iterserve.executor.build:build_llm_engine"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_POLL_INTERVAL_S = 0.5  # where the kernel cannot signal a parent's death
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """End this process when ``parent_pid`` (its parent) dies, however it dies.
+
+    Linux: the kernel sends SIGKILL when the parent thread that started this process exits
+    (``ProcessEngine.start`` runs on the server's main thread, which lives as long as the
+    server). Elsewhere a daemon thread polls ``os.getppid()``. Either way a parent already gone
+    before this call ends the process at once.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    else:
+
+        def poll() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(PARENT_POLL_INTERVAL_S)
+            os._exit(1)
+
+        threading.Thread(target=poll, name="iterserve-parent-watch", daemon=True).start()
+    if os.getppid() != parent_pid:  # it died before the kernel was told
+        os._exit(1)
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """``"killed by SIGKILL"``, ``"exit code 1"``: a process's end for a log line."""
+    if exitcode is not None and exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
 
 
 def _engine_main(
@@ -35,9 +81,12 @@ def _engine_main(
     commands: Any,
     results: Any,
     telemetry_db: str | None = None,
+    parent_pid: int | None = None,
 ) -> None:
     """The child: build the engine, then run the engine loop over the two pipes (writing
-    ``scheduler_iterations`` to ``telemetry_db`` when given)."""
+    ``scheduler_iterations`` to ``telemetry_db`` when given); it dies with ``parent_pid``."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     # A spawned child starts with no logging set up: log as the server does (start-up notes
     # such as the one-time kernel build, warnings such as a fallback to plain torch).
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
@@ -45,7 +94,11 @@ def _engine_main(
     engine = getattr(importlib.import_module(module), name)(**kwargs)
 
     def recv(block: bool) -> EngineCommand | None:
-        return commands.recv() if block or commands.poll() else None
+        try:
+            return commands.recv() if block or commands.poll() else None
+        except (EOFError, OSError):  # the server closed its end (or died): stop
+            logger.warning("the server's command pipe closed; the engine process stops")
+            return Shutdown()
 
     recorder = IterationRecorder(telemetry_db) if telemetry_db else None
     try:
@@ -78,6 +131,7 @@ class ProcessEngine(EngineClientBase):
         self._send_lock = threading.Lock()
         self._outbox: queue.SimpleQueue[EngineCommand | None] = queue.SimpleQueue()
         self._dead = True
+        self._stopping = False  # stop() was called: the child's exit is expected
 
     async def start(self, timeout_s: float = 600.0) -> None:
         """Start the child and wait until its model is loaded.
@@ -91,7 +145,14 @@ class ProcessEngine(EngineClientBase):
         self._res_recv, res_send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=_engine_main,
-            args=(self.factory, self.engine_kwargs, cmd_recv, res_send, self.telemetry_db),
+            args=(
+                self.factory,
+                self.engine_kwargs,
+                cmd_recv,
+                res_send,
+                self.telemetry_db,
+                os.getpid(),
+            ),
             name="iterserve-engine-core",
             daemon=True,
         )
@@ -113,6 +174,7 @@ class ProcessEngine(EngineClientBase):
 
     async def stop(self) -> None:
         """Abort what runs, stop the child and wait for it (a no-op when it is gone)."""
+        self._stopping = True
         with contextlib.suppress(EngineDeadError):
             self._submit(Shutdown())
             with self._send_lock:
@@ -121,10 +183,16 @@ class ProcessEngine(EngineClientBase):
             await asyncio.to_thread(self._proc.join, 30)
             if self._proc.is_alive():
                 self._proc.kill()
+                await asyncio.to_thread(self._proc.join, 5)  # reaped: no zombie left
 
     @property
     def is_running(self) -> bool:
         return not self._dead and self._proc is not None and self._proc.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (None before :meth:`start`)."""
+        return self._proc.pid if self._proc is not None else None
 
     # ----------------------------------------------------------------- plumbing
 
@@ -162,5 +230,11 @@ class ProcessEngine(EngineClientBase):
         with self._send_lock:
             self._dead = True
             self._outbox.put(None)
+        error = EngineDeadError("the engine stopped")
+        if not self._stopping:
+            self._proc.join(1.0)  # its exit code, for the log and the streams' error events
+            how = describe_exit(self._proc.exitcode)
+            logger.error("the engine process died (%s)", how)
+            error = EngineDeadError(f"the engine process died ({how})")
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError("the engine stopped"))
+            self._loop.call_soon_threadsafe(self._fail_all, error)

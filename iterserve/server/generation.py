@@ -7,14 +7,16 @@ and runs each on a task that owns its bookkeeping (admission counts, latency met
 nothing leaks even if a streamed body is never read. Their deltas and a disconnect watcher
 feed one queue: a client that goes away, streaming or not and even while still queued, is
 noticed at once and its engine requests are aborted (their KV blocks are free at the engine's
-next iteration boundary). The formatters (:mod:`~iterserve.server.completions`,
+next iteration boundary). A streaming client that reads slower than the engine writes lets
+that queue grow: past a bound the run calls ``on_overflow`` (the response drops the client,
+:mod:`~iterserve.server.streaming`). The formatters (:mod:`~iterserve.server.completions`,
 :mod:`~iterserve.server.chat`) turn what arrives into OpenAI responses.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,7 +138,8 @@ class GenerationRun:
 
     :meth:`start` queues them now (the admission count must include them before the next
     request is checked); :meth:`deltas` yields what they produce until all have finished or
-    the client has gone.
+    the client has gone. ``on_overflow(reason)`` is called when more than
+    ``max_stream_buffer_chunks`` deltas wait unread (a stream whose client stopped reading).
     """
 
     def __init__(self, state: ServerState, gen: Generation, raw: Request) -> None:
@@ -146,6 +149,8 @@ class GenerationRun:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.tasks: list[asyncio.Task[None]] = []
         self.watcher: asyncio.Task[None] | None = None
+        self.max_buffered = state.server_config.max_stream_buffer_chunks
+        self.on_overflow: Callable[[str], None] | None = None
 
     def start(self) -> None:
         gen, admission = self.gen, self.state.admission
@@ -178,6 +183,8 @@ class GenerationRun:
                     if d.index == 0 and d.finish_reason is not None:
                         reason = d.finish_reason  # a request's reason is its first choice's
                 await self.queue.put((prompt_idx, delta))
+                if self.on_overflow is not None and self.queue.qsize() > self.max_buffered:
+                    self.on_overflow(f"left more than {self.max_buffered} chunks unread")
         except Exception as e:
             if not isinstance(e, RequestAbortedError):
                 reason = "error"

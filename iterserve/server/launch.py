@@ -5,11 +5,17 @@ The first SIGTERM (or Ctrl-C) does not close the listener (:mod:`iterserve.drain
 ``/ready`` turns 503, new generation requests get 503 with ``Retry-After``, and the server
 exits (code 0) once the running requests have finished or the grace period is over. A second
 signal exits at once.
+
+An engine that dies while serving (its process killed, its loop crashed) is not recovered in
+place: every open stream has already ended with an error event, new requests get 503 and
+``/health`` fails, and after :data:`ENGINE_DEAD_EXIT_S` the server exits with code 1, so that
+Kubernetes (or systemd) starts a fresh replica.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import uvicorn
@@ -23,6 +29,10 @@ from iterserve.server.state import ServerState
 
 logger = logging.getLogger("iterserve.server")
 
+# After the engine died: how long the server still answers (503 to new requests, the open
+# streams' error events, a failing /health a router or a probe can see) before it exits.
+ENGINE_DEAD_EXIT_S = 3.0
+
 
 class GracefulServer(DrainingServer):
     """The replica's drain: new generation requests get 503, the engine's requests finish,
@@ -31,6 +41,12 @@ class GracefulServer(DrainingServer):
     def __init__(self, config: uvicorn.Config, app: FastAPI, grace_period_s: float) -> None:
         super().__init__(config, grace_period_s)
         self.app = app
+        self.engine_died_at: float | None = None  # monotonic seconds
+
+    @property
+    def exit_code(self) -> int:
+        """0 after a clean stop; 1 when start-up failed or the engine died."""
+        return 0 if self.started and self.engine_died_at is None else 1
 
     def _state(self) -> ServerState | None:
         return getattr(self.app.state, "server", None)
@@ -51,6 +67,20 @@ class GracefulServer(DrainingServer):
         if state is None:
             return 0
         return state.engine.abort_all("the server's shutdown grace period is over")
+
+    async def on_tick(self, counter: int) -> bool:
+        state = self._state()
+        now = time.monotonic()
+        if self.engine_died_at is None:
+            if state is not None and not self.should_exit and not state.engine.is_running:
+                logger.error(
+                    "the engine is not running; the server exits in %.0f s (exit code 1)",
+                    ENGINE_DEAD_EXIT_S,
+                )
+                self.engine_died_at = now
+        elif now > self.engine_died_at + ENGINE_DEAD_EXIT_S:
+            self.should_exit = True
+        return await super().on_tick(counter)
 
 
 def setup_logging() -> None:
@@ -84,4 +114,4 @@ def run_server(app: FastAPI, server_config: ServerConfig) -> int:
     )
     server = GracefulServer(config, app, server_config.shutdown_grace_period_s)
     server.run()
-    return 0 if server.started else 1
+    return server.exit_code

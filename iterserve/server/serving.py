@@ -21,7 +21,7 @@ from functools import lru_cache
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from iterserve.engine.errors import InvalidRequestError
 from iterserve.engine.messages import EngineDeadError
@@ -44,6 +44,7 @@ from iterserve.server.protocol import (
     CompletionRequest,
 )
 from iterserve.server.state import ServerState
+from iterserve.server.streaming import WatchedStreamingResponse
 from iterserve.server.tenants import TENANT_HEADER, resolve_tenant
 
 logger = logging.getLogger(__name__)
@@ -273,11 +274,16 @@ class OpenAIServing:
         run = GenerationRun(state, gen, raw)
         run.start()
         if gen.stream:
-            return StreamingResponse(
+            stall_timeout_s = state.server_config.stream_stall_timeout_s
+            response = WatchedStreamingResponse(
                 self._sse(gen, run, formatter),
+                gen.request_id,
+                stall_timeout_s or None,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": gen.request_id},
             )
+            run.on_overflow = response.drop
+            return response
         async with contextlib.aclosing(run.deltas()) as deltas:
             async for _ in deltas:
                 pass
