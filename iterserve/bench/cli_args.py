@@ -286,5 +286,5 @@ def _add_soak(sub: Any) -> None:
     p.add_argument(
         "--drain-timeout-s", type=float, default=120.0, help="after the traffic: to end and idle"
     )
-    p.add_argument("--smoke", action="store_true", help="8 s, a change every second (tests)")
+    p.add_argument("--smoke", action="store_true", help="6.5 s, a change every 0.8 s (tests)")
     p.set_defaults(func=_main_of("soak"))

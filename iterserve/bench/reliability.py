@@ -96,7 +96,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{shlex.join(map(str, proc.args))} exited with {proc.returncode}")
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} (see its log)")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/ready", timeout=5).status_code == 200:
                 return

@@ -75,7 +75,7 @@ CONFIG_CYCLE: list[dict[str, Any]] = [
 
 
 def _smoke(args: argparse.Namespace) -> None:
-    args.duration, args.config_interval, args.warmup_s = 8.0, 1.0, 2.0
+    args.duration, args.config_interval, args.warmup_s = 6.5, 0.8, 1.5
     args.sample_interval, args.request_rate, args.drain_timeout_s = 0.5, 6.0, 30.0
 
 
