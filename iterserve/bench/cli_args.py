@@ -281,7 +281,12 @@ def _add_soak(sub: Any) -> None:
     p.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic")
     p.add_argument("--config-interval", type=float, default=60.0, help="seconds between PUTs")
     p.add_argument("--request-rate", type=float, default=3.0, help="Poisson req/s")
-    p.add_argument("--warmup-s", type=float, default=120.0, help="RSS reference after this")
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=None,
+        help="RSS reference after this (default: one pass through the config cycle)",
+    )
     p.add_argument("--max-rss-growth-mib", type=float, default=64.0, help="bound after warm-up")
     p.add_argument(
         "--drain-timeout-s", type=float, default=120.0, help="after the traffic: to end and idle"

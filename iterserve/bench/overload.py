@@ -164,8 +164,13 @@ def phase_summary(
         ]
         ttft[tier] = {"n": len(ms), "p50": percentile(ms, 50), "p99": percentile(ms, 99)}
     rss = [s["rss_mib"] for s in samples if s["phase"] == phase]
+    by_tier = {
+        tier: {k: n for k, n in counts([o for o in outcomes if o.tier == tier]).items() if n}
+        for tier in ttft
+    }
     return {
         "counts": c,
+        "counts_by_tier": by_tier,
         "rejected_share": c["rejected_429"] / max(1, c["sent"]),
         "completed_per_s": completed_per_s(outcomes, start_s, end_s),
         "ttft_ms": ttft,

@@ -15,9 +15,10 @@ Checks at the end (exit 1 when one fails):
   traffic stopped, none that the server accepted and left unfinished;
 - **no leaked blocks**: once idle, ``/load`` shows zero used KV blocks (prefix-cached blocks
   count as free: evictable), zero running, waiting or swapped;
-- **RSS bounded**: RSS when idle at the end minus the RSS after ``--warmup-s`` of traffic is at
-  most ``--max-rss-growth-mib`` (the warm-up fills allocator pools, caches and the prefix
-  cache's Python objects; growth after it is what a leak would show);
+- **RSS bounded**: RSS when idle at the end minus the RSS after the warm-up (``--warmup-s``,
+  default one pass through the config cycle: each setting runs other batch shapes and fills
+  other allocator pools, caches and prefix-cache entries) is at most
+  ``--max-rss-growth-mib``; growth after it is what a leak would show;
 - every live config change answered 200.
 
 The in-run reference: the warm-up window's figures (RSS, throughput) against the rest.
@@ -30,6 +31,7 @@ import asyncio
 import json
 import math
 import random
+import statistics
 import time
 from typing import Any
 
@@ -172,6 +174,17 @@ def _rss_after_warmup(samples: list[dict[str, Any]], warmup_s: float) -> float:
     return after[0] if after else samples[-1]["rss_mib"]
 
 
+def _rss_slope(samples: list[dict[str, Any]], warmup_s: float) -> float | None:
+    """MiB per hour of a least-squares line through the RSS samples after the warm-up (None
+    with fewer than 3)."""
+    after = [s for s in samples if s["t_s"] >= warmup_s]
+    if len(after) < 3:
+        return None
+    times, rss = [s["t_s"] for s in after], [s["rss_mib"] for s in after]
+    slope, _ = statistics.linear_regression(times, rss)
+    return slope * 3600
+
+
 def _rate(outcomes: list[Outcome], start_s: float, end_s: float) -> float:
     done = [o for o in outcomes if o.kind == "completed" and o.end_s is not None]
     return sum(start_s <= o.end_s < end_s for o in done if o.end_s) / max(1e-9, end_s - start_s)
@@ -190,6 +203,7 @@ def summarize(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "max_mib": max(s["rss_mib"] for s in samples),
         "end_mib": rss_end,
         "growth_after_warmup_mib": rss_end - rss_warm,
+        "slope_after_warmup_mib_per_hour": _rss_slope(samples, args.warmup_s),
         "bound_mib": args.max_rss_growth_mib,
     }
     changes = run["changes"]
@@ -240,6 +254,8 @@ def summarize(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     if args.smoke:
         _smoke(args)
+    if args.warmup_s is None:
+        args.warmup_s = (len(CONFIG_CYCLE) + 1) * args.config_interval
     warn_if_loaded()
     out_dir = output_dir(args) / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -261,7 +277,8 @@ def main(args: argparse.Namespace) -> int:
     rates = summary["completed_per_s"]
     print(
         f"RSS MiB: start {rss['start_mib']:.0f}, after warm-up {rss['after_warmup_mib']:.0f}, "
-        f"max {rss['max_mib']:.0f}, idle at the end {rss['end_mib']:.0f}; completed/s "
+        f"max {rss['max_mib']:.0f}, idle at the end {rss['end_mib']:.0f} (after warm-up "
+        f"{rss['slope_after_warmup_mib_per_hour'] or math.nan:+.1f} MiB/hour); completed/s "
         f"{rates['warmup']:.2f} in warm-up, {rates['after_warmup']:.2f} after; "
         f"{len(summary['config_changes'])} live config changes"
     )
