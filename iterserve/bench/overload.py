@@ -96,14 +96,19 @@ async def closed_loop(
     duration_s: float,
     t0: float,
 ) -> list[Outcome]:
-    """``concurrency`` streams, each sending its next request when the last ends, until
-    ``duration_s`` (the requests open then are finished)."""
+    """``concurrency`` streams, each sending its next request when the last ends (after a
+    429's ``Retry-After``, as a client should: retrying at once spins), until ``duration_s``
+    (the requests open then are finished)."""
     end = time.perf_counter() + duration_s
     outcomes: list[Outcome] = []
 
     async def stream() -> None:
         while time.perf_counter() < end:
-            outcomes.append(await send(http, workload.next(), model, t0))
+            outcome = await send(http, workload.next(), model, t0)
+            outcomes.append(outcome)
+            if outcome.status == 429 and (outcome.retry_after or "").isdigit():
+                pause_s = min(float(outcome.retry_after or 0), end - time.perf_counter())
+                await asyncio.sleep(max(0.0, pause_s))
 
     await asyncio.gather(*[stream() for _ in range(concurrency)])
     return outcomes

@@ -118,30 +118,34 @@ def scheduler_settings(target: Target) -> dict[str, Any] | None:
     return dict(r.json())
 
 
-def rss_bytes(target: Target, http: httpx.Client) -> float:
-    """Resident memory of the server: its whole process tree (HTTP process + engine child)
-    when the pid is known, else the HTTP process's own, from ``/metrics``."""
+def rss_bytes(target: Target, http: httpx.Client) -> tuple[float, float]:
+    """Resident memory of the server: (its whole process tree, the HTTP process alone) when
+    the pid is known (the difference is the engine process), else the HTTP process's own
+    from ``/metrics``, twice."""
     if target.pid is not None:
         import psutil
 
         proc = psutil.Process(target.pid)
-        total = 0
-        for p in [proc, *proc.children(recursive=True)]:
+        own = float(proc.memory_info().rss)
+        total = own
+        for child in proc.children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
-                total += p.memory_info().rss
-        return float(total)
+                total += child.memory_info().rss
+        return total, own
     from prometheus_client.parser import text_string_to_metric_families
 
     for family in text_string_to_metric_families(http.get("/metrics").text):
         if family.name == "process_resident_memory_bytes":
-            return float(family.samples[0].value)
+            value = float(family.samples[0].value)
+            return value, value
     raise RuntimeError("the server exposes no process_resident_memory_bytes; give --server-pid")
 
 
 @dataclass
 class Sampler:
     """Samples RSS and ``/load`` every ``interval_s`` on a thread; ``samples`` rows are
-    ``{t_s, phase, rss_mib, num_running, num_waiting, used_blocks}`` (t from ``t0``)."""
+    ``{t_s, phase, rss_mib, http_rss_mib, num_running, num_waiting, used_blocks,
+    num_cached_blocks}`` (t from ``t0``; ``rss_mib`` the process tree's)."""
 
     target: Target
     interval_s: float
@@ -151,10 +155,12 @@ class Sampler:
 
     def sample(self, http: httpx.Client) -> dict[str, Any]:
         load = http.get("/load").json()
+        total, own = rss_bytes(self.target, http)
         row = {
             "t_s": time.perf_counter() - self.t0,
             "phase": self.phase,
-            "rss_mib": rss_bytes(self.target, http) / MIB,
+            "rss_mib": total / MIB,
+            "http_rss_mib": own / MIB,
             "num_running": load["num_running"],
             "num_waiting": load["num_waiting"],
             "used_blocks": load["num_total_blocks"] - load["num_free_blocks"],

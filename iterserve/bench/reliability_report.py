@@ -54,8 +54,12 @@ def plot_timeline(
 
     fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
     ts = [s["t_s"] for s in samples]
-    axes[0].plot(ts, [s["rss_mib"] for s in samples])
+    axes[0].plot(ts, [s["rss_mib"] for s in samples], label="all server processes")
+    if any(s["http_rss_mib"] != s["rss_mib"] for s in samples):
+        axes[0].plot(ts, [s["http_rss_mib"] for s in samples], label="HTTP process")
+        axes[0].set_yscale("log")
     axes[0].set_ylabel("server RSS (MiB)")
+    axes[0].legend(fontsize=8)
     axes[1].plot(ts, [s["used_blocks"] for s in samples], label="used KV blocks")
     axes[1].plot(ts, [s["num_running"] for s in samples], label="running")
     axes[1].plot(ts, [s["num_waiting"] for s in samples], label="waiting")
