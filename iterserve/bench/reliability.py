@@ -13,7 +13,8 @@ Every request sent ends as exactly one :class:`Outcome` kind:
 - ``rejected``: 429 or 503 from admission (``Retry-After`` recorded);
 - ``aborted``: the client cancelled it on purpose (``abort_after_s``);
 - ``failed``: anything else: another status, an error event, a stream that ended early, a
-  client timeout (the request the server accepted and never finished).
+  connection closed or reset under it (``connection_error``), a client timeout (no end:
+  ``stuck``).
 """
 
 from __future__ import annotations
@@ -222,7 +223,8 @@ class Outcome:
     ttft_s: float | None = None
     output_tokens: int = 0
     error: str | None = None
-    ended: bool = False  # the server ended it: an answer, a whole stream, an error event
+    ended: bool = False  # an answer, a whole stream, an error event, a closed connection
+    connection_error: bool = False  # closed or reset under the request (no timeout)
 
     @property
     def accepted(self) -> bool:
@@ -268,8 +270,11 @@ async def send(http: httpx.AsyncClient, spec: RequestSpec, model: str, t0: float
     except TimeoutError:
         out.kind = "aborted" if spec.abort_after_s is not None else "failed"
         out.error = out.error or "client timeout"
-    except httpx.HTTPError as e:
+    except httpx.TimeoutException as e:  # no end: the server neither answered nor closed
         out.kind, out.error = "failed", f"{type(e).__name__}: {e}"[:200]
+    except httpx.HTTPError as e:  # the connection ended (closed or reset) without an answer
+        out.kind, out.error, out.ended = "failed", f"{type(e).__name__}: {e}"[:200], True
+        out.connection_error = True
     out.end_s = time.perf_counter() - t0
     return out
 
@@ -331,6 +336,7 @@ def counts(outcomes: list[Outcome]) -> dict[str, int]:
     result["accepted"] = sum(o.accepted for o in outcomes)
     result["incomplete"] = sum(o.accepted and o.kind == "failed" for o in outcomes)
     result["stuck"] = sum(o.kind == "failed" and not o.ended for o in outcomes)
+    result["connection_errors"] = sum(o.connection_error for o in outcomes)
     result["rejected_429"] = sum(o.status == 429 for o in outcomes)
     result["rejected_429_with_retry_after"] = sum(
         o.status == 429 and o.retry_after is not None and o.retry_after.isdigit() for o in outcomes

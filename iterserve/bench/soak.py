@@ -12,7 +12,8 @@ Checks at the end (exit 1 when one fails):
 
 - **no stuck requests**: every request sent ended: completed, answered with an error or a
   429/503, or cancelled by the client; none still open ``--drain-timeout-s`` after the
-  traffic stopped, none that the server accepted and left unfinished;
+  traffic stopped, none whose connection closed without an answer, none that the server
+  accepted and left unfinished;
 - **no leaked blocks**: once idle, ``/load`` shows zero used KV blocks (prefix-cached blocks
   count as free: evictable), zero running, waiting or swapped;
 - **RSS bounded**: RSS when idle at the end minus the RSS after the warm-up (``--warmup-s``,
@@ -210,6 +211,12 @@ def summarize(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     checks = [
         check("requests without an end (stuck)", c["stuck"], "== 0", c["stuck"] == 0),
         check(
+            "connections closed without an answer",
+            c["connection_errors"],
+            "== 0",
+            c["connection_errors"] == 0,
+        ),
+        check(
             "accepted, not cancelled, not completed",
             c["incomplete"],
             "== 0",
@@ -271,7 +278,8 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"sent {c['sent']}: completed {c['completed']}, rejected {c['rejected']} "
         f"({c['rejected_429_with_retry_after']}/{c['rejected_429']} 429s with Retry-After), "
-        f"cancelled by the client {c['aborted']}, failed {c['failed']}, stuck {c['stuck']}"
+        f"cancelled by the client {c['aborted']}, failed {c['failed']} (connection errors "
+        f"{c['connection_errors']}), stuck {c['stuck']}"
     )
     rss = summary["rss"]
     rates = summary["completed_per_s"]

@@ -71,6 +71,8 @@ def test_checks_fail_on_leaks_and_stuck_requests() -> None:
         "requests without an end (stuck)",
         "accepted, not cancelled, not completed",
     }
+    reset = Outcome("standard", True, 0.0, ended=True, connection_error=True, error="ReadError")
+    assert _failed(_run(outcomes=[reset])) == {"connections closed without an answer"}
     assert _failed(_run(final={"rss_mib": 300.0})) == {"RSS growth after warm-up (MiB)"}
     refused = [{"t_s": 60.0, "keys": ["tiers"], "status": 422}]
     assert _failed(_run(changes=refused)) == {"live config changes answered 200"}
