@@ -39,6 +39,8 @@ def add_bench_parsers(sub: Any) -> None:
     _add_fidelity(sub)
     _add_router(sub)
     _add_telemetry(sub)
+    _add_overload(sub)
+    _add_soak(sub)
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -229,3 +231,65 @@ def _add_telemetry(sub: Any) -> None:
     p.add_argument("--output-dir", type=Path, default=None, help=_SMOKE_DIR_HELP)
     p.add_argument("--smoke", action="store_true", help="4 requests of 4 tokens, 1 run (tests)")
     p.set_defaults(func=_main_of("telemetry"))
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    """The server under test of ``bench overload`` and ``bench soak``: one they start, or
+    ``--url``."""
+    p.add_argument(
+        "--server-args",
+        default="",
+        help="flags of the `iterserve serve` it starts (default: none, the real default "
+        "model), e.g. '--simulate cpu-smollm2'; the benchmark adds --tiers and --admin-token",
+    )
+    p.add_argument("--port", type=int, default=0, help="port of the started server (0: free)")
+    p.add_argument("--url", default=None, help="attach to this running server instead")
+    p.add_argument("--server-pid", type=int, default=None, help="with --url: its pid, for RSS")
+    p.add_argument("--admin-token", default=None, help="with --url: for tiers and live changes")
+    p.add_argument("--sample-interval", type=float, default=5.0, help="seconds between samples")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="client timeout per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", type=Path, default=None, help=_SMOKE_DIR_HELP)
+
+
+def _add_overload(sub: Any) -> None:
+    p = sub.add_parser(
+        "overload", help="open-loop load at 2x measured capacity: 429s, RSS, premium TTFT"
+    )
+    _add_server_flags(p)
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of overload")
+    p.add_argument("--load-factor", type=float, default=2.0, help="x the measured capacity")
+    p.add_argument("--capacity-s", type=float, default=60.0, help="closed-loop capacity phase")
+    p.add_argument("--baseline-s", type=float, default=60.0, help="open loop at 1x (0: skip)")
+    p.add_argument(
+        "--concurrency", type=int, default=None, help="capacity phase (default: max_num_seqs)"
+    )
+    p.add_argument("--tier-mix", default="premium=0.2,standard=0.5,best-effort=0.3")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per request")
+    p.add_argument("--max-rss-growth-mib", type=float, default=256.0, help="bound on RSS growth")
+    p.add_argument("--premium-tier", default="premium", help="tier whose TTFT target is checked")
+    p.add_argument("--smoke", action="store_true", help="a few seconds per phase (tests)")
+    p.set_defaults(func=_main_of("overload"))
+
+
+def _add_soak(sub: Any) -> None:
+    p = sub.add_parser(
+        "soak", help="long mixed traffic with live config changes: leaks, RSS, stuck requests"
+    )
+    _add_server_flags(p)
+    p.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic")
+    p.add_argument("--config-interval", type=float, default=60.0, help="seconds between PUTs")
+    p.add_argument("--request-rate", type=float, default=3.0, help="Poisson req/s")
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=None,
+        help="RSS reference after this (default: one pass through the config cycle)",
+    )
+    p.add_argument("--max-rss-growth-mib", type=float, default=64.0, help="bound after warm-up")
+    p.add_argument(
+        "--drain-timeout-s", type=float, default=120.0, help="after the traffic: to end and idle"
+    )
+    p.add_argument("--smoke", action="store_true", help="6.5 s, a change every 0.8 s (tests)")
+    p.set_defaults(func=_main_of("soak"))

@@ -24,25 +24,34 @@ MAX_CONCURRENT_SWAPS = 16
 
 def effective_priority(request: Request, now: float, config: SchedulerConfig) -> int:
     """Priority minus one per ``aging_interval_s`` waited since arrival, never below the most
-    urgent tier's priority (so an aged request ties the most urgent tier and wins on arrival).
-    A priority below the most urgent tier counts as that tier (it maps there too), which keeps
-    the bound: after ``aging_interval_s * (priority - most urgent)`` a request is ahead of
-    every newer arrival.
+    urgent tier's priority (so an aged request ties the most urgent tier and wins on arrival):
+    :func:`aged_priority` of the request at ``now``.
 
     Under policy ``fcfs`` every request has the same effective priority (0).
+    """
+    return aged_priority(request.priority, now - request.arrival_time, config)
+
+
+def aged_priority(priority: int, waited_s: float, config: SchedulerConfig) -> int:
+    """The effective priority of a request of ``priority`` after ``waited_s`` seconds in the
+    queue (the scheduler's order; admission estimates waits with it).
+
+    A priority below the most urgent tier counts as that tier (it maps there too), which keeps
+    the bound: after ``aging_interval_s * (priority - most urgent)`` a request is ahead of
+    every newer arrival. Under policy ``fcfs``: 0 for every request.
     """
     if config.scheduling_policy == "fcfs":
         return 0
     floor = min(t.priority for t in config.tiers)
-    return _aged(request, now, config.aging_interval_s, floor)
+    return _aged(priority, waited_s, config.aging_interval_s, floor)
 
 
-def _aged(request: Request, now: float, interval_s: float, floor: int) -> int:
+def _aged(priority: int, waited_s: float, interval_s: float, floor: int) -> int:
     # The epsilon keeps exact multiples of the interval from rounding down (0.3 / 0.1).
-    steps = max(0.0, now - request.arrival_time) / interval_s + 1e-9
-    if steps >= request.priority - floor:  # aged all the way (also when steps is huge or inf)
+    steps = max(0.0, waited_s) / interval_s + 1e-9
+    if steps >= priority - floor:  # aged all the way (also when steps is huge or inf)
         return floor
-    return max(floor, request.priority - math.floor(steps))
+    return max(floor, priority - math.floor(steps))
 
 
 def waiting_key(now: float, config: SchedulerConfig) -> Callable[[Request], tuple[int, float, int]]:
@@ -51,7 +60,11 @@ def waiting_key(now: float, config: SchedulerConfig) -> Callable[[Request], tupl
         return lambda r: (0, r.arrival_time, r.arrival_seq)
     floor = min(t.priority for t in config.tiers)  # once per sort, not per request
     interval_s = config.aging_interval_s
-    return lambda r: (_aged(r, now, interval_s, floor), r.arrival_time, r.arrival_seq)
+    return lambda r: (
+        _aged(r.priority, now - r.arrival_time, interval_s, floor),
+        r.arrival_time,
+        r.arrival_seq,
+    )
 
 
 class AdmissionOrder:

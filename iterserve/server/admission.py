@@ -3,12 +3,12 @@
 A request is *queued* from the moment the server accepts it until its first token arrives
 (or it ends): the requests the engine has not started serving. A new request is refused
 with 429 when the queue holds ``max_waiting`` requests, or when the wait it would see (the
-queued requests of its tier or a more urgent one, over the measured drain rate) exceeds its
-tier's ``max_queue_wait_ms``: better an early, explicit "retry later" than accepted work
-that misses its SLA. With ``max_waiting_per_tenant`` a tenant (other than ``default``) with
-that many requests queued gets 429 ``tenant_queue_full``, so one noisy tenant cannot fill the
-queue in front of every other tenant. ``Retry-After`` is the time the queue needs to drain
-enough at the measured rate.
+queued requests the scheduler will serve before it, aging included, over the measured drain
+rate) exceeds its tier's ``max_queue_wait_ms``: better an early, explicit "retry later" than
+accepted work that misses its SLA. With ``max_waiting_per_tenant`` a tenant (other than
+``default``) with that many requests queued gets 429 ``tenant_queue_full``, so one noisy
+tenant cannot fill the queue in front of every other tenant. ``Retry-After`` is the time the
+queue needs to drain enough at the measured rate.
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from iterserve.config import SchedulerConfig
+from iterserve.engine.policy import aged_priority
 from iterserve.server.protocol import APIError
 from iterserve.server.tenants import DEFAULT_TENANT
 
 # Requests leaving the queue within this window give the drain rate.
 DRAIN_WINDOW_S = 30.0
+# Rounds of the expected-wait estimate (each adds the requests that age past the new one
+# during the wait found by the round before).
+WAIT_ESTIMATE_ROUNDS = 8
 MAX_RETRY_AFTER_S = 60
 
 
@@ -54,6 +58,7 @@ class Admission:
         self.queued: dict[str, int] = {}  # request id -> priority
         self.tenant_of: dict[str, str] = {}  # request id -> tenant, of the queued requests
         self.num_queued_by_tenant: Counter[str] = Counter()  # tenants with none are absent
+        self._queued_since: dict[str, float] = {}  # request id -> clock at enqueue
         self.draining = False
         self._left_queue: deque[float] = deque()
 
@@ -115,8 +120,7 @@ class Admission:
         rate = self.drain_rate()
         if tier.max_queue_wait_ms is None or rate is None:
             return
-        ahead = sum(1 for p in self.queued.values() if p <= priority)
-        expected_s = ahead / rate
+        expected_s = self.expected_wait_s(config, priority, rate)
         limit_s = tier.max_queue_wait_ms / 1000
         if expected_s > limit_s:
             raise Rejected(
@@ -146,8 +150,33 @@ class Admission:
             self._seconds_for(excess * len(self.num_queued_by_tenant)),
         )
 
+    def expected_wait_s(self, config: SchedulerConfig, priority: int, rate: float) -> float:
+        """Seconds a new request of ``priority`` would queue: the queued requests served
+        before it, over the drain ``rate`` (requests/s).
+
+        Served before it are those whose aged priority (the scheduler's order: one step per
+        ``aging_interval_s`` waited, ties to the earlier arrival; all of them under ``fcfs``)
+        is at least as urgent as its own at the moment it would be served. That moment is the
+        estimate itself, so it is iterated from zero wait: a lower tier that has waited long
+        enough to tie a new premium request goes first, and counting only the queued
+        requests of its tier or a more urgent one would admit premium work that then waits
+        behind aged standard and best-effort work for far longer than its limit.
+        """
+        now = self.clock()
+        waited = [(p, now - self._queued_since[r]) for r, p in self.queued.items()]
+        wait_s = 0.0
+        for _ in range(WAIT_ESTIMATE_ROUNDS):
+            mine = aged_priority(priority, wait_s, config)
+            ahead = sum(1 for p, w in waited if aged_priority(p, w + wait_s, config) <= mine)
+            estimate = ahead / rate
+            if estimate == wait_s:
+                break
+            wait_s = estimate
+        return wait_s
+
     def enqueue(self, request_id: str, priority: int, tenant: str = DEFAULT_TENANT) -> None:
         self.queued[request_id] = priority
+        self._queued_since[request_id] = self.clock()
         self.tenant_of[request_id] = tenant
         self.num_queued_by_tenant[tenant] += 1
 
@@ -155,6 +184,7 @@ class Admission:
         """The request got its first token (``started``) or ended before; idempotent."""
         if self.queued.pop(request_id, None) is None:
             return
+        del self._queued_since[request_id]
         tenant = self.tenant_of.pop(request_id)
         self.num_queued_by_tenant[tenant] -= 1
         if not self.num_queued_by_tenant[tenant]:

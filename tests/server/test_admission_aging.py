@@ -1,0 +1,72 @@
+"""Admission's expected queue wait follows the scheduler's order, aging included (found by
+``bench overload``: at 2x capacity premium requests were admitted with "nothing ahead" and
+then waited 6-9 s behind standard and best-effort requests that had aged to premium)."""
+
+from __future__ import annotations
+
+import pytest
+
+from iterserve.config import SchedulerConfig, Tier
+from iterserve.server.admission import Admission, Rejected
+
+TIERS = (
+    Tier("premium", 0, max_queue_wait_ms=1000),
+    Tier("standard", 1),
+    Tier("best-effort", 2),
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _admission_draining_one_per_s(clock: Clock) -> Admission:
+    admission = Admission(clock)
+    for i in range(3):  # 3 requests leave over 2 s, then 1 s more: 3 in 3 s
+        admission.enqueue(f"d{i}", 1)
+        admission.left_queue(f"d{i}")
+        clock.now += 1.0
+    return admission
+
+
+def test_requests_aged_to_premium_count_ahead_of_a_new_premium_request() -> None:
+    clock = Clock()
+    admission = _admission_draining_one_per_s(clock)
+    config = SchedulerConfig(tiers=TIERS, aging_interval_s=5.0, max_waiting=100)
+    for i in range(3):
+        admission.enqueue(f"b{i}", 2)
+    admission.check(config, 0)  # fresh best-effort work is behind a new premium request
+    clock.now += 10.0  # ... until it has waited two aging steps: it ties premium, and is older
+    assert admission.expected_wait_s(config, 0, 1.0) == pytest.approx(3.0)
+    with pytest.raises(Rejected) as e:
+        admission.check(config, 0)  # 3 ahead at ~1 per s: 3 s > 1 s
+    assert e.value.reason == "queue_wait"
+
+
+def test_requests_that_age_past_it_during_the_wait_count_too() -> None:
+    clock = Clock()
+    admission = Admission(clock)
+    config = SchedulerConfig(tiers=TIERS, aging_interval_s=5.0, max_waiting=100)
+    for i in range(2):
+        admission.enqueue(f"p{i}", 0)
+    for i in range(4):
+        admission.enqueue(f"s{i}", 1)
+    clock.now += 4.0  # the standard requests are 1 s from aging to premium
+    # 2 premium ahead at 1 per s: 2 s, by which time the 4 standard ones tie and are older.
+    assert admission.expected_wait_s(config, 0, 1.0) == pytest.approx(6.0)
+    assert admission.expected_wait_s(config, 0, 10.0) == pytest.approx(0.2)  # served first
+
+
+def test_fcfs_counts_every_queued_request() -> None:
+    clock = Clock()
+    admission = Admission(clock)
+    config = SchedulerConfig(tiers=TIERS, scheduling_policy="fcfs", max_waiting=100)
+    for i in range(3):
+        admission.enqueue(f"b{i}", 2)
+    assert admission.expected_wait_s(config, 0, 1.0) == pytest.approx(3.0)
+    admission.left_queue("b0")
+    assert admission.expected_wait_s(config, 0, 1.0) == pytest.approx(2.0)
