@@ -26,7 +26,6 @@ import queue
 import signal
 import sys
 import threading
-import time
 from typing import Any
 
 from iterserve.engine.client import EngineClientBase
@@ -58,8 +57,9 @@ def die_with_parent(parent_pid: int) -> None:
     else:
 
         def poll() -> None:
+            tick = threading.Event()  # never set: a sleep that reads no clock of ours
             while os.getppid() == parent_pid:
-                time.sleep(PARENT_POLL_INTERVAL_S)
+                tick.wait(PARENT_POLL_INTERVAL_S)
             os._exit(1)
 
         threading.Thread(target=poll, name="iterserve-parent-watch", daemon=True).start()
