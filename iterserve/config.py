@@ -16,6 +16,7 @@ import dataclasses
 import math
 import types
 import typing
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -160,6 +161,9 @@ class CacheConfig:
         _require(self.swap_space >= 0, f"swap_space must be >= 0, got {self.swap_space}")
 
 
+MAX_TIER_NAME_LEN = 63  # the CRD's bound
+
+
 @dataclass(frozen=True)
 class Tier:
     """A priority tier: requests whose priority maps here are labelled ``name`` in metrics.
@@ -175,7 +179,14 @@ class Tier:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _require(bool(self.name), "a tier needs a non-empty name")
+        _require(bool(self.name.strip()), "a tier needs a non-empty name")
+        # Names label metrics and log lines: printable, and as short as the CRD allows.
+        _require(
+            len(self.name) <= MAX_TIER_NAME_LEN
+            and all(unicodedata.category(c)[0] != "C" for c in self.name),
+            f"tier name {self.name!r} must be at most {MAX_TIER_NAME_LEN} printable "
+            "characters (no control or format characters)",
+        )
         _require(
             isinstance(self.priority, int) and not isinstance(self.priority, bool),
             f"tier {self.name!r}: priority must be an integer, got {self.priority!r}",
@@ -402,6 +413,14 @@ class ServerConfig:
             "its request aborted (0: wait forever)"
         },
     )
+    engine_hang_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "the engine process is declared hung and killed (the server then exits "
+            "with code 1, as when it dies) after sending nothing for this long; an idle "
+            "engine is probed (0: never)"
+        },
+    )
     max_stream_buffer_chunks: int = field(
         default=1024,
         metadata={
@@ -444,6 +463,10 @@ class ServerConfig:
         _require(
             self.stream_stall_timeout_s >= 0,
             f"stream_stall_timeout_s must be >= 0, got {self.stream_stall_timeout_s}",
+        )
+        _require(
+            self.engine_hang_timeout_s >= 0,
+            f"engine_hang_timeout_s must be >= 0, got {self.engine_hang_timeout_s}",
         )
         _require(
             self.max_stream_buffer_chunks >= 1,

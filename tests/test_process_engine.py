@@ -186,3 +186,43 @@ def test_the_engine_process_dies_with_its_server_even_mid_iteration() -> None:
     finally:
         owner.kill()
         owner.wait()
+
+
+def test_a_hung_engine_process_is_killed_and_its_requests_fail() -> None:
+    """An iteration that never ends (engine_fakes.build_stalling_engine: 60 s) and an idle
+    engine that stops answering (SIGSTOP): the watchdog kills the child after
+    ``hang_timeout_s`` of silence, so streams end with an error naming the hang and the
+    client reports not running (the server then exits 1 and Kubernetes restarts the pod)."""
+    import os
+    import signal
+    import time
+
+    async def main() -> None:
+        engine = ProcessEngine({}, factory="engine_fakes:build_stalling_engine", hang_timeout_s=2.0)
+        await engine.start()
+        start = time.monotonic()
+        request = AddRequest("r", [2, 3, 4], SamplingParams(max_tokens=4), 1, 0.0)
+        with pytest.raises(EngineDeadError, match="hung: nothing sent for 2 s"):
+            async for _ in engine.generate(request):
+                pass
+        assert 2.0 <= time.monotonic() - start < 10
+        assert not engine.is_running
+        await engine.stop()
+
+        idle = ProcessEngine({}, factory="engine_fakes:build_fragile_engine", hang_timeout_s=2.0)
+        await idle.start()
+        try:
+            await asyncio.sleep(2.5)  # idle past the timeout: the probes are answered
+            assert idle.is_running
+            assert idle.pid is not None
+            os.kill(idle.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 10
+            while idle.is_running:
+                assert time.monotonic() < deadline, "a stopped engine was never declared hung"
+                await asyncio.sleep(0.1)
+            with pytest.raises(EngineDeadError):
+                await idle.query_load()
+        finally:
+            await idle.stop()
+
+    asyncio.run(main())

@@ -30,13 +30,22 @@ from typing import Any
 
 from iterserve.engine.client import EngineClientBase
 from iterserve.engine.engine_core import EngineCore
-from iterserve.engine.messages import EngineCommand, EngineDeadError, EngineReady, Shutdown
+from iterserve.engine.messages import (
+    EngineCommand,
+    EngineDeadError,
+    EngineReady,
+    QueryLoad,
+    Shutdown,
+    monotonic_clock,
+)
 from iterserve.telemetry.iterations import IterationRecorder
 
 logger = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 DEFAULT_FACTORY = "iterserve.executor.build:build_llm_engine"
+# Seconds of silence after which the engine process counts as hung (ServerConfig's default).
+DEFAULT_HANG_TIMEOUT_S = 60.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PARENT_POLL_INTERVAL_S = 0.5  # where the kernel cannot signal a parent's death
 
@@ -115,6 +124,11 @@ class ProcessEngine(EngineClientBase):
         engine_kwargs: keywords of the factory (for the default: ``LLM``-style config keys).
         factory: ``"module:function"`` returning an ``LLMEngine``; runs in the child.
         telemetry_db: SQLite file the child writes ``scheduler_iterations`` to (None: off).
+        hang_timeout_s: the child is declared hung, and killed, when it has sent nothing for
+            this long (seconds; 0: never). A running engine sends a message every iteration;
+            an idle one is probed with a ``QueryLoad`` after half the timeout (answered at
+            once), so only a stopped or deadlocked process, or one iteration longer than the
+            timeout, trips it. Its requests then fail as when the process dies.
     """
 
     def __init__(
@@ -122,11 +136,15 @@ class ProcessEngine(EngineClientBase):
         engine_kwargs: dict[str, Any],
         factory: str = DEFAULT_FACTORY,
         telemetry_db: str | None = None,
+        hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
     ) -> None:
         super().__init__()
         self.engine_kwargs = engine_kwargs
         self.factory = factory
         self.telemetry_db = telemetry_db
+        self.hang_timeout_s = hang_timeout_s
+        self._last_heard = 0.0  # monotonic_clock() of the child's latest message
+        self._hung_after_s: float | None = None  # set when the watchdog killed the child
         self._proc: Any = None
         self._send_lock = threading.Lock()
         self._outbox: queue.SimpleQueue[EngineCommand | None] = queue.SimpleQueue()
@@ -171,6 +189,9 @@ class ProcessEngine(EngineClientBase):
         self._dead = False
         threading.Thread(target=self._read, name="iterserve-engine-reader", daemon=True).start()
         threading.Thread(target=self._write, name="iterserve-engine-writer", daemon=True).start()
+        if self.hang_timeout_s > 0:
+            self._last_heard = monotonic_clock()
+            threading.Thread(target=self._watch, name="iterserve-engine-watch", daemon=True).start()
 
     async def stop(self) -> None:
         """Abort what runs, stop the child and wait for it (a no-op when it is gone)."""
@@ -223,8 +244,10 @@ class ProcessEngine(EngineClientBase):
             except (EOFError, OSError):
                 break
             except Exception:  # a message that cannot be unpickled: drop it, keep reading
+                self._last_heard = monotonic_clock()
                 logger.exception("unreadable message from the engine process")
                 continue
+            self._last_heard = monotonic_clock()
             with contextlib.suppress(RuntimeError):  # the event loop is closed
                 self._loop.call_soon_threadsafe(self._on_message, message)
         with self._send_lock:
@@ -234,7 +257,34 @@ class ProcessEngine(EngineClientBase):
         if not self._stopping:
             self._proc.join(1.0)  # its exit code, for the log and the streams' error events
             how = describe_exit(self._proc.exitcode)
+            if self._hung_after_s is not None:
+                how = f"hung: nothing sent for {self._hung_after_s:.0f} s, then {how}"
             logger.error("the engine process died (%s)", how)
             error = EngineDeadError(f"the engine process died ({how})")
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._fail_all, error)
+
+    def _watch(self) -> None:
+        """Watchdog thread: probe a silent child, kill a hung one (``hang_timeout_s``)."""
+        tick = threading.Event()  # never set: a sleep that reads no clock of ours
+        probed_at = None
+        while not self._dead and not self._stopping:
+            tick.wait(min(1.0, self.hang_timeout_s / 4))
+            silent_s = monotonic_clock() - self._last_heard
+            if silent_s < self.hang_timeout_s / 2:
+                probed_at = None
+                continue
+            if probed_at is None or probed_at < self._last_heard:
+                # Idle, or in a long iteration: a load query is answered at the next boundary.
+                probed_at = monotonic_clock()
+                with contextlib.suppress(EngineDeadError):
+                    self._submit(QueryLoad(next(self._call_ids)))  # the answer is ignored
+            if silent_s >= self.hang_timeout_s and not self._stopping:
+                logger.error(
+                    "the engine process sent nothing for %.0f s (hang_timeout_s=%g): killing it",
+                    silent_s,
+                    self.hang_timeout_s,
+                )
+                self._hung_after_s = silent_s
+                self._proc.kill()  # the reader sees the pipe close: every request fails
+                return

@@ -96,7 +96,11 @@ def serve(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> int:
     setup_logging()
     # Invalid settings fail here, before any process starts.
     require_single_device(EngineConfig.from_kwargs(**engine_kwargs))
-    engine = ProcessEngine(engine_kwargs, telemetry_db=server_config.telemetry_db)
+    engine = ProcessEngine(
+        engine_kwargs,
+        telemetry_db=server_config.telemetry_db,
+        hang_timeout_s=server_config.engine_hang_timeout_s,
+    )
     return run_server(build_app(engine, server_config), server_config)
 
 

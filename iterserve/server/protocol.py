@@ -177,9 +177,12 @@ class ChatMessage(BaseModel):
         """The message's text.
 
         Raises:
-            APIError: a non-text content part (images, audio: 400 not supported).
+            APIError: 400 for no content outside an assistant message (as OpenAI), or a
+                non-text content part (images, audio: not supported).
         """
         if self.content is None:
+            if self.role != "assistant":  # only an assistant turn may come without content
+                raise APIError(400, f"a {self.role!r} message needs 'content'", param="messages")
             return ""
         if isinstance(self.content, str):
             return self.content

@@ -71,6 +71,8 @@ def test_without_an_admin_token_the_admin_api_is_403_saying_how_to_enable_it(
         ({"max_num_seqs": "many"}, "integer"),
         ({"tiers": [{"name": "a", "priority": 0}, {"name": "a", "priority": 1}]}, "unique"),
         ({"tiers": [{"name": "a", "level": 0}]}, "bad tier"),
+        ({"tiers": [{"name": "a\u0007\nb", "priority": 0}]}, "printable characters"),
+        ({"tiers": [{"name": "t" * 64, "priority": 0}]}, "at most 63"),
         ({"config_version": "seven"}, "config_version"),
         ({"config_version": 10**30}, "config_version"),
         ({"aging_interval_s": 5e-324}, "aging_interval_s"),

@@ -267,6 +267,8 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     (CMPL, "not an object", b"[1, 2]", 400, None),
     (CMPL, "oversized body", {"prompt": "x" * (5 << 20)}, 413, None),
     (CHAT, "no messages", {"messages": []}, 400, "messages"),
+    (CHAT, "no content", {"messages": [{"role": "user"}]}, 400, "messages"),
+    (CHAT, "null content", {"messages": [{"role": "user", "content": None}]}, 400, "messages"),
     (CHAT, "bad role", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     (CHAT, "tools", {"messages": MSG, "tools": [TOOL]}, 400, "tools"),
     (CHAT, "json mode", {"messages": MSG, "response_format": JSON_MODE}, 400, "response_format"),
