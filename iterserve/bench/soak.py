@@ -33,6 +33,7 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -263,6 +264,16 @@ def main(args: argparse.Namespace) -> int:
         _smoke(args)
     if args.warmup_s is None:
         args.warmup_s = (len(CONFIG_CYCLE) + 1) * args.config_interval
+    if args.duration <= args.warmup_s + args.config_interval:
+        print(
+            f"error: --duration {args.duration:g} s leaves no time after the warm-up "
+            f"({args.warmup_s:g} s: by default one cycle of {len(CONFIG_CYCLE) + 1} config "
+            f"changes x --config-interval {args.config_interval:g} s) for a config change and "
+            "an RSS trend: pass a longer --duration, or a shorter --config-interval / "
+            "--warmup-s",
+            file=sys.stderr,
+        )
+        return 2
     warn_if_loaded()
     out_dir = output_dir(args) / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -32,11 +32,18 @@ _ERROR_DESCRIPTIONS = {
     404: "The model is not the one this server serves.",
     413: "The body is larger than --max-request-body-bytes.",
     422: "Settings that cannot be applied (unknown or restart-only keys, invalid values).",
-    429: "Backpressure: the queue is full or its expected wait exceeds the tier's limit.",
+    429: "Backpressure (`code`): the queue is full (queue_full), the tenant's queue is full "
+    "(tenant_queue_full, max_waiting_per_tenant), or the expected wait exceeds the tier's "
+    "limit (queue_wait); retry after Retry-After seconds.",
     500: "The engine failed the iteration that computed this request.",
     503: "The engine is not running, or the server is draining (Retry-After).",
 }
-_RETRY_AFTER = {"Retry-After": {"description": "seconds", "schema": {"type": "string"}}}
+_RETRY_AFTER = {
+    "Retry-After": {
+        "description": "whole seconds, 1-60",
+        "schema": {"type": "string", "pattern": "^[0-9]+$"},
+    }
+}
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -36,6 +36,21 @@ def test_smoke_run_passes_its_checks(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert (json_path.parent / "soak.png").stat().st_size > 1000
 
 
+def test_a_run_too_short_for_its_warm_up_is_refused_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """45 s against the default warm-up (one config cycle, 7 changes 60 s apart: 420 s)
+    would measure nothing after it: refused with the flags to change, before any server
+    starts."""
+    argv = ["bench", "soak", "--duration", "45", "--output-dir", str(tmp_path)]
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert "--duration 45 s leaves no time after the warm-up (420 s" in err
+    assert "--config-interval" in err and "--warmup-s" in err
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written
+
+
 def _run(**overrides: Any) -> dict[str, Any]:
     samples = [
         {"t_s": 0.0, "rss_mib": 100.0},
