@@ -64,6 +64,8 @@ COMMANDS = [
     "bench fidelity",
     "bench router",
     "bench telemetry",
+    "bench overload",
+    "bench soak",
 ]
 
 
