@@ -175,25 +175,37 @@ def priority_victims(
     KV blocks) may preempt, in the order to preempt them: least urgent first, then the most
     recently admitted (DESIGN.md, "Priority preemption at admission").
 
-    A running request is a victim only when its effective priority is at least
-    ``config.priority_preemption_margin`` steps less urgent than the candidate's (both aged
-    by :func:`effective_priority`, so a request that has waited long enough is never a
-    victim, which keeps aging's bound on how long a low tier is held off). Protected
-    (thrashing) requests are never victims: unlike an allocation failure, nothing forces this
-    preemption. Empty when the margin is 0 (off) or the policy is ``fcfs`` (every effective
-    priority is equal).
+    The candidate counts with its effective (aged) priority. A running request counts with
+    its tier's priority until it has given up its seat once for a more urgent request, and
+    with its effective priority after that (:func:`victim_priority`); it is a victim when that
+    is at least ``config.priority_preemption_margin`` steps less urgent than the candidate.
+    So aged work is preempted once, not never: under overload every running request has
+    waited long enough to be aged, and judging them aged would turn the policy off exactly
+    when the urgent tier needs it. And aging's bound still holds: a request preempted once is
+    back in the queue with its aged priority, heads it once aged to the most urgent tier (by
+    arrival), and is then no victim again. Protected (thrashing) requests are never victims:
+    unlike an allocation failure, nothing forces this preemption. Empty when the margin is 0
+    (off) or the policy is ``fcfs``.
     """
     margin = config.priority_preemption_margin
-    if margin <= 0:
+    if margin <= 0 or config.scheduling_policy == "fcfs":
         return []
     threshold = effective_priority(candidate, now, config) + margin
+    ranked = [(victim_priority(r, now, config), r.admit_seq, r) for r in running]
     victims = [
-        r
-        for r in running
-        if effective_priority(r, now, config) >= threshold and not is_protected(r, iteration)
+        (p, seq, r) for p, seq, r in ranked if p >= threshold and not is_protected(r, iteration)
     ]
-    victims.sort(key=lambda r: (effective_priority(r, now, config), r.admit_seq), reverse=True)
-    return victims
+    victims.sort(key=lambda v: (v[0], v[1]), reverse=True)
+    return [r for _, _, r in victims]
+
+
+def victim_priority(request: Request, now: float, config: SchedulerConfig) -> int:
+    """How urgent a running request counts as a priority-preemption victim: its own priority
+    (its tier's) until it has been preempted for priority once, its effective (aged) priority
+    after that (:func:`priority_victims`)."""
+    if request.num_priority_preemptions == 0:
+        return request.priority
+    return effective_priority(request, now, config)
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,8 @@ class Request:
         # Prompt tokens found in the prefix cache when first admitted (usage reporting).
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
+        # Of num_preemptions, those for a more urgent waiting request (policy.victim_priority).
+        self.num_priority_preemptions = 0
         # Prompt tokens whose computation has been charged to the tenant (fair share): the
         # high-water mark, so a recompute after preemption is not charged twice.
         self.num_charged_prompt_tokens = 0

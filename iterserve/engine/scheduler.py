@@ -56,6 +56,9 @@ class _Batch:
         self.swap_in: list[tuple[int, int]] = []
         # Swapped back in by this batch: their copies are pending, so they are no victims.
         self.resumed: list[Request] = []
+        # Admitted from the waiting queue by this batch: the queue order put them ahead of
+        # whoever comes after them in it, so they are no priority victims in it either.
+        self.admitted: list[Request] = []
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_tokens[request.request_id] = num_tokens
@@ -166,6 +169,8 @@ class Scheduler:
         batch.preempted.append(victim)
         victim.preempted_at.append(self.iteration)
         victim.num_preemptions += 1
+        if reason == "priority":
+            victim.num_priority_preemptions += 1
         # The runner copies swap-outs before swap-ins: a swap-out after this batch's swap-ins
         # (priority preemption at admission) could overwrite host blocks they just released.
         can_swap = (
@@ -327,6 +332,7 @@ class Scheduler:
                 self.num_prefix_cache_queries += request.num_tokens
                 self.num_prefix_cache_hits += num_computed
             self._start_running(request)
+            batch.admitted.append(request)
             self._add_to_batch(batch, request, num_new)
             order.take()  # after the charge: its tenant's next turn reads the new counter
         if admitted:
@@ -335,12 +341,13 @@ class Scheduler:
     def _preempt_for(
         self, request: Request, batch: _Batch, now: float, hits: list[KVBlock], num_new: int
     ) -> bool:
-        """Preempt the first of ``request``'s priority victims (never one swapped in by this
-        batch) so that ``request`` (its prefix-cache ``hits`` and ``num_new`` tokens to
+        """Preempt the first of ``request``'s priority victims (never one swapped in or admitted
+        by this batch) so that ``request`` (its prefix-cache ``hits`` and ``num_new`` tokens to
         schedule) can be admitted; False (nothing preempted) when it has none, or when its
         blocks would not be free even after all of them gave theirs back. Exact: blocks another
         request still holds, and ``request``'s own hits, are not counted as freed."""
-        candidates = [r for r in self.running if not any(r is x for x in batch.resumed)]
+        exempt = {id(r) for r in batch.resumed} | {id(r) for r in batch.admitted}
+        candidates = [r for r in self.running if id(r) not in exempt]
         victims = policy.priority_victims(request, candidates, now, self.iteration, self.config)
         if not victims:
             return False

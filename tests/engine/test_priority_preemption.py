@@ -9,6 +9,7 @@ still unless a test moves it, so effective priorities are the requests' own unti
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any
 
 import engine_fakes
@@ -363,6 +364,93 @@ def test_aging_bounds_how_long_best_effort_work_is_held_off_by_a_premium_stream(
     assert finished_at <= 2 * interval + (4 + 10 + 2) * 0.1
 
 
+def test_seats_of_aged_best_effort_work_still_yield_to_a_premium_arrival() -> None:
+    # Overload: everything running waited long enough in the queue to age to premium.
+    h = Harness(max_num_seqs=2, priority_preemption_margin=1, aging_interval_s=1.0)
+    for i in range(2):
+        h.add(f"be{i}", 3, max_tokens=40, priority=BEST_EFFORT)
+    h.clock.now += 10.0
+    h.step()
+    assert all(h.status(f"be{i}") == RequestStatus.RUNNING for i in range(2))
+    h.add("p", 3, max_tokens=4, priority=PREMIUM)
+    assert h.steps_until_sampled("p", limit=2) == 1
+    assert h.priority_preemptions == 1
+    victim = h.request("be1")  # the most recently admitted
+    assert victim.num_priority_preemptions == 1
+    # Given up its seat once: now judged aged (premium), it is no victim for the next one.
+    h.add("p2", 3, max_tokens=4, priority=PREMIUM)
+    while h.status("be1") != RequestStatus.RUNNING:
+        h.step()
+    h.add("p3", 3, max_tokens=4, priority=PREMIUM)
+    h.step()
+    assert h.priority_preemptions == 2  # be0 (its first), never be1 again
+    assert h.request("be0").num_priority_preemptions == 1
+    assert h.request("be1").num_priority_preemptions == 1
+    h.run()
+    for i in range(2):
+        assert h.finished[f"be{i}"].outputs[0].token_ids == expected_output(f"be{i}", 3, 40)
+
+
+def test_a_request_admitted_in_this_iteration_is_no_victim_in_it() -> None:
+    # The aged best-effort request heads the queue (by arrival) and takes the free seat; the
+    # premium arrival behind it in the same iteration must not take that seat back. It once
+    # did, and the victim vanished: re-queued, then dropped with the iteration's admissions.
+    h = Harness(max_num_seqs=2, priority_preemption_margin=1, aging_interval_s=1.0)
+    h.add("p0", 3, max_tokens=40, priority=PREMIUM)
+    h.step()
+    h.add("be", 3, max_tokens=4, priority=BEST_EFFORT, arrival_time=h.clock.now)
+    h.clock.now += 10.0  # be aged to premium
+    h.add("p", 3, max_tokens=4, priority=PREMIUM)
+    h.step()
+    h.check()
+    assert h.status("be") == RequestStatus.RUNNING and h.status("p") == RequestStatus.WAITING
+    assert h.priority_preemptions == 0
+    h.run()
+    assert h.finished["be"].outputs[0].token_ids == expected_output("be", 3, 4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_aged_overload_keeps_every_request_and_its_exact_tokens(seed: int) -> None:
+    """Random arrivals of every tier above what the seats serve, a clock that ages them,
+    aborts: every step keeps the queue invariants, and each request ends with its tokens."""
+    rng = random.Random(seed)
+    h = Harness(
+        max_num_seqs=rng.choice([2, 4]),
+        priority_preemption_margin=rng.choice([1, 2]),
+        aging_interval_s=rng.choice([0.1, 0.5]),
+        preemption_mode=rng.choice(["recompute", "auto"]),
+        num_host_blocks=16,
+        num_kv_blocks=rng.choice([24, 64]),
+        enable_prefix_caching=rng.choice([True, False]),
+        max_num_batched_tokens=rng.choice([8, 32]),
+    )
+    specs: dict[str, tuple[int, int]] = {}
+    aborted: set[str] = set()
+    for step in range(2000):
+        if step < 120:
+            for _ in range(rng.choice([0, 1, 1, 2])):
+                rid = f"r{len(specs)}"
+                specs[rid] = (rng.randint(1, 16), rng.randint(1, 24))
+                h.add(rid, specs[rid][0], max_tokens=specs[rid][1], priority=rng.randint(0, 2))
+            if rng.random() < 0.05:
+                rid = rng.choice(list(specs))
+                if rid in h.scheduler.requests:
+                    h.finished[rid] = h.engine.abort_request(rid)[0]
+                    aborted.add(rid)
+        h.step()
+        h.check()
+        h.clock.now += 0.05
+        if step >= 120 and not h.engine.has_unfinished_requests():
+            break
+    assert not h.scheduler.requests, "requests left"
+    assert h.priority_preemptions > 0
+    assert set(h.finished) == set(specs)
+    for rid, (num_prompt, max_tokens) in specs.items():
+        if rid not in aborted:
+            tokens = h.finished[rid].outputs[0].token_ids
+            assert tokens == expected_output(rid, num_prompt, max_tokens), rid
+
+
 def test_a_protected_request_stays_protected_from_priority_preemption() -> None:
     h = Harness(max_num_seqs=1, priority_preemption_margin=1)
     h.add("be", 3, max_tokens=60, priority=BEST_EFFORT)
@@ -440,7 +528,7 @@ def test_priority_victims_order_least_urgent_then_most_recently_admitted() -> No
     ]
 
 
-def test_priority_victims_none_when_off_fcfs_aged_or_protected() -> None:
+def test_priority_victims_none_when_off_fcfs_aged_after_a_preemption_or_protected() -> None:
     candidate = running("c", PREMIUM, 99, arrival_time=10.0)
     victim = running("b", BEST_EFFORT, 0, arrival_time=0.0)
     on = SchedulerConfig(priority_preemption_margin=1, aging_interval_s=1000.0)
@@ -449,8 +537,17 @@ def test_priority_victims_none_when_off_fcfs_aged_or_protected() -> None:
     assert policy.priority_victims(candidate, [victim], 10.0, 10, off) == []
     fcfs = SchedulerConfig(priority_preemption_margin=1, scheduling_policy="fcfs")
     assert policy.priority_victims(candidate, [victim], 10.0, 10, fcfs) == []
-    # Waiting since 0 with 5 s intervals: aged to premium by t=10, so no longer a victim.
+    # Waiting since 0 with 5 s intervals: aged to premium by t=10. It has not given up its
+    # seat for priority yet, so its tier counts: a victim (under overload every running
+    # request is aged; judging them aged would turn the policy off when it is needed).
     aging = SchedulerConfig(priority_preemption_margin=1, aging_interval_s=5.0)
+    assert policy.priority_victims(candidate, [victim], 10.0, 10, aging) == [victim]
+    assert policy.victim_priority(victim, 10.0, aging) == BEST_EFFORT
+    # Preempted for priority once: from then on aged, so no longer a victim (aging's bound).
+    victim.num_priority_preemptions = 1
+    assert policy.victim_priority(victim, 10.0, aging) == PREMIUM
     assert policy.priority_victims(candidate, [victim], 10.0, 10, aging) == []
+    assert policy.priority_victims(candidate, [victim], 10.0, 10, on) == [victim]  # not aged
+    victim.num_priority_preemptions = 0
     victim.preempted_at = [9, 9]  # preempted twice within the window: protected
     assert policy.priority_victims(candidate, [victim], 10.0, 10, on) == []
