@@ -23,13 +23,14 @@ MAX_CONCURRENT_SWAPS = 16
 
 
 def effective_priority(request: Request, now: float, config: SchedulerConfig) -> int:
-    """Priority minus one per ``aging_interval_s`` waited since arrival, never below the most
-    urgent tier's priority (so an aged request ties the most urgent tier and wins on arrival):
+    """Priority minus one per ``aging_interval_s`` waited since arrival (or since its latest
+    preemption for priority: ``Request.queue_order_time``), never below the most urgent tier's
+    priority (so an aged request ties the most urgent tier and wins on arrival):
     :func:`aged_priority` of the request at ``now``.
 
     Under policy ``fcfs`` every request has the same effective priority (0).
     """
-    return aged_priority(request.priority, now - request.arrival_time, config)
+    return aged_priority(request.priority, now - request.queue_order_time, config)
 
 
 def aged_priority(priority: int, waited_s: float, config: SchedulerConfig) -> int:
@@ -55,14 +56,16 @@ def _aged(priority: int, waited_s: float, interval_s: float, floor: int) -> int:
 
 
 def waiting_key(now: float, config: SchedulerConfig) -> Callable[[Request], tuple[int, float, int]]:
-    """Sort key of the waiting queue: effective priority, then arrival (then insertion)."""
+    """Sort key of the waiting queue: effective priority, then arrival (then insertion); a
+    request preempted for priority counts as arriving at its preemption
+    (``Request.queue_order_time``)."""
     if config.scheduling_policy == "fcfs":
-        return lambda r: (0, r.arrival_time, r.arrival_seq)
+        return lambda r: (0, r.queue_order_time, r.arrival_seq)
     floor = min(t.priority for t in config.tiers)  # once per sort, not per request
     interval_s = config.aging_interval_s
     return lambda r: (
-        _aged(r.priority, now - r.arrival_time, interval_s, floor),
-        r.arrival_time,
+        _aged(r.priority, now - r.queue_order_time, interval_s, floor),
+        r.queue_order_time,
         r.arrival_seq,
     )
 
@@ -109,7 +112,7 @@ class AdmissionOrder:
     def _entry(self, group: tuple[int, str]) -> tuple[int, float, float, int, str]:
         head = self._groups[group][0]
         service = self._counters.counter(group[1]) if self._counters else 0.0
-        return (group[0], service, head.arrival_time, head.arrival_seq, group[1])
+        return (group[0], service, head.queue_order_time, head.arrival_seq, group[1])
 
     def peek(self) -> Request | None:
         """The next candidate (the same one until it is skipped or taken); None at the end."""

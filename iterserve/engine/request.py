@@ -62,6 +62,9 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.arrival_time = arrival_time  # seconds of the engine's clock
+        # What the queue order and aging count from: the arrival, or the latest preemption
+        # for a more urgent request (it then queues as if it arrived at that moment).
+        self.queue_order_time = arrival_time
         self.priority = priority  # lower is more urgent
         self.tenant = tenant  # who sent it (fair share between tenants)
         self.status = RequestStatus.WAITING

@@ -170,7 +170,11 @@ class Scheduler:
         victim.preempted_at.append(self.iteration)
         victim.num_preemptions += 1
         if reason == "priority":
+            # It queues again as if it arrived now: kept at the head by its old arrival, it
+            # would take the next seat from the next urgent arrival (the one admission just
+            # promised a short wait), and under overload every victim did (docs/engine.md).
             victim.num_priority_preemptions += 1
+            victim.queue_order_time = self.clock()
         # The runner copies swap-outs before swap-ins: a swap-out after this batch's swap-ins
         # (priority preemption at admission) could overwrite host blocks they just released.
         can_swap = (

@@ -377,13 +377,21 @@ def test_seats_of_aged_best_effort_work_still_yield_to_a_premium_arrival() -> No
     assert h.priority_preemptions == 1
     victim = h.request("be1")  # the most recently admitted
     assert victim.num_priority_preemptions == 1
-    # Given up its seat once: now judged aged (premium), it is no victim for the next one.
-    h.add("p2", 3, max_tokens=4, priority=PREMIUM)
+    # It queues again as if it arrived now (best-effort, not aged): a premium arrival behind
+    # it gets the next seat first.
+    h.add("p1", 3, max_tokens=4, priority=PREMIUM)
+    while h.status("p1") != RequestStatus.RUNNING:
+        h.step()
+        assert h.status("be1") == RequestStatus.PREEMPTED
+    # Aged to premium again (2 intervals after its preemption), it heads the queue by its
+    # queue time and takes the next seat; given up its seat once and aged, it is no victim
+    # for the next premium arrival, which takes be0's seat (be0's first preemption).
+    h.clock.now += 2.0
     while h.status("be1") != RequestStatus.RUNNING:
         h.step()
     h.add("p3", 3, max_tokens=4, priority=PREMIUM)
     h.step()
-    assert h.priority_preemptions == 2  # be0 (its first), never be1 again
+    assert h.priority_preemptions == 2
     assert h.request("be0").num_priority_preemptions == 1
     assert h.request("be1").num_priority_preemptions == 1
     h.run()
