@@ -25,9 +25,11 @@ from iterserve.server.tenants import DEFAULT_TENANT
 
 # Requests leaving the queue within this window give the drain rate.
 DRAIN_WINDOW_S = 30.0
-# Rounds of the expected-wait estimate (each adds the requests that age past the new one
-# during the wait found by the round before).
-WAIT_ESTIMATE_ROUNDS = 8
+# Most rounds of the expected-wait estimate (each adds the requests that age past the new one,
+# and the more urgent arrivals that overtake it, during the wait found by the round before);
+# it stops earlier once a round moves it by less than WAIT_ESTIMATE_TOLERANCE_S.
+WAIT_ESTIMATE_ROUNDS = 32
+WAIT_ESTIMATE_TOLERANCE_S = 1e-3
 MAX_RETRY_AFTER_S = 60
 
 
@@ -61,6 +63,8 @@ class Admission:
         self._queued_since: dict[str, float] = {}  # request id -> clock at enqueue
         self.draining = False
         self._left_queue: deque[float] = deque()
+        self._accepted: dict[int, deque[float]] = {}  # priority -> clock of each acceptance
+        self._started = clock()
 
     def drain_rate(self) -> float | None:
         """Requests leaving the queue per second over the last window; None if unknown."""
@@ -151,32 +155,59 @@ class Admission:
         )
 
     def expected_wait_s(self, config: SchedulerConfig, priority: int, rate: float) -> float:
-        """Seconds a new request of ``priority`` would queue: the queued requests served
-        before it, over the drain ``rate`` (requests/s).
+        """Seconds a new request of ``priority`` would queue: the requests served before it,
+        over the drain ``rate`` (requests/s).
 
-        Served before it are those whose aged priority (the scheduler's order: one step per
-        ``aging_interval_s`` waited, ties to the earlier arrival; all of them under ``fcfs``)
-        is at least as urgent as its own at the moment it would be served. That moment is the
-        estimate itself, so it is iterated from zero wait: a lower tier that has waited long
-        enough to tie a new premium request goes first, and counting only the queued
-        requests of its tier or a more urgent one would admit premium work that then waits
-        behind aged standard and best-effort work for far longer than its limit.
+        Served before it are (1) the queued requests whose aged priority (the scheduler's
+        order: one step per ``aging_interval_s`` waited, ties to the earlier arrival; all of
+        them under ``fcfs``) is at least as urgent as its own at the moment it would be
+        served, and (2) the requests of more urgent priorities that arrive while it waits and
+        it is still less urgent than they are (each priority's measured acceptance rate times
+        that time). That moment is the estimate itself, so it is iterated from zero wait.
+        Without (1), a lower tier that has waited long enough to tie a new premium request
+        goes first, and premium work admitted with "nothing ahead" then waited 6-9 s against a
+        1 s limit. Without (2), a best-effort request is promised the wait of the queue ahead
+        of it, then overtaken by every premium and standard arrival until it ages to their
+        level: under overload best-effort work waited 10 s against an 8 s limit, aged to
+        premium, and took the seats of new premium requests (docs/reliability.md, "Overload").
         """
         now = self.clock()
         waited = [(p, now - self._queued_since[r]) for r, p in self.queued.items()]
+        if config.scheduling_policy == "fcfs":
+            return len(waited) / rate  # every queued request is ahead; none overtakes
+        interval_s = config.aging_interval_s
+        rates = self._acceptance_rates(now)
+        # (rate, seconds it can overtake) of each more urgent priority's arrivals
+        overtaking = [(r, (priority - q) * interval_s) for q, r in rates.items() if q < priority]
         wait_s = 0.0
         for _ in range(WAIT_ESTIMATE_ROUNDS):
             mine = aged_priority(priority, wait_s, config)
             ahead = sum(1 for p, w in waited if aged_priority(p, w + wait_s, config) <= mine)
-            estimate = ahead / rate
-            if estimate == wait_s:
-                break
+            arrivals = sum(r * min(wait_s, horizon) for r, horizon in overtaking)
+            estimate = (ahead + arrivals) / rate
+            if abs(estimate - wait_s) < WAIT_ESTIMATE_TOLERANCE_S:
+                return estimate
             wait_s = estimate
         return wait_s
 
+    def _acceptance_rates(self, now: float) -> dict[int, float]:
+        """Requests accepted per second over the last window, by priority (those with any)."""
+        span = min(DRAIN_WINDOW_S, max(now - self._started, 1.0))
+        rates = {}
+        for priority, times in list(self._accepted.items()):
+            while times and now - times[0] > DRAIN_WINDOW_S:
+                times.popleft()
+            if times:
+                rates[priority] = len(times) / span
+            else:
+                del self._accepted[priority]  # bounded by recent acceptances, not by priorities
+        return rates
+
     def enqueue(self, request_id: str, priority: int, tenant: str = DEFAULT_TENANT) -> None:
+        now = self.clock()
         self.queued[request_id] = priority
-        self._queued_since[request_id] = self.clock()
+        self._queued_since[request_id] = now
+        self._accepted.setdefault(priority, deque()).append(now)
         self.tenant_of[request_id] = tenant
         self.num_queued_by_tenant[tenant] += 1
 

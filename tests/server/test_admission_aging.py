@@ -61,6 +61,45 @@ def test_requests_that_age_past_it_during_the_wait_count_too() -> None:
     assert admission.expected_wait_s(config, 0, 10.0) == pytest.approx(0.2)  # served first
 
 
+def test_more_urgent_arrivals_overtake_a_lower_tier_until_it_ages() -> None:
+    """Found by ``bench overload`` on the real model: best-effort work promised the wait of
+    the queue ahead of it was overtaken by every premium arrival until it aged to premium,
+    waited 10 s against an 8 s limit, and then took the seats of new premium requests."""
+    clock = Clock()
+    admission = Admission(clock)
+    tiers = (
+        Tier("premium", 0, max_queue_wait_ms=1000),
+        Tier("standard", 1),
+        Tier("best-effort", 2, max_queue_wait_ms=8000),
+    )
+    config = SchedulerConfig(tiers=tiers, aging_interval_s=5.0, max_waiting=100)
+    for i in range(10):  # premium accepted and served at 1 per s: drain 1 per s
+        admission.enqueue(f"p{i}", 0)
+        admission.left_queue(f"p{i}")
+        clock.now += 1.0
+    admission.enqueue("b0", 2)
+    admission.enqueue("b1", 2)
+    # Two ahead, and premium arriving as fast as the queue drains overtakes it until it has
+    # aged two steps (10 s): 2 + 10 requests at 1 per s.
+    assert admission.expected_wait_s(config, 2, 1.0) == pytest.approx(12.0, abs=0.01)
+    with pytest.raises(Rejected) as e:
+        admission.check(config, 2)
+    assert e.value.reason == "queue_wait"
+    assert admission.expected_wait_s(config, 0, 1.0) == 0.0  # premium: nothing overtakes it
+    admission.check(config, 0)
+    # Slower premium arrivals (10 in the 30 s window: 1/3 per s) add a geometric series:
+    # 2 / (1 - 1/3) = 3 s.
+    clock.now += 31.0  # the window forgets the old arrivals
+    for i in range(10):
+        admission.enqueue(f"q{i}", 0)
+        admission.left_queue(f"q{i}")
+        clock.now += 1.0
+        admission.enqueue(f"d{i}", 2)
+        admission.left_queue(f"d{i}")
+        clock.now += 1.0
+    assert admission.expected_wait_s(config, 2, 1.0) == pytest.approx(3.0, abs=0.01)
+
+
 def test_fcfs_counts_every_queued_request() -> None:
     clock = Clock()
     admission = Admission(clock)

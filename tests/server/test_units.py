@@ -56,13 +56,15 @@ def test_tier_queue_wait_counts_only_requests_ahead() -> None:
         Tier("best-effort", 2, max_queue_wait_ms=1500),
     )
     config = SchedulerConfig(tiers=tiers, max_waiting=100)
-    for i in range(3):  # drain rate: 3 requests over 2 s
-        admission.enqueue(f"d{i}", 1)
+    for i in range(3):  # drain rate: 3 requests over 2 s (best-effort: none overtakes)
+        admission.enqueue(f"d{i}", 2)
         admission.left_queue(f"d{i}")
         clock.now += 1.0
     clock.now -= 1.0
+    clock.now -= 40.0  # accepted long ago: no recent standard arrivals to overtake
     for i in range(3):
         admission.enqueue(f"s{i}", 1)
+    clock.now += 40.0
     admission.check(config, 0)  # premium: no limit
     with pytest.raises(Rejected) as e:
         admission.check(config, 2)  # 3 ahead / 1.5 per s = 2 s > 1.5 s
