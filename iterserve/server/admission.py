@@ -13,6 +13,7 @@ queue needs to drain enough at the measured rate.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import Counter, deque
@@ -171,10 +172,17 @@ class Admission:
         level: under overload best-effort work waited 10 s against an 8 s limit, aged to
         premium, and took the seats of new premium requests (docs/reliability.md, "Overload").
         """
-        now = self.clock()
-        waited = [(p, now - self._queued_since[r]) for r, p in self.queued.items()]
         if config.scheduling_policy == "fcfs":
-            return len(waited) / rate  # every queued request is ahead; none overtakes
+            return len(self.queued) / rate  # every queued request is ahead; none overtakes
+        now = self.clock()
+        floor = min(t.priority for t in config.tiers)
+        waits_by_priority: dict[int, list[float]] = {}  # aged like the floor below it
+        for request_id, p in self.queued.items():
+            waits_by_priority.setdefault(max(p, floor), []).append(
+                now - self._queued_since[request_id]
+            )
+        for waits in waits_by_priority.values():
+            waits.sort()
         interval_s = config.aging_interval_s
         rates = self._acceptance_rates(now)
         # (rate, seconds it can overtake) of each more urgent priority's arrivals
@@ -182,7 +190,14 @@ class Admission:
         wait_s = 0.0
         for _ in range(WAIT_ESTIMATE_ROUNDS):
             mine = aged_priority(priority, wait_s, config)
-            ahead = sum(1 for p, w in waited if aged_priority(p, w + wait_s, config) <= mine)
+            ahead = 0
+            for p, waits in waits_by_priority.items():
+                if p <= mine:
+                    ahead += len(waits)
+                else:  # aged to ``mine`` once waited (wait_s included) >= its steps' time
+                    # (the epsilon of policy._aged: exact multiples of the interval count)
+                    threshold_s = (p - mine - 1e-9) * interval_s - wait_s
+                    ahead += len(waits) - bisect.bisect_left(waits, threshold_s)
             arrivals = sum(r * min(wait_s, horizon) for r, horizon in overtaking)
             estimate = (ahead + arrivals) / rate
             if abs(estimate - wait_s) < WAIT_ESTIMATE_TOLERANCE_S:
