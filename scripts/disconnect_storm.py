@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import collections
 import json
-import random
 import sys
 import time
 from typing import Any
@@ -25,38 +24,17 @@ from typing import Any
 import httpx
 import psutil
 
-
-async def hang_up_at_random(
-    http: httpx.AsyncClient, rng: random.Random, i: int, max_hang_up_s: float, max_words: int
-) -> str:
-    words = " ".join(f"w{i}x{k}" for k in range(rng.randint(min(10, max_words), max_words)))
-    body = {"prompt": words, "max_tokens": rng.randint(20, 200), "stream": True, "ignore_eos": True}
-    received = False
-    try:
-        async with asyncio.timeout(rng.uniform(0.0, max_hang_up_s)):
-            async with http.stream("POST", "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    return f"status {r.status_code}"
-                async for line in r.aiter_lines():
-                    received = received or line.startswith("data: {")
-        return "finished"
-    except TimeoutError:
-        return "left after tokens" if received else "left before a token"
+from iterserve.bench.reliability import disconnect_storm
 
 
 async def storm(
     url: str, num_streams: int, concurrency: int, max_hang_up_s: float, max_words: int, seed: int
-) -> Any:
-    rng = random.Random(seed)
-    seats = asyncio.Semaphore(concurrency)
+) -> collections.Counter[str]:
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
-
-        async def one(i: int) -> str:
-            async with seats:
-                return await hang_up_at_random(http, rng, i, max_hang_up_s, max_words)
-
-        return collections.Counter(await asyncio.gather(*[one(i) for i in range(num_streams)]))
+        return await disconnect_storm(
+            http, num_streams, concurrency, seed, max_hang_up_s=max_hang_up_s, max_words=max_words
+        )
 
 
 def idle_load(url: str, timeout_s: float = 60.0) -> dict[str, Any]:

@@ -20,8 +20,10 @@ Every request sent ends as exactly one :class:`Outcome` kind:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
+import random
 import shlex
 import signal
 import subprocess
@@ -351,3 +353,45 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+async def hang_up_at_random(
+    http: httpx.AsyncClient, rng: random.Random, i: int, max_hang_up_s: float, max_words: int
+) -> str:
+    """One stream (a prompt of 10 to ``max_words`` words, ~3-5 tokens each; 20-200 output
+    tokens) that its client leaves after a uniform random time in [0, ``max_hang_up_s``]
+    seconds; how it ended for the client: ``finished``, ``left before a token``, ``left
+    after tokens`` or ``status N``."""
+    words = " ".join(f"w{i}x{k}" for k in range(rng.randint(min(10, max_words), max_words)))
+    body = {"prompt": words, "max_tokens": rng.randint(20, 200), "stream": True, "ignore_eos": True}
+    received = False
+    try:
+        async with asyncio.timeout(rng.uniform(0.0, max_hang_up_s)):
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    return f"status {r.status_code}"
+                async for line in r.aiter_lines():
+                    received = received or line.startswith("data: {")
+        return "finished"
+    except TimeoutError:
+        return "left after tokens" if received else "left before a token"
+
+
+async def disconnect_storm(
+    http: httpx.AsyncClient,
+    num_streams: int,
+    concurrency: int,
+    seed: int,
+    max_hang_up_s: float = 1.5,
+    max_words: int = 150,
+) -> collections.Counter[str]:
+    """``num_streams`` :func:`hang_up_at_random` streams, at most ``concurrency`` at once
+    (docs/reliability.md, "Disconnect storm"); how many ended each way."""
+    rng = random.Random(seed)
+    seats = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> str:
+        async with seats:
+            return await hang_up_at_random(http, rng, i, max_hang_up_s, max_words)
+
+    return collections.Counter(await asyncio.gather(*[one(i) for i in range(num_streams)]))

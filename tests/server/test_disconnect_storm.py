@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
-import random
 from typing import Any
 
 import httpx
 import psutil
 from fake_engine import serve_in_process, until
 
+from iterserve.bench.reliability import disconnect_storm
 from iterserve.config import ServerConfig
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.request import RequestStatus
@@ -67,36 +67,6 @@ def simulated_replica() -> tuple[AsyncEngine, collections.Counter[str]]:
     return client, aborted_in
 
 
-async def hang_up_at_random(http: httpx.AsyncClient, rng: random.Random, i: int) -> str:
-    """One stream that its client leaves after a random time; how it ended for the client."""
-    words = " ".join(f"w{i}x{k}" for k in range(rng.randint(10, 150)))  # ~40-600 tokens
-    body = {"prompt": words, "max_tokens": rng.randint(20, 200), "stream": True}
-    received = False
-    try:
-        async with asyncio.timeout(rng.uniform(0.0, 1.5)):
-            async with http.stream(
-                "POST", "/v1/completions", json={**body, "ignore_eos": True}
-            ) as r:
-                if r.status_code != 200:
-                    return f"status {r.status_code}"
-                async for line in r.aiter_lines():
-                    received = received or line.startswith("data: {")
-        return "finished"
-    except TimeoutError:
-        return "left after tokens" if received else "left before a token"
-
-
-async def storm(http: httpx.AsyncClient, num_streams: int, seed: int) -> collections.Counter[str]:
-    rng = random.Random(seed)
-    seats = asyncio.Semaphore(CONCURRENCY)
-
-    async def one(i: int) -> str:
-        async with seats:
-            return await hang_up_at_random(http, rng, i)
-
-    return collections.Counter(await asyncio.gather(*[one(i) for i in range(num_streams)]))
-
-
 def num_live_objects() -> int:
     gc.collect()
     return sum(type(o) is GenerationRun for o in gc.get_objects())
@@ -125,12 +95,12 @@ def test_a_disconnect_storm_leaves_every_block_free_and_nothing_behind() -> None
             serve_in_process(client, ServerConfig()) as url,
             httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as http,
         ):
-            await storm(http, NUM_WARM_UP, seed=1)
+            await disconnect_storm(http, NUM_WARM_UP, CONCURRENCY, seed=1)
             await settled(http)
             num_tasks, rss = len(asyncio.all_tasks()), process.memory_info().rss
             aborted_in.clear()
 
-            outcomes = await storm(http, NUM_STREAMS, seed=2)
+            outcomes = await disconnect_storm(http, NUM_STREAMS, CONCURRENCY, seed=2)
             load = await settled(http)
             assert load["num_free_blocks"] == load["num_total_blocks"]
             assert load["num_running"] == load["num_waiting"] == load["num_swapped"] == 0
