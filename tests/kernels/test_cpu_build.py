@@ -41,11 +41,12 @@ def test_build_then_reuse_then_rebuild_a_damaged_file(tmp_path: Path) -> None:
     flipped[size // 2 : size // 2 + 64] = bytes(
         b ^ 0xFF for b in flipped[size // 2 : size // 2 + 64]
     )
-    damages = [b"not a shared library", original[:4096], original[: size // 2], bytes(flipped)]
+    # The two damages dlopen cannot tell (garbage fails dlopen anyway; each rebuild costs a
+    # compile, so the suite checks only these): a truncated library passes it and would die
+    # of SIGBUS later; flipped bytes load and run wrong code. The sha256 sidecar catches both.
+    damages = [original[: size // 2], bytes(flipped)]
     assert len(damages[-1]) == size and damages[-1] != original
     for damage in damages:
-        # Garbage fails dlopen; a truncated library passes it and would die of SIGBUS later;
-        # flipped bytes load and run wrong code. Only the sha256 sidecar catches all three.
         so.write_bytes(damage)
         again = run(tmp_path)
         assert again.returncode == 0 and again.stdout.strip() == "loaded", again.stderr
