@@ -1,5 +1,5 @@
 """The Triton ragged paged-attention kernel against its torch reference computed in float64,
-on random inputs (under Triton's interpreter without a GPU: tests/kernels/conftest.py sets
+on random inputs (under Triton's interpreter without a GPU: tests/conftest.py sets
 ``TRITON_INTERPRET=1``). The interpreter computes with numpy, which has no bfloat16: bfloat16
 runs only on a GPU. Shapes stay tiny because the interpreter runs every program in Python."""
 

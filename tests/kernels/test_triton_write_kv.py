@@ -1,5 +1,5 @@
 """The Triton KV-cache write against its torch reference (exact: it copies), under Triton's
-interpreter without a GPU (tests/kernels/conftest.py sets ``TRITON_INTERPRET=1``)."""
+interpreter without a GPU (tests/conftest.py sets ``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
 
