@@ -120,11 +120,9 @@ def _paged_attention_kernel(
         )
         k = tl.load(k_cache_ptr + kv_offs)  # [BLOCK_SIZE, HEAD_DIM]
         v = tl.load(v_cache_ptr + kv_offs)
-        if IEEE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale  # [ROWS, BLOCK_SIZE]
+        # [ROWS, BLOCK_SIZE]; IEEE_DOT is a constexpr, so only one branch compiles.
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE_DOT else tl.dot(q, tl.trans(k))
+        s = s * scale
         key_pos = blk * BLOCK_SIZE + offs_n
         visible = (key_pos[None, :] <= query_pos[:, None]) & row_mask[:, None]
         s = tl.where(visible, s, float("-inf"))
@@ -134,10 +132,8 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
+        p_v = p.to(v.dtype)
+        pv = tl.dot(p_v, v, input_precision="ieee") if IEEE_DOT else tl.dot(p_v, v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
         blk += 1
@@ -373,7 +369,7 @@ def paged_attention_reference(
     float64 tensors for an exact reference): gathers each request's context, one request at a
     time. Same arguments and result as :func:`paged_attention`."""
     out = torch.empty_like(q)
-    num_kv_heads, _, block_size, head_dim = key_cache.shape
+    num_kv_heads, _, block_size, _ = key_cache.shape
     group = q.shape[1] // num_kv_heads
     qsl = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):

@@ -21,8 +21,10 @@ def _write_kv_kernel(
     key_cache_ptr,  # [num_kv_heads, num_blocks, BLOCK_SIZE, HEAD_DIM]
     value_cache_ptr,
     slot_mapping_ptr,  # [num_tokens] int64
-    stride_kv_t,
-    stride_kv_h,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
     stride_c_h,
     HEAD_DIM: tl.constexpr,
 ):
@@ -32,9 +34,11 @@ def _write_kv_kernel(
     slot = tl.load(slot_mapping_ptr + token_idx)
     # A contiguous head slice of the cache is [num_blocks * BLOCK_SIZE, HEAD_DIM]: slot is its row.
     dst = head_idx.to(tl.int64) * stride_c_h + slot * HEAD_DIM + offs_d
-    src = token_idx.to(tl.int64) * stride_kv_t + head_idx * stride_kv_h + offs_d
-    tl.store(key_cache_ptr + dst, tl.load(key_ptr + src))
-    tl.store(value_cache_ptr + dst, tl.load(value_ptr + src))
+    token = token_idx.to(tl.int64)
+    key = tl.load(key_ptr + token * stride_k_t + head_idx * stride_k_h + offs_d)
+    value = tl.load(value_ptr + token * stride_v_t + head_idx * stride_v_h + offs_d)
+    tl.store(key_cache_ptr + dst, key)
+    tl.store(value_cache_ptr + dst, value)
 
 
 def write_kv(
@@ -48,7 +52,8 @@ def write_kv(
 
     Args:
         key, value: [num_tokens, num_kv_heads, head_dim], heads and dims contiguous (token
-            rows may be strided views into the fused qkv output); head_dim a power of two.
+            rows may be strided views into the fused qkv output, each its own strides); head_dim
+            a power of two.
         key_cache, value_cache: [num_kv_heads, num_blocks, block_size, head_dim] contiguous,
             key's dtype.
         slot_mapping: [num_tokens] int64, ``block_id * block_size + offset``, each in
@@ -74,8 +79,8 @@ def write_kv(
         raise ValueError("key, value and both caches must have one dtype")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("key_cache and value_cache must be contiguous")
-    if key.stride()[1:] != (head_dim, 1) or value.stride() != key.stride():
-        raise ValueError("key and value need contiguous heads and dims and the same strides")
+    if key.stride()[1:] != (head_dim, 1) or value.stride()[1:] != (head_dim, 1):
+        raise ValueError("key and value need contiguous heads and dims")
     if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (num_tokens,):
         raise ValueError(f"slot_mapping must be int64 [{num_tokens}], got {slot_mapping.shape}")
     if len({t.device for t in (key, value, key_cache, value_cache, slot_mapping)}) != 1:
@@ -90,6 +95,8 @@ def write_kv(
         slot_mapping,
         key.stride(0),
         key.stride(1),
+        value.stride(0),
+        value.stride(1),
         key_cache.stride(0),
         HEAD_DIM=head_dim,
     )

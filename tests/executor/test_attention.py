@@ -94,7 +94,9 @@ def test_paged_attention_matches_dense(
 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("shapes", [SHAPES, MIXED_DECODES], ids=["small", "mixed-lengths"])
-def test_triton_paged_attention_matches_dense(block_size: int, shapes: list[tuple[int, int]]) -> None:
+def test_triton_paged_attention_matches_dense(
+    block_size: int, shapes: list[tuple[int, int]]
+) -> None:
     """The Triton platform runs the whole batch, prefill chunks and decodes, in its ragged kernel
     (under Triton's interpreter, set by tests/conftest.py; block sizes of 16 and more only); the
     long decodes of ``MIXED_DECODES`` take its split-KV path."""

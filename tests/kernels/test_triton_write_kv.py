@@ -13,9 +13,10 @@ from iterserve.kernels.triton_write_kv import write_kv, write_kv_reference
 def test_matches_reference(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     num_tokens, num_kv_heads, head_dim, num_blocks, block_size = 7, 3, 64, 5, 16
-    # key and value as strided views into a fused qkv output, as the model passes them
+    # value a strided view into a fused qkv output, as the model passes it
     qkv = torch.randn(num_tokens, 2 + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
     key, value = qkv[:, 2 : 2 + num_kv_heads], qkv[:, 2 + num_kv_heads :]
+    key = key.contiguous()  # rotated keys are a new tensor, values stay views
     slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
     key_cache, value_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
