@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from iterserve.config import ConfigError, EngineConfig
+from iterserve.executor.build import build
 from iterserve.kernels.platform import (
     CpuKernelsPlatform,
     Platform,
@@ -45,6 +47,9 @@ def test_select_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         select_platform("triton", CPU, torch.float32)
+    # At start it is a setting's error (the CLI prints it and exits 2), before any weights load.
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        build(EngineConfig.from_kwargs(attention_backend="triton", num_kv_blocks=8))
 
 
 TORCH, KERNELS, TRITON = TorchPlatform(), CpuKernelsPlatform(pack_weights=True), TritonPlatform()
