@@ -105,7 +105,8 @@ class ModelConfig:
     attention_backend: AttentionBackendName = field(
         default="auto",
         metadata={
-            "help": "auto: the fused C decode kernel on CPU (cpu) where it builds, else torch"
+            "help": "auto: Triton on CUDA (triton), the fused C kernels on CPU (cpu) where "
+            "they build, else torch; triton on a CPU only under TRITON_INTERPRET=1 (tests)"
         },
     )
 
@@ -114,10 +115,6 @@ class ModelConfig:
         _require(
             self.max_model_len is None or self.max_model_len > 0,
             f"max_model_len must be positive, got {self.max_model_len}",
-        )
-        _require(
-            self.attention_backend != "triton",
-            "attention_backend 'triton' is not available yet; use 'torch' or 'auto'",
         )
 
 

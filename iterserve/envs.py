@@ -15,3 +15,9 @@ ITERSERVE_BACKEND_API_KEY: str | None = os.environ.get("ITERSERVE_BACKEND_API_KE
 
 # Extra C compiler flags for the CPU kernels (tests build them with AddressSanitizer this way).
 ITERSERVE_KERNEL_CFLAGS: str = os.environ.get("ITERSERVE_KERNEL_CFLAGS", "")
+
+
+def triton_interpret() -> bool:
+    """Triton's own ``TRITON_INTERPRET=1`` (its kernels run in Python on the CPU), read when
+    asked: the platform allows the ``triton`` backend on a CPU only under it."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")

@@ -1,13 +1,21 @@
-"""Shared fixtures: one float32 copy of the real default model for the whole session."""
+"""Shared fixtures: one float32 copy of the real default model for the whole session.
+
+The Triton kernels run under Triton's interpreter (on the CPU): ``TRITON_INTERPRET=1`` is set
+here, before any test imports triton (``@triton.jit`` reads it when it decorates a kernel), so
+CI needs nothing else. On a GPU run the tests with ``TRITON_INTERPRET=0`` to compile them.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 from helpers import SHARED_NUM_KV_BLOCKS
 
 from iterserve.config import EngineConfig
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

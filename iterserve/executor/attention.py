@@ -119,7 +119,9 @@ class PagedAttention:
     :meth:`Platform.decode_attention`, prepared here once per iteration: plain torch batches
     decodes by similar length, the C kernel reads every sequence's blocks in place). Prefill
     chunks run one request at a time through ``scaled_dot_product_attention`` with a causal
-    mask shifted by the tokens already in the cache.
+    mask shifted by the tokens already in the cache. A platform with a ragged op
+    (:meth:`Platform.ragged_attention`: the Triton kernel) runs the whole batch, prefill
+    chunks and decodes, in one launch per layer instead.
 
     Raises:
         ValueError: from the platform, for block tables pointing outside the pool.
@@ -132,6 +134,19 @@ class PagedAttention:
         self.md = metadata
         self.scale = scale
         self.platform = platform
+        # A platform with one op for the whole ragged batch runs prefill chunks and decodes in it.
+        self._ragged = platform.ragged_attention(
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            metadata.query_lens,
+            metadata.seq_lens_list,
+            kv_cache.num_blocks,
+            kv_cache.block_size,
+            scale,
+        )
+        if self._ragged is not None:
+            return
         nd = metadata.num_decodes
         self._decode = platform.decode_attention(
             metadata.block_tables[:nd],
@@ -148,6 +163,8 @@ class PagedAttention:
         key_cache = self.kv_cache.key[layer_idx]  # [num_kv_heads, num_blocks, block, head_dim]
         value_cache = self.kv_cache.value[layer_idx]
         self.platform.write_kv(k, v, key_cache, value_cache, self.md.slot_mapping)
+        if self._ragged is not None:
+            return self._ragged(q, key_cache, value_cache)
         nd = self.md.num_decodes
         if nd == len(self.md.query_lens):
             return self._decode(q, key_cache, value_cache)

@@ -163,7 +163,10 @@ def build(config: EngineConfig) -> LoadedModel:
     config = config.with_max_model_len(resolve_max_model_len(config, hf_config))
     dtype = _DTYPES[config.model.dtype]
     device = select_device()
-    platform = select_platform(config.model.attention_backend, device, dtype)
+    try:
+        platform = select_platform(config.model.attention_backend, device, dtype)
+    except ValueError as e:  # a backend this device or dtype cannot run: a setting's error
+        raise ConfigError(str(e)) from e
     assert config.model.max_model_len is not None
     model = load_model(hf_config, model_dir, dtype, device, config.model.max_model_len, platform)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

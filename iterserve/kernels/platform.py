@@ -11,6 +11,10 @@ write, paged decode attention, the greedy sampler's row argmax, and linear-weigh
 - :class:`CpuKernelsPlatform`: the C kernels of :mod:`~iterserve.kernels.layer_ops` and
   :mod:`~iterserve.kernels.paged_decode_attention` on CPUs, float32 or bfloat16, with the
   linear weights packed for oneDNN in bfloat16.
+- :class:`TritonPlatform`: the Triton kernels of
+  :mod:`~iterserve.kernels.triton_paged_attention` (one launch for a whole ragged batch of
+  prefill chunks and decodes) and :mod:`~iterserve.kernels.triton_write_kv` on CUDA, or on a CPU
+  under Triton's interpreter (``TRITON_INTERPRET=1``, for tests); the other ops plain torch.
 
 Another accelerator is one more subclass of :class:`Platform` and one more branch in
 :func:`select_platform`. Ops that need per-iteration preparation (rotary tables, decode
@@ -19,6 +23,7 @@ plans) return a callable bound to it, applied once per layer.
 
 from __future__ import annotations
 
+import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +32,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from iterserve import envs
 from iterserve.kernels.grouped_decode_attention import (
     grouped_decode_attention,
     plan_decode_groups,
@@ -51,6 +57,8 @@ from iterserve.kernels.paged_decode_attention import (
 Rotate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # (q, key_cache, value_cache) -> attention output [num_decodes, num_heads, head_dim].
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q, key_cache, value_cache) -> attention output [num_tokens, num_heads, head_dim].
+RaggedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (x, bias) -> x W^T (+ bias), W held in the platform's own layout.
 LinearOp = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -155,6 +163,37 @@ class Platform(ABC):
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits.argmax(dim=-1)`` (first index on ties, first NaN wins): logits [num_rows,
         vocab] with a contiguous last dim -> [num_rows] int64."""
+
+    def ragged_attention(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        query_lens: list[int],
+        seq_lens_list: list[int],
+        num_blocks: int,
+        block_size: int,
+        scale: float,
+    ) -> RaggedAttention | None:
+        """Causal paged attention of a whole iteration (prefill chunks and decodes) in one op,
+        prepared once per iteration; None (the default) where the platform runs decodes by
+        :meth:`decode_attention` and leaves prefill chunks to the caller.
+
+        Args:
+            block_tables: [num_reqs, max_num_blocks] int64, as for :meth:`decode_attention`.
+            seq_lens: [num_reqs] int64, context length with this iteration's tokens.
+            query_start_loc: [num_reqs + 1] int64 (cu_seqlens_q).
+            query_lens, seq_lens_list: query and context lengths (tokens) as Python ints.
+            num_blocks, block_size, scale: as for :meth:`decode_attention`.
+
+        Returns:
+            The function of one layer's q [num_tokens, num_heads, head_dim], key_cache and
+            value_cache giving [num_tokens, num_heads, head_dim] in q's dtype.
+
+        Raises:
+            ValueError: a table points outside the pool.
+        """
+        return None
 
     def pack_linear_weight(self, weight: torch.Tensor) -> LinearOp | None:
         """The linear op on ``weight`` ([out_features, in_features], loaded, in the serving
@@ -287,19 +326,116 @@ class CpuKernelsPlatform(Platform):
         return PackedLinear(weight) if self.pack_weights else None
 
 
+@dataclass(frozen=True)
+class TritonPlatform(TorchPlatform):
+    """The Triton kernels for attention and the KV write, plain torch for the other ops; on
+    CUDA, or on a CPU under Triton's interpreter (``TRITON_INTERPRET=1``, slow: tests only).
+    Triton is imported when an op is first prepared, never at import."""
+
+    name: ClassVar[str] = "triton"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        from iterserve.kernels.triton_write_kv import write_kv
+
+        write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def decode_attention(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_list: list[int],
+        num_blocks: int,
+        block_size: int,
+        scale: float,
+    ) -> DecodeAttention:
+        num_decodes = len(seq_lens_list)
+        query_start_loc = torch.arange(num_decodes + 1, device=seq_lens.device)
+        return self.ragged_attention(
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            [1] * num_decodes,
+            seq_lens_list,
+            num_blocks,
+            block_size,
+            scale,
+        )
+
+    def ragged_attention(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        query_lens: list[int],
+        seq_lens_list: list[int],
+        num_blocks: int,
+        block_size: int,
+        scale: float,
+    ) -> RaggedAttention:
+        from iterserve.kernels.triton_paged_attention import paged_attention
+
+        # The kernel follows the tables unchecked: check them once per iteration, not per layer.
+        check_block_tables(block_tables, seq_lens, num_blocks, block_size)
+        max_query_len = max(query_lens, default=0)
+        max_seq_len = max(seq_lens_list, default=0)
+
+        def attend(
+            q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+        ) -> torch.Tensor:
+            return paged_attention(
+                q,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                max_query_len,
+                max_seq_len,
+                scale,
+            )
+
+        return attend
+
+
+def triton_available(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on ``device``: triton imports and the device is a
+    GPU, or a CPU under Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    if device.type != "cuda" and not (device.type == "cpu" and envs.triton_interpret()):
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
 def select_platform(attention_backend: str, device: torch.device, dtype: torch.dtype) -> Platform:
     """The platform for ``--attention-backend`` on ``device`` in ``dtype`` (once, at start).
 
-    ``auto`` picks :class:`CpuKernelsPlatform` on a CPU where the C kernels build for
-    ``dtype`` (float32, bfloat16; see :mod:`iterserve.kernels.cpu_build`, which warns when
-    they cannot be built), else :class:`TorchPlatform`; ``cpu`` insists on the kernels;
-    ``torch`` is plain torch everywhere and never loads the C library.
+    ``auto`` picks :class:`TritonPlatform` on CUDA where triton imports, and
+    :class:`CpuKernelsPlatform` on a CPU where the C kernels build for ``dtype`` (float32,
+    bfloat16; see :mod:`iterserve.kernels.cpu_build`, which warns when they cannot be built),
+    else :class:`TorchPlatform`; ``cpu`` insists on the C kernels, ``triton`` on Triton (on a
+    CPU only under ``TRITON_INTERPRET=1``); ``torch`` is plain torch everywhere and never loads
+    the C library.
 
     Raises:
         ValueError: for a backend that is not available for this device and dtype.
     """
     if attention_backend == "torch":
         return TorchPlatform()
+    if attention_backend == "triton":
+        if triton_available(device):
+            return TritonPlatform()
+        raise ValueError(
+            f"attention backend 'triton' needs a CUDA device with triton installed, or on a CPU "
+            f"Triton's interpreter (TRITON_INTERPRET=1, slow: for tests); got {device.type}"
+        )
+    if attention_backend == "auto" and device.type == "cuda" and triton_available(device):
+        return TritonPlatform()
     if attention_backend in ("auto", "cpu"):
         if (
             device.type == "cpu"

@@ -1,5 +1,5 @@
-"""Paged attention on both platforms (plain torch; the C KV write and decode kernel) against
-dense causal attention on random inputs."""
+"""Paged attention on the platforms (plain torch; the C KV write and decode kernel; the Triton
+kernels) against dense causal attention on random inputs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ from iterserve.engine.sampling_params import SamplingParams
 from iterserve.executor.attention import KVCache, PagedAttention
 from iterserve.executor.model_runner import prepare_inputs
 from iterserve.kernels.paged_decode_attention import cpu_kernel_available
-from iterserve.kernels.platform import CpuKernelsPlatform, Platform, TorchPlatform
+from iterserve.kernels.platform import (
+    CpuKernelsPlatform,
+    Platform,
+    TorchPlatform,
+    TritonPlatform,
+)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
 
@@ -85,6 +90,17 @@ def test_paged_attention_matches_dense(
             slot = (table[p // block_size], p % block_size)
             assert torch.equal(kv.key[0][:, slot[0], slot[1]], full_k[i][p])
             assert torch.equal(kv.value[0][:, slot[0], slot[1]], full_v[i][p])
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("shapes", [SHAPES, MIXED_DECODES], ids=["small", "mixed-lengths"])
+def test_triton_paged_attention_matches_dense(
+    block_size: int, shapes: list[tuple[int, int]]
+) -> None:
+    """The Triton platform runs the whole batch, prefill chunks and decodes, in its ragged kernel
+    (under Triton's interpreter, set by tests/conftest.py; block sizes of 16 and more only); the
+    long decodes of ``MIXED_DECODES`` take its split-KV path."""
+    test_paged_attention_matches_dense(TritonPlatform(), block_size, 0, shapes)
 
 
 def test_swap_out_and_in_round_trips_blocks() -> None:

@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iterserve.kernels.platform import CpuKernelsPlatform, Platform, TorchPlatform, select_platform
+from iterserve.config import ConfigError, EngineConfig
+from iterserve.executor.build import build
+from iterserve.kernels.platform import (
+    CpuKernelsPlatform,
+    Platform,
+    TorchPlatform,
+    TritonPlatform,
+    select_platform,
+)
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -22,16 +30,29 @@ def test_select_platform() -> None:
     # float16 has no kernel, nor has a GPU: auto falls back to torch, an explicit 'cpu' is
     # refused.
     assert select_platform("auto", CPU, torch.float16) == TorchPlatform()
-    assert select_platform("auto", torch.device("cuda"), torch.bfloat16) == TorchPlatform()
     with pytest.raises(ValueError, match="'cpu' needs"):
         select_platform("cpu", CPU, torch.float16)
     with pytest.raises(ValueError, match="'cpu' needs"):
         select_platform("cpu", torch.device("cuda"), torch.float32)
-    with pytest.raises(ValueError, match="'triton' is not available"):
+
+
+def test_select_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CUDA, auto is Triton (installed here); on a CPU, Triton runs only in its interpreter.
+    cuda = torch.device("cuda")
+    assert select_platform("auto", cuda, torch.bfloat16) == TritonPlatform()
+    assert select_platform("triton", cuda, torch.float16) == TritonPlatform()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_platform("triton", CPU, torch.float32) == TritonPlatform()
+    assert select_platform("auto", CPU, torch.float32) == CpuKernelsPlatform(pack_weights=False)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         select_platform("triton", CPU, torch.float32)
+    # At start it is a setting's error (the CLI prints it and exits 2), before any weights load.
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        build(EngineConfig.from_kwargs(attention_backend="triton", num_kv_blocks=8))
 
 
-TORCH, KERNELS = TorchPlatform(), CpuKernelsPlatform(pack_weights=True)
+TORCH, KERNELS, TRITON = TorchPlatform(), CpuKernelsPlatform(pack_weights=True), TritonPlatform()
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -60,21 +81,22 @@ def test_layer_ops_agree() -> None:
     assert KERNELS.argmax_rows(logits).tolist() == TORCH.argmax_rows(logits).tolist()
 
 
-@pytest.mark.parametrize("platform", [TORCH, KERNELS], ids=["torch", "cpu"])
+@pytest.mark.parametrize("platform", [TORCH, KERNELS, TRITON], ids=["torch", "cpu", "triton"])
 def test_write_kv_and_decode_attention(platform: Platform) -> None:
-    """Keys written to their slots are what decode attention reads: against a dense softmax."""
+    """Keys written to their slots are what decode attention reads: against a dense softmax
+    (Triton under its interpreter, set by tests/conftest.py)."""
     gen = torch.Generator().manual_seed(1)
-    num_kv_heads, num_blocks, block_size, head_dim = 2, 6, 4, 16
+    num_kv_heads, num_blocks, block_size, head_dim = 2, 6, 16, 16
     key_cache = torch.zeros(num_kv_heads, num_blocks, block_size, head_dim)
     value_cache = torch.zeros_like(key_cache)
-    block_table, seq_len = [4, 1], 7  # one sequence, its 7 tokens in blocks 4 then 1
+    block_table, seq_len = [4, 1], 19  # one sequence, its 19 tokens in blocks 4 then 1
     slots = torch.tensor(
-        [block_table[p // block_size] * block_size + p % block_size for p in range(7)]
+        [block_table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
     )
     k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
     platform.write_kv(k, v, key_cache, value_cache, slots)
-    assert torch.equal(key_cache[:, 1, 2], k[6]) and torch.equal(value_cache[:, 4, 0], v[0])
+    assert torch.equal(key_cache[:, 1, 2], k[18]) and torch.equal(value_cache[:, 4, 0], v[0])
     attend = platform.decode_attention(
         torch.tensor([block_table]),
         torch.tensor([seq_len]),
