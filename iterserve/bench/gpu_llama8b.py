@@ -1,0 +1,323 @@
+"""``iterserve bench gpu`` sections 3 and 4 on a randomly initialised Llama-3-8B-shaped model:
+offline throughput of iterserve against ``transformers``' continuous batching, and the decode
+iteration time at batch 64 against its weight-and-KV read floor.
+
+Both sections share one model (built once, by :class:`SharedLlama`): transformers' model is
+initialised on the device, iterserve's loads its weights. Section 4 runs first; section 3
+frees iterserve's model and KV pool before transformers' continuous batching sizes its own
+cache from the free memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from iterserve.bench.gpu_kernels import copy_bandwidth
+from iterserve.bench.gpu_models import (
+    DTYPE_NAMES,
+    LlamaShape,
+    iterserve_llama,
+    llama_config,
+    make_engine,
+    random_hf_llama,
+    run_engine,
+)
+from iterserve.engine.sampling_params import SamplingParams
+
+BLOCK_SIZE = 16
+# Prefill tokens per iteration: whole prompts of many requests at once (vLLM's default).
+MAX_NUM_BATCHED_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class LlamaBenchSettings:
+    """Model and workload of sections 3 and 4 (tokens, seconds)."""
+
+    shape: LlamaShape
+    dtype: torch.dtype
+    backend: str  # iterserve's --attention-backend on the device
+    num_requests: int  # section 3: requests, all arriving at once
+    prompt_len: int  # random token ids, fixed length
+    output_len: int  # greedy, EOS ignored, exactly this many
+    decode_batch: int  # section 4
+    decode_context: int  # prompt tokens of each decoding request
+    decode_steps: int  # timed pure-decode iterations
+    hf_timeout_s: float  # transformers' run stops waiting after this
+    copy_bytes: int
+    seed: int = 0
+
+    @property
+    def max_model_len(self) -> int:
+        longest = max(
+            self.prompt_len + self.output_len, self.decode_context + self.decode_steps + 8
+        )
+        return -(-longest // 256) * 256
+
+
+class SharedLlama:
+    """The model of sections 3 and 4, built on first use."""
+
+    def __init__(self, settings: LlamaBenchSettings, device: torch.device) -> None:
+        self.settings = settings
+        self.device = device
+        self._hf: Any = None
+        self._ours: Any = None
+        self.build_s: dict[str, float] = {}
+
+    def hf_model(self) -> Any:
+        if self._hf is None:
+            s = self.settings
+            start = time.perf_counter()
+            config = llama_config(s.shape, s.max_model_len)
+            self._hf = random_hf_llama(config, s.dtype, self.device, s.seed)
+            self.build_s["transformers_init"] = time.perf_counter() - start
+        return self._hf
+
+    def iterserve_model(self) -> Any:
+        if self._ours is None:
+            s = self.settings
+            hf = self.hf_model()
+            start = time.perf_counter()
+            self._ours = iterserve_llama(hf, self.device, s.dtype, s.max_model_len, s.backend)
+            self.build_s["iterserve_load"] = time.perf_counter() - start
+        return self._ours
+
+    def free_iterserve(self) -> None:
+        self._ours = None
+        _free_memory(self.device)
+
+    def free_all(self) -> None:
+        self._hf = None
+        self.free_iterserve()
+
+
+def _free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _model_info(model: Any, settings: LlamaBenchSettings) -> dict[str, Any]:
+    return {
+        **asdict(settings.shape),
+        "dtype": DTYPE_NAMES[settings.dtype],
+        "weight_bytes": model.weight_bytes(),
+        "platform": model.platform.name,
+    }
+
+
+def _prompts(settings: LlamaBenchSettings, num: int, length: int) -> list[list[int]]:
+    rng = random.Random(settings.seed)
+    vocab = settings.shape.vocab_size
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(num)]
+
+
+# ----------------------------------------------------------------- section 4
+
+
+def run_decode_floor(shared: SharedLlama) -> dict[str, Any]:
+    """Median engine-step time of pure-decode iterations at ``decode_batch`` requests against
+    the floor ``(weight bytes read + KV bytes read) / copy bandwidth``; target <= 1.3x.
+
+    The weights read are all but the embedding table (a decode reads ``batch`` rows of it);
+    the KV read is every request's context (all layers, keys and values) at that step.
+    """
+    s, device = shared.settings, shared.device
+    model = shared.iterserve_model()
+    batch, context = s.decode_batch, s.decode_context
+    num_tokens = context + s.decode_steps + 8
+    num_blocks = batch * -(-num_tokens // BLOCK_SIZE) + 1
+    engine = make_engine(
+        model,
+        num_kv_blocks=num_blocks,
+        max_model_len=s.max_model_len,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, batch),
+    )
+    params = SamplingParams(max_tokens=s.decode_steps + 8, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(_prompts(s, batch, context)):
+        engine.add_request(str(i), prompt, params)
+    # Prefill until every request decodes, then 2 decode iterations of warm-up.
+    for _ in range(batch * context):
+        engine.step()
+        last = engine.telemetry[-1]
+        if last.num_prefill_tokens == 0 and last.num_scheduled_seqs == batch:
+            break
+    for _ in range(2):
+        engine.step()
+    # Each request now has 3 output tokens: a step at decode j reads context + 3 + j tokens
+    # of KV (the new token's included).
+    latencies, kv_tokens = [], []
+    for j in range(s.decode_steps):
+        engine.step()
+        last = engine.telemetry[-1]
+        if last.num_prefill_tokens or last.num_scheduled_seqs != batch:
+            raise RuntimeError(f"decode step {j} was not a pure decode of {batch} requests")
+        latencies.append(last.latency_s)
+        kv_tokens.append(batch * (context + 3 + j))
+    bytes_per_token = engine.runner.kv_cache.bytes_per_token  # type: ignore[attr-defined]
+    kv_bytes = statistics.mean(kv_tokens) * bytes_per_token
+    embedding_bytes = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    weight_bytes = model.weight_bytes() - embedding_bytes
+    del engine
+    _free_memory(device)
+    bandwidth = copy_bandwidth(device, s.copy_bytes)
+    floor_s = (weight_bytes + kv_bytes) / bandwidth
+    iteration_s = statistics.median(latencies)
+    return {
+        "model": _model_info(model, s),
+        "batch": batch,
+        "context": context,
+        "num_steps": s.decode_steps,
+        "iteration_ms": iteration_s * 1e3,
+        "iteration_ms_min": min(latencies) * 1e3,
+        "weight_bytes_read": weight_bytes,
+        "kv_bytes_read": kv_bytes,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "floor_ms": floor_s * 1e3,
+        "vs_floor": iteration_s / floor_s,
+        "target": "<= 1.3x the floor",
+        "target_met": iteration_s / floor_s <= 1.3,
+        "build_s": dict(shared.build_s),
+    }
+
+
+# ----------------------------------------------------------------- section 3
+
+
+def run_offline(shared: SharedLlama) -> dict[str, Any]:
+    """Generated tokens per second of iterserve and of transformers' continuous batching on
+    the same prompts (random ids, fixed lengths, greedy, EOS ignored, same output length),
+    and their ratio (target >= 3x). Warm-ups are not timed."""
+    s, device = shared.settings, shared.device
+    prompts = _prompts(s, s.num_requests, s.prompt_len)
+    model = shared.iterserve_model()
+    info = _model_info(model, s)
+    ours = _iterserve_throughput(model, prompts, s)
+    shared.free_iterserve()
+    theirs = _transformers_throughput(shared.hf_model(), prompts, s, device)
+    shared.free_all()
+    agree = [
+        a[:1] == b[:1]
+        for a, b in zip(ours.pop("token_ids"), theirs.pop("token_ids"), strict=True)
+        if b
+    ]
+    ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs["tokens_per_s"] else None
+    return {
+        "model": info,
+        "workload": {
+            "num_requests": s.num_requests,
+            "prompt_len": s.prompt_len,
+            "output_len": s.output_len,
+        },
+        "iterserve": ours,
+        "transformers": theirs,
+        "ratio": ratio,
+        "target": ">= 3x transformers continuous batching",
+        "target_met": None if ratio is None else ratio >= 3.0,
+        # Same weights, different kernels in bfloat16: most first tokens should agree.
+        "first_token_agreement": sum(agree) / len(agree) if agree else None,
+    }
+
+
+def _iterserve_throughput(
+    model: Any, prompts: list[list[int]], s: LlamaBenchSettings
+) -> dict[str, Any]:
+    num_blocks = len(prompts) * -(-(s.prompt_len + s.output_len) // BLOCK_SIZE) + 1
+    max_num_seqs = min(len(prompts), 256)
+    engine = make_engine(
+        model,
+        num_kv_blocks=num_blocks,
+        max_model_len=s.max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, max_num_seqs),
+    )
+    params = SamplingParams(
+        max_tokens=s.output_len, min_tokens=s.output_len, temperature=0.0, ignore_eos=True
+    )
+    run_engine(engine, [(p, params) for p in prompts[:2]])  # warm-up: compiles the kernels
+    warmup_iterations = engine.num_iterations
+    start = time.perf_counter()
+    outputs = run_engine(engine, [(p, params) for p in prompts])
+    seconds = time.perf_counter() - start
+    token_ids = [outputs[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+    generated = sum(map(len, token_ids))
+    return {
+        "generated_tokens": generated,
+        "seconds": seconds,
+        "tokens_per_s": generated / seconds,
+        "iterations": engine.num_iterations - warmup_iterations,
+        "max_num_seqs": max_num_seqs,
+        "num_kv_blocks": num_blocks,
+        "token_ids": token_ids,
+    }
+
+
+def _transformers_throughput(
+    model: Any, prompts: list[list[int]], s: LlamaBenchSettings, device: torch.device
+) -> dict[str, Any]:
+    """transformers' ``ContinuousBatchingManager`` (what ``generate_batch`` runs) on the
+    prompts; stops waiting after ``hf_timeout_s`` and counts the requests finished by then."""
+    import transformers
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=s.output_len, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    manager_kwargs = _manager_kwargs(model, device)
+    results: dict[str, list[int]] = {}
+    with model.continuous_batching_context_manager(
+        generation_config=config, block=True, **manager_kwargs
+    ) as cb:
+        start = time.perf_counter()  # after the manager's warm-up (CUDA graphs)
+        add_params = inspect.signature(cb.add_request).parameters
+        ids = []
+        for prompt in prompts:
+            kwargs: dict[str, Any] = {"max_new_tokens": s.output_len}
+            if "eos_token_id" in add_params:
+                kwargs["eos_token_id"] = -1  # never stop early
+            ids.append(cb.add_request(prompt, **kwargs))
+        deadline = start + s.hf_timeout_s
+        while len(results) < len(ids) and time.perf_counter() < deadline:
+            result = cb.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = list(result.generated_tokens)
+            elif result is None and hasattr(cb, "is_running") and not cb.is_running():
+                raise RuntimeError("transformers' continuous batching manager stopped")
+        seconds = time.perf_counter() - start
+    generated = sum(map(len, results.values()))
+    return {
+        "version": transformers.__version__,
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "generated_tokens": generated,
+        "finished_requests": len(results),
+        "timed_out": len(results) < len(ids),
+        "seconds": seconds,
+        "tokens_per_s": generated / seconds,
+        "token_ids": [results.get(i, []) for i in ids],
+    }
+
+
+def _manager_kwargs(model: Any, device: torch.device) -> dict[str, Any]:
+    """On a CPU (tests): no warm-up and a small cache, where this transformers takes them."""
+    if device.type == "cuda":
+        return {}
+    params = inspect.signature(model.continuous_batching_context_manager).parameters
+    kwargs: dict[str, Any] = {}
+    if "warmup" in params:
+        kwargs["warmup"] = False
+    if "continuous_batching_config" in params:
+        from transformers import ContinuousBatchingConfig
+
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
+            num_blocks=64, max_batch_tokens=256, page_size=BLOCK_SIZE
+        )
+    return kwargs
