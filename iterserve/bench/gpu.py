@@ -33,7 +33,6 @@ import traceback
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 SECTIONS = {

@@ -9,6 +9,7 @@ copy's bandwidth counts read + write (``2 * bytes / time`` of a large ``copy_``)
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import traceback
@@ -40,7 +41,6 @@ def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     seconds = time_ms(lambda: dst.copy_(src), device) / 1e3
-    del src, dst
     return 2 * num_bytes / seconds
 
 
@@ -65,11 +65,11 @@ def run_kernel_checks(device: torch.device) -> dict[str, Any]:
     for case in attention_cases:
         entry: dict[str, Any] = {"kernel": "paged_attention", "case": case.name}
         entry |= {"dtype": str(case.dtype).removeprefix("torch."), **TOLERANCE[case.dtype]}
-        checks.append(_run_check(entry, lambda case=case: check_paged_attention(case, device)))
+        checks.append(_run_check(entry, functools.partial(check_paged_attention, case, device)))
     write_dtypes = (*WRITE_KV_DTYPES, torch.bfloat16) if device.type == "cuda" else WRITE_KV_DTYPES
     for dtype in write_dtypes:
         entry = {"kernel": "write_kv", "case": "strided-values", "dtype": str(dtype)[6:]}
-        checks.append(_run_check(entry, lambda dtype=dtype: check_write_kv(dtype, device)))
+        checks.append(_run_check(entry, functools.partial(check_write_kv, dtype, device)))
     failed = [f"{c['kernel']}/{c['case']}/{c['dtype']}" for c in checks if not c["passed"]]
     result = {"num_checks": len(checks), "num_failed": len(failed), "checks": checks}
     if failed:
@@ -139,7 +139,6 @@ def time_decode_attention(shape: AttentionShape, device: torch.device) -> dict[s
     itemsize = q.element_size()
     kv_bytes = 2 * s.batch * s.context * s.num_kv_heads * s.head_dim * itemsize
     bytes_moved = kv_bytes + 2 * q.numel() * itemsize + block_tables.numel() * 8
-    del key_cache, value_cache
     return {
         "batch": s.batch,
         "context": s.context,

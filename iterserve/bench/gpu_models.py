@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from iterserve.config import GiB, EngineConfig
+from iterserve.config import EngineConfig, GiB
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.sampling_params import SamplingParams
@@ -37,10 +37,14 @@ class LlamaShape:
 
 
 def llama_config(shape: LlamaShape, max_position: int) -> Any:
-    """A ``transformers.LlamaConfig`` of ``shape`` (untied embeddings, default rope)."""
+    """A ``transformers.LlamaConfig`` of ``shape`` (untied embeddings, default rope).
+
+    Raises:
+        RuntimeError: this transformers (< 5) does not read ``rope_parameters``.
+    """
     from transformers import LlamaConfig
 
-    return LlamaConfig(
+    config = LlamaConfig(
         hidden_size=shape.hidden_size,
         num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_heads,
@@ -49,11 +53,14 @@ def llama_config(shape: LlamaShape, max_position: int) -> Any:
         vocab_size=shape.vocab_size,
         max_position_embeddings=max_position,
         rms_norm_eps=1e-5,
-        rope_theta=shape.rope_theta,  # transformers < 5 reads this ...
-        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},  # ... 5 this
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
         tie_word_embeddings=False,
         architectures=["LlamaForCausalLM"],
     )
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_theta") != shape.rope_theta:
+        raise RuntimeError(f"LlamaConfig did not take rope_theta {shape.rope_theta}: {rope}")
+    return config
 
 
 def random_hf_llama(hf_config: Any, dtype: torch.dtype, device: torch.device, seed: int) -> Any:
@@ -266,8 +273,9 @@ def _compare(
         for c in expected.outputs:
             got_ids = got.outputs[c.index].token_ids if got else []
             if got_ids != c.token_ids:
+                pairs = zip(got_ids, c.token_ids, strict=False)
                 first = next(
-                    (i for i, (a, b) in enumerate(zip(got_ids, c.token_ids)) if a != b),
+                    (i for i, (a, b) in enumerate(pairs) if a != b),
                     min(len(got_ids), len(c.token_ids)),
                 )
                 mismatches.append({"request_id": request_id, "index": c.index, "position": first})

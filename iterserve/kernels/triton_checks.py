@@ -22,10 +22,10 @@ from iterserve.kernels.triton_write_kv import write_kv, write_kv_reference
 # rounds the softmax weights before the P.V dot and the output (about 2 ** -11 relative each);
 # bfloat16 keeps 8 significant bits (2 ** -9 relative per rounding, 4x float16's): 4x its bound
 # plus margin.
-TOLERANCE = {
-    torch.float32: dict(atol=2e-5, rtol=1e-4),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
+TOLERANCE: dict[torch.dtype, dict[str, float]] = {
+    torch.float32: {"atol": 2e-5, "rtol": 1e-4},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2},
 }
 
 
@@ -142,7 +142,8 @@ def check_paged_attention(case: AttentionCase, device: torch.device | str = "cpu
     )
     assert out.dtype == case.dtype, f"output is {out.dtype}, not {case.dtype}"
     got = out.cpu().double()
-    torch.testing.assert_close(got, exact, **TOLERANCE[case.dtype])
+    tolerance = TOLERANCE[case.dtype]
+    torch.testing.assert_close(got, exact, atol=tolerance["atol"], rtol=tolerance["rtol"])
     return float((got - exact).abs().max())
 
 
