@@ -332,7 +332,7 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=None, help="section 3 (128; quick 64)")
     p.add_argument("--prompt-len", type=int, default=None, help="section 3 (256; quick 128)")
     p.add_argument("--output-len", type=int, default=None, help="section 3 (128; quick 64)")
-    p.add_argument("--hf-timeout-s", type=float, default=None, help="section 3 (120; quick 40)")
+    p.add_argument("--hf-timeout-s", type=float, default=None, help="section 3 (90; quick 25)")
     p.add_argument("--decode-batch", type=int, default=64, help="section 4 (64)")
     p.add_argument("--decode-context", type=int, default=None, help="section 4 (1024; quick 512)")
     p.add_argument("--decode-steps", type=int, default=None, help="section 4 (32; quick 16)")

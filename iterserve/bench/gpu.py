@@ -117,7 +117,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         decode_batch=args.decode_batch,
         decode_context=pick(args.decode_context, 1024, 512),
         decode_steps=pick(args.decode_steps, 32, 16),
-        hf_timeout_s=pick(args.hf_timeout_s, 120.0, 40.0),
+        hf_timeout_s=pick(args.hf_timeout_s, 90.0, 25.0),
         copy_bytes=copy_bytes,
     )
     heads_a, kv_a, head_dim = _ints(args.attention_geometry, ":")

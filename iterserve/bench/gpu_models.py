@@ -64,17 +64,26 @@ def llama_config(shape: LlamaShape, max_position: int) -> Any:
 
 
 def random_hf_llama(hf_config: Any, dtype: torch.dtype, device: torch.device, seed: int) -> Any:
-    """``transformers.LlamaForCausalLM`` of ``hf_config`` in ``dtype``, created and randomly
-    initialised on ``device`` (its own init; seeded)."""
+    """``transformers.LlamaForCausalLM`` of ``hf_config`` in ``dtype``, created on ``device``
+    and initialised there from a seeded generator: normal(0, 0.02) matrices and embeddings,
+    unit norm weights (transformers' own init, done here so it does not depend on the
+    version)."""
     from transformers import LlamaForCausalLM as HfLlama
 
-    torch.manual_seed(seed)
     with torch.device(device):
         try:
             model = HfLlama._from_config(hf_config, dtype=dtype)
         except TypeError:  # transformers < 5 names it torch_dtype
             model = HfLlama._from_config(hf_config, torch_dtype=dtype)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:  # RMSNorm weights (Llama has no biases)
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    return model
 
 
 def iterserve_llama(
