@@ -208,6 +208,7 @@ def main(args: argparse.Namespace) -> int:
         "environment": environment(device),
         "stubbed_modules": stubbed,
         "sections": {},
+        "wall_s": 0.0,
     }
     if args.quick and plan.llama.shape.num_layers < 32:
         report["note"] = (
@@ -215,19 +216,20 @@ def main(args: argparse.Namespace) -> int:
             f"layers and fewer, shorter requests"
         )
     functions = _section_functions(plan, device)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    path = args.output_dir / ("gpu-quick.json" if args.quick else "gpu.json")
+    from iterserve.bench.gpu_report import format_report, format_section
+
     for number in plan.sections:
         name = SECTIONS[number]
         print(f"== section {number}: {name}", flush=True)
-        entry = run_section(functions[number])
-        report["sections"][name] = {"section": number, **entry}
-        print(f"   {entry['status']} in {entry['seconds']:.1f} s", flush=True)
-    report["wall_s"] = time.perf_counter() - start
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    path = args.output_dir / ("gpu-quick.json" if args.quick else "gpu.json")
-    path.write_text(json.dumps(report, indent=2, default=str))
-    from iterserve.bench.gpu_report import format_report
-
-    print(format_report(report))
+        entry = {"section": number, **run_section(functions[number])}
+        report["sections"][name] = entry
+        print("\n".join(format_section(name, entry)), flush=True)
+        # Written after every section: a run stopped by a time limit keeps what it measured.
+        report["wall_s"] = time.perf_counter() - start
+        path.write_text(json.dumps(report, indent=2, default=str))
+    print("\n" + format_report(report))
     print(f"wrote {path}")
     failed = [n for n, e in report["sections"].items() if e["status"] != "ok"]
     return 1 if failed else 0

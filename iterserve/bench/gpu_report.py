@@ -107,13 +107,18 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("note"):
         lines.append(report["note"])
     for name, entry in sorted(report["sections"].items(), key=lambda kv: kv[1]["section"]):
-        head = f"[{entry['section']}] {name} ({entry['status']}, {entry['seconds']:.1f} s)"
-        lines.append(head)
-        if entry["status"] != "ok":
-            lines.append(f"  error: {entry['error'][:300]}")
-        if "result" in entry:
-            try:
-                lines.extend("  " + line for line in _FORMATTERS[name](entry["result"]))
-            except (KeyError, TypeError, ValueError) as e:  # the JSON has it all anyway
-                lines.append(f"  (no table: {e!r})")
+        lines.extend(format_section(name, entry))
     return "\n".join(lines)
+
+
+def format_section(name: str, entry: dict[str, Any]) -> list[str]:
+    """One section's headline and details (``entry`` as in the report's ``sections``)."""
+    lines = [f"[{entry['section']}] {name} ({entry['status']}, {entry['seconds']:.1f} s)"]
+    if entry["status"] != "ok":
+        lines.append(f"  error: {entry['error'][:300]}")
+    if "result" in entry:
+        try:
+            lines.extend("  " + line for line in _FORMATTERS[name](entry["result"]))
+        except (KeyError, TypeError, ValueError) as e:  # the JSON has it all anyway
+            lines.append(f"  (no table: {e!r})")
+    return lines
