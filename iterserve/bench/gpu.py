@@ -238,7 +238,11 @@ def main(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     from iterserve.bench.cli_args import add_gpu_args
 
-    parser = argparse.ArgumentParser(prog="python -m iterserve.bench.gpu", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m iterserve.bench.gpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_gpu_args(parser)
     return parser
 
