@@ -11,7 +11,6 @@ cache from the free memory.
 from __future__ import annotations
 
 import gc
-import inspect
 import random
 import statistics
 import time
@@ -31,6 +30,7 @@ from iterserve.bench.gpu_models import (
     random_hf_llama,
     run_engine,
 )
+from iterserve.bench.gpu_transformers import transformers_throughput
 from iterserve.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
@@ -222,7 +222,9 @@ def run_offline(shared: SharedLlama) -> dict[str, Any]:
         "target": ">= 3x transformers continuous batching",
     }
     try:
-        theirs = _transformers_throughput(shared.hf_model(), prompts, s, device)
+        theirs = transformers_throughput(
+            shared.hf_model(), prompts, s.output_len, s.hf_timeout_s, device
+        )
     except Exception as e:  # keep iterserve's figures
         ours.pop("token_ids")
         result["transformers"] = {"error": repr(e), "traceback": traceback.format_exc()}
@@ -275,94 +277,3 @@ def _iterserve_throughput(
         "num_kv_blocks": num_blocks,
         "token_ids": token_ids,
     }
-
-
-def _transformers_throughput(
-    model: Any, prompts: list[list[int]], s: LlamaBenchSettings, device: torch.device
-) -> dict[str, Any]:
-    """transformers' ``ContinuousBatchingManager`` (what ``generate_batch`` runs) on the
-    prompts; stops waiting after ``hf_timeout_s`` and counts the requests finished by then."""
-    import transformers
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(
-        max_new_tokens=s.output_len, do_sample=False, eos_token_id=-1, pad_token_id=0
-    )
-    if not hasattr(model, "continuous_batching_context_manager"):
-        return _generate_batch(model, prompts, config)
-    manager_kwargs = _manager_kwargs(model, device)
-    results: dict[str, list[int]] = {}
-    with model.continuous_batching_context_manager(
-        generation_config=config, block=True, **manager_kwargs
-    ) as cb:
-        start = time.perf_counter()  # after the manager's warm-up (CUDA graphs)
-        add_params = inspect.signature(cb.add_request).parameters
-        ids = []
-        for prompt in prompts:
-            kwargs: dict[str, Any] = {"max_new_tokens": s.output_len}
-            if "eos_token_id" in add_params:
-                kwargs["eos_token_id"] = -1  # never stop early
-            ids.append(cb.add_request(prompt, **kwargs))
-        deadline = start + s.hf_timeout_s
-        while len(results) < len(ids) and time.perf_counter() < deadline:
-            result = cb.get_result(timeout=1)
-            if result is not None and result.is_finished():
-                results[result.request_id] = list(result.generated_tokens)
-            elif result is None and hasattr(cb, "is_running") and not cb.is_running():
-                raise RuntimeError("transformers' continuous batching manager stopped")
-        seconds = time.perf_counter() - start
-    generated = sum(map(len, results.values()))
-    return {
-        "version": transformers.__version__,
-        "api": "continuous_batching_context_manager",
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "generated_tokens": generated,
-        "finished_requests": len(results),
-        "timed_out": len(results) < len(ids),
-        "seconds": seconds,
-        "tokens_per_s": generated / seconds,
-        "token_ids": [results.get(i, []) for i in ids],
-    }
-
-
-def _generate_batch(model: Any, prompts: list[list[int]], config: Any) -> dict[str, Any]:
-    """A transformers without the context manager: ``generate_batch`` timed whole (its
-    warm-up included), no time limit."""
-    import transformers
-
-    start = time.perf_counter()
-    outputs = model.generate_batch(prompts, generation_config=config)
-    seconds = time.perf_counter() - start
-    # Request ids in submission order: req_0, req_1, ...
-    token_ids = [list(o.generated_tokens) for _, o in sorted(
-        outputs.items(), key=lambda kv: int(str(kv[0]).rpartition("_")[2] or 0)
-    )]  # fmt: skip
-    generated = sum(map(len, token_ids))
-    return {
-        "version": transformers.__version__,
-        "api": "generate_batch",
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "generated_tokens": generated,
-        "finished_requests": len(token_ids),
-        "timed_out": False,
-        "seconds": seconds,
-        "tokens_per_s": generated / seconds,
-        "token_ids": token_ids,
-    }
-
-
-def _manager_kwargs(model: Any, device: torch.device) -> dict[str, Any]:
-    """On a CPU (tests): no warm-up and a small cache, where this transformers takes them."""
-    if device.type == "cuda":
-        return {}
-    params = inspect.signature(model.continuous_batching_context_manager).parameters
-    kwargs: dict[str, Any] = {}
-    if "warmup" in params:
-        kwargs["warmup"] = False
-    if "continuous_batching_config" in params:
-        from transformers import ContinuousBatchingConfig
-
-        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
-            num_blocks=64, max_batch_tokens=256, page_size=BLOCK_SIZE
-        )
-    return kwargs
