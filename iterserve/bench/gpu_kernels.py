@@ -26,7 +26,8 @@ def time_ms(fn: Callable[[], Any], device: torch.device, iters: int = 20) -> flo
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=5, rep=max(iters * 2, 20)))
+        ms = triton.testing.do_bench(fn, warmup=5, rep=max(iters * 2, 20), return_mode="median")
+        return float(ms)
     fn()  # warm-up (compiles)
     times = []
     for _ in range(max(iters, 1)):

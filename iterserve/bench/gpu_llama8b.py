@@ -160,8 +160,9 @@ def run_decode_floor(shared: SharedLlama) -> dict[str, Any]:
             break
     for _ in range(2):
         engine.step()
-    # Each request now has 3 output tokens: a step at decode j reads context + 3 + j tokens
-    # of KV (the new token's included).
+    # The last prefill step sampled token 1, the first pure decode and the 2 warm-ups wrote
+    # tokens 1-3 and sampled 4: timed step j writes token 4 + j and reads context + 4 + j
+    # tokens of KV.
     latencies, kv_tokens = [], []
     for j in range(s.decode_steps):
         engine.step()
@@ -169,7 +170,7 @@ def run_decode_floor(shared: SharedLlama) -> dict[str, Any]:
         if last.num_prefill_tokens or last.num_scheduled_seqs != batch:
             raise RuntimeError(f"decode step {j} was not a pure decode of {batch} requests")
         latencies.append(last.latency_s)
-        kv_tokens.append(batch * (context + 3 + j))
+        kv_tokens.append(batch * (context + 4 + j))
     bytes_per_token = engine.runner.kv_cache.bytes_per_token  # type: ignore[attr-defined]
     kv_bytes = statistics.mean(kv_tokens) * bytes_per_token
     embedding_bytes = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
