@@ -66,6 +66,7 @@ COMMANDS = [
     "bench telemetry",
     "bench overload",
     "bench soak",
+    "bench gpu",
 ]
 
 

@@ -41,6 +41,7 @@ def add_bench_parsers(sub: Any) -> None:
     _add_telemetry(sub)
     _add_overload(sub)
     _add_soak(sub)
+    _add_gpu(sub)
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -293,3 +294,48 @@ def _add_soak(sub: Any) -> None:
     )
     p.add_argument("--smoke", action="store_true", help="6.5 s, a change every 0.8 s (tests)")
     p.set_defaults(func=_main_of("soak"))
+
+
+def _add_gpu(sub: Any) -> None:
+    p = sub.add_parser(
+        "gpu", help="the prepared GPU check: kernels, attention bandwidth, 8B offline, parity"
+    )
+    add_gpu_args(p)
+    p.set_defaults(func=_main_of("gpu"))
+
+
+def add_gpu_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ``iterserve bench gpu`` (also ``python -m iterserve.bench.gpu``). Shape flags
+    left unset take the full run's values, or ``--quick``'s."""
+    p.add_argument("--device", default="cuda", help="cuda (default), or cpu for tests")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and requests, 8 layers")
+    p.add_argument("--sections", default="1,2,3,4,5", help="which sections to run, e.g. 1,2")
+    p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    p.add_argument(
+        "--attention-backend", default="auto", help="iterserve's backend on the device (auto)"
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--attention-shapes",
+        default=None,
+        help="BATCHxCONTEXT decode shapes (default 64x2048,64x8192,256x2048,256x8192)",
+    )
+    p.add_argument(
+        "--attention-geometry", default="32:8:128", help="HEADS:KV_HEADS:HEAD_DIM (32:8:128)"
+    )
+    p.add_argument(
+        "--llama-shape",
+        default="4096:32:32:8:14336:128256",
+        help="HIDDEN:LAYERS:HEADS:KV_HEADS:INTERMEDIATE:VOCAB (Llama-3-8B)",
+    )
+    p.add_argument("--num-layers", type=int, default=None, help="override (quick: 8)")
+    p.add_argument("--num-requests", type=int, default=None, help="section 3 (128; quick 64)")
+    p.add_argument("--prompt-len", type=int, default=None, help="section 3 (256; quick 128)")
+    p.add_argument("--output-len", type=int, default=None, help="section 3 (128; quick 64)")
+    p.add_argument("--hf-timeout-s", type=float, default=None, help="section 3 (90; quick 25)")
+    p.add_argument("--decode-batch", type=int, default=64, help="section 4 (64)")
+    p.add_argument("--decode-context", type=int, default=None, help="section 4 (1024; quick 512)")
+    p.add_argument("--decode-steps", type=int, default=None, help="section 4 (32; quick 16)")
+    p.add_argument("--parity-requests", type=int, default=12, help="section 5 (12)")
+    p.add_argument("--parity-tokens", type=int, default=None, help="section 5 (24; quick 16)")
+    p.add_argument("--copy-mib", type=int, default=1024, help="size of the copy measured")

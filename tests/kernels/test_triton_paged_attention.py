@@ -1,99 +1,34 @@
 """The Triton ragged paged-attention kernel against its torch reference computed in float64,
 on random inputs (under Triton's interpreter without a GPU: tests/conftest.py sets
 ``TRITON_INTERPRET=1``). The interpreter computes with numpy, which has no bfloat16: bfloat16
-runs only on a GPU. Shapes stay tiny because the interpreter runs every program in Python."""
+runs only on a GPU (``iterserve bench gpu`` runs these cases there, in bfloat16 too). The cases
+and the comparison live in :mod:`iterserve.kernels.triton_checks`. Shapes stay tiny because the
+interpreter runs every program in Python."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from iterserve.kernels.triton_paged_attention import (
-    default_num_splits,
-    paged_attention,
-    paged_attention_reference,
+from iterserve.kernels.triton_checks import (
+    ATTENTION_CASES,
+    AttentionCase,
+    check_paged_attention,
+    gpu_attention_cases,
+    make_batch,
 )
-
-# Error bound per dtype against the float64 reference: float32 dots in full precision; float16
-# rounds the softmax weights before the P.V dot and the output (about 2 ** -11 relative each).
-TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+from iterserve.kernels.triton_paged_attention import default_num_splits, paged_attention
 
 
-def make_batch(
-    reqs: list[tuple[int, int]],
-    num_kv_heads: int,
-    group: int,
-    block_size: int,
-    head_dim: int,
-    dtype: torch.dtype,
-) -> dict[str, torch.Tensor]:
-    """A ragged batch of ``(q_len, seq_len)`` requests whose blocks are scattered over the pool;
-    table padding points at a NaN block, so reading past a context poisons the output."""
-    gen = torch.Generator().manual_seed(len(reqs) * 1000 + sum(s for _, s in reqs))
-    needed = [-(-seq_len // block_size) for _, seq_len in reqs]
-    num_blocks = sum(needed) + 2
-    perm = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0 is the NaN block
-    shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    key_cache = torch.randn(shape, generator=gen).to(dtype)
-    value_cache = torch.randn(shape, generator=gen).to(dtype)
-    key_cache[:, 0] = float("nan")
-    value_cache[:, 0] = float("nan")
-    block_tables = torch.zeros(len(reqs), max(needed) + 1, dtype=torch.int64)
-    used = 0
-    for i, n in enumerate(needed):
-        block_tables[i, :n] = perm[used : used + n]
-        used += n
-    query_lens = torch.tensor([q for q, _ in reqs])
-    num_tokens = int(query_lens.sum())
-    return dict(
-        q=torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(dtype),
-        key_cache=key_cache,
-        value_cache=value_cache,
-        block_tables=block_tables,
-        seq_lens=torch.tensor([s for _, s in reqs]),
-        query_start_loc=torch.cat((torch.zeros(1, dtype=torch.int64), query_lens.cumsum(0))),
-    )
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: c.name)
+def test_matches_float64_reference(case: AttentionCase) -> None:
+    check_paged_attention(case)
 
 
-CASES = [
-    # (q_len, seq_len) per request, num_kv_heads, GQA group, block_size, head_dim, dtype, splits
-    pytest.param([(1, 1), (1, 17), (1, 40)], 2, 1, 16, 64, torch.float32, 1, id="decode"),
-    pytest.param([(1, 70), (1, 33)], 1, 8, 16, 64, torch.float32, 4, id="decode-split-gqa8"),
-    pytest.param([(20, 20), (7, 37)], 1, 3, 32, 128, torch.float16, 1, id="prefill-midblock-fp16"),
-    pytest.param(
-        [(1, 50), (1, 3), (5, 21), (18, 45)], 2, 3, 16, 64, torch.float32, 2, id="mixed-split"
-    ),
-    pytest.param([(1, 90), (9, 40)], 1, 8, 32, 64, torch.float16, 4, id="mixed-split-fp16"),
-    pytest.param([(3, 3), (1, 16), (16, 32)], 1, 1, 16, 128, torch.float32, 1, id="hd128"),
-]
-
-
-@pytest.mark.parametrize(
-    "reqs, num_kv_heads, group, block_size, head_dim, dtype, num_splits", CASES
-)
-def test_matches_float64_reference(
-    reqs: list[tuple[int, int]],
-    num_kv_heads: int,
-    group: int,
-    block_size: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    num_splits: int,
-) -> None:
-    batch = make_batch(reqs, num_kv_heads, group, block_size, head_dim, dtype)
-    scale = head_dim**-0.5
-    out = paged_attention(
-        **batch,
-        max_query_len=max(q for q, _ in reqs),
-        max_seq_len=max(s for _, s in reqs),
-        scale=scale,
-        num_splits=num_splits,
-    )
-    exact = paged_attention_reference(
-        **{k: v.double() if v.is_floating_point() else v for k, v in batch.items()}, scale=scale
-    )
-    assert out.dtype == dtype
-    torch.testing.assert_close(out.double(), exact, **TOLERANCE[dtype])
+def test_bfloat16_cases_are_added_for_gpus() -> None:
+    cases = gpu_attention_cases()
+    assert len(cases) == 2 * len(ATTENTION_CASES)
+    assert {c.dtype for c in cases[len(ATTENTION_CASES) :]} == {torch.bfloat16}
 
 
 def test_default_num_splits() -> None:

@@ -1,30 +1,19 @@
 """The Triton KV-cache write against its torch reference (exact: it copies), under Triton's
-interpreter without a GPU (tests/conftest.py sets ``TRITON_INTERPRET=1``)."""
+interpreter without a GPU (tests/conftest.py sets ``TRITON_INTERPRET=1``); the check itself is
+:func:`iterserve.kernels.triton_checks.check_write_kv`, which ``iterserve bench gpu`` also runs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from iterserve.kernels.triton_write_kv import write_kv, write_kv_reference
+from iterserve.kernels.triton_checks import WRITE_KV_DTYPES, check_write_kv
+from iterserve.kernels.triton_write_kv import write_kv
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", WRITE_KV_DTYPES)
 def test_matches_reference(dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(0)
-    num_tokens, num_kv_heads, head_dim, num_blocks, block_size = 7, 3, 64, 5, 16
-    # value a strided view into a fused qkv output, as the model passes it
-    qkv = torch.randn(num_tokens, 2 + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
-    key, value = qkv[:, 2 : 2 + num_kv_heads], qkv[:, 2 + num_kv_heads :]
-    key = key.contiguous()  # rotated keys are a new tensor, values stay views
-    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    key_cache, value_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-    expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    write_kv(key, value, key_cache, value_cache, slot_mapping)
-    write_kv_reference(key, value, expected_k, expected_v, slot_mapping)
-    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
-    assert key_cache.count_nonzero() == num_tokens * num_kv_heads * head_dim
+    check_write_kv(dtype)
 
 
 def test_rejects_bad_inputs() -> None:

@@ -1,0 +1,251 @@
+"""``iterserve bench gpu``: the prepared check of a lent GPU (issue 16), in one run.
+
+Run on the GPU machine from the repository root (nothing installed there but torch, triton and
+transformers; no model files, no downloads)::
+
+    PYTHONPATH=. python -m iterserve.bench.gpu --output-dir $OUT          # under 5 min, H200
+    PYTHONPATH=. python -m iterserve.bench.gpu --quick --output-dir $OUT  # under 2 min
+
+Sections, each on its own (one failing leaves the others' results; the exit status is 1 if
+any failed):
+
+1. ``kernel_checks``: the Triton kernel tests' cases on the device, bfloat16 included;
+2. ``attention_bandwidth``: the paged-attention decode kernel's bandwidth vs a device copy;
+3. ``offline_throughput``: iterserve vs transformers' continuous batching, Llama-3-8B shape;
+4. ``decode_floor``: the decode iteration at batch 64 vs its weight-and-KV read floor;
+5. ``engine_parity``: the engine's greedy tokens on the device vs on the CPU (float32).
+
+Results go to ``gpu.json`` (``gpu-quick.json``) in ``--output-dir`` and a table on stdout.
+``--device cpu`` with tiny shapes runs every section on a CPU (tests; Triton under its
+interpreter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+SECTIONS = {
+    1: "kernel_checks",
+    2: "attention_bandwidth",
+    3: "offline_throughput",
+    4: "decode_floor",
+    5: "engine_parity",
+}
+# Run order: the small sections first; 4 before 3 (3 frees the shared 8B model).
+RUN_ORDER = (1, 2, 5, 4, 3)
+_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+def shim_missing_modules() -> list[str]:
+    """Stand-ins for modules iterserve's kernels import that the lent machine may lack.
+
+    ``iterserve.kernels.cpu_build`` (imported by the platform module) imports
+    ``platformdirs`` for the C kernels' build cache; the GPU path never builds them. Returns
+    the names stubbed.
+    """
+    stubbed = []
+    try:
+        import platformdirs  # noqa: F401
+    except ImportError:
+        stub = types.ModuleType("platformdirs")
+
+        def user_cache_dir(appname: str | None = None, *args: Any, **kwargs: Any) -> str:
+            return os.path.join(tempfile.gettempdir(), appname or "cache")
+
+        stub.user_cache_dir = user_cache_dir  # type: ignore[attr-defined]
+        sys.modules["platformdirs"] = stub
+        stubbed.append("platformdirs")
+    return stubbed
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run does: the flags resolved for ``--quick`` or the full run."""
+
+    sections: tuple[int, ...]
+    attention_shapes: tuple[tuple[int, int], ...]
+    attention_geometry: tuple[int, int, int]  # heads, KV heads, head_dim
+    llama: Any  # LlamaBenchSettings
+    parity_requests: int
+    parity_tokens: int
+    copy_bytes: int
+
+
+def _ints(text: str, sep: str) -> list[int]:
+    return [int(x) for x in text.split(sep)]
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Resolve the flags left unset to the full run's values or ``--quick``'s."""
+    import torch
+
+    from iterserve.bench.gpu_llama8b import LlamaBenchSettings
+    from iterserve.bench.gpu_models import LlamaShape
+
+    quick = args.quick
+    shapes = args.attention_shapes or (
+        "64x2048,256x2048" if quick else "64x2048,64x8192,256x2048,256x8192"
+    )
+    hidden, layers, heads, kv_heads, inter, vocab = _ints(args.llama_shape, ":")
+    if args.num_layers is not None:
+        layers = args.num_layers
+    elif quick:
+        layers = min(layers, 8)
+
+    def pick(value: Any, full: Any, fast: Any) -> Any:
+        return value if value is not None else (fast if quick else full)
+
+    copy_bytes = args.copy_mib << 20
+    llama = LlamaBenchSettings(
+        shape=LlamaShape(hidden, layers, heads, kv_heads, inter, vocab),
+        dtype=getattr(torch, _DTYPES[args.dtype]),
+        backend=args.attention_backend,
+        num_requests=pick(args.num_requests, 128, 64),
+        prompt_len=pick(args.prompt_len, 256, 128),
+        output_len=pick(args.output_len, 128, 64),
+        decode_batch=args.decode_batch,
+        decode_context=pick(args.decode_context, 1024, 512),
+        decode_steps=pick(args.decode_steps, 32, 16),
+        hf_timeout_s=pick(args.hf_timeout_s, 90.0, 25.0),
+        copy_bytes=copy_bytes,
+    )
+    heads_a, kv_a, head_dim = _ints(args.attention_geometry, ":")
+    return Plan(
+        sections=tuple(s for s in RUN_ORDER if s in _ints(args.sections, ",")),
+        attention_shapes=tuple((b, c) for b, c in (_ints(s, "x") for s in shapes.split(","))),
+        attention_geometry=(heads_a, kv_a, head_dim),
+        llama=llama,
+        parity_requests=args.parity_requests,
+        parity_tokens=pick(args.parity_tokens, 24, 16),
+        copy_bytes=copy_bytes,
+    )
+
+
+def run_section(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``fn``'s result as ``{"status": "ok", "result": ...}``, or its error and traceback
+    (``"failed"``) with whatever results a failed check carried."""
+    from iterserve.bench.gpu_kernels import SectionFailed
+
+    start = time.perf_counter()
+    entry: dict[str, Any]
+    try:
+        entry = {"status": "ok", "result": fn()}
+    except Exception as e:  # a failed section is a result: the others still run
+        entry = {"status": "failed", "error": repr(e), "traceback": traceback.format_exc()}
+        if isinstance(e, SectionFailed):
+            entry["result"] = e.result
+        print(entry["traceback"], file=sys.stderr, flush=True)
+    entry["seconds"] = time.perf_counter() - start
+    return entry
+
+
+def _section_functions(plan: Plan, device: Any) -> dict[int, Callable[[], dict[str, Any]]]:
+    from iterserve.bench import gpu_kernels, gpu_llama8b, gpu_models
+
+    heads, kv_heads, head_dim = plan.attention_geometry
+    shapes = [
+        gpu_kernels.AttentionShape(b, c, heads, kv_heads, head_dim, 16, plan.llama.dtype)
+        for b, c in plan.attention_shapes
+    ]
+    shared = gpu_llama8b.SharedLlama(plan.llama, device)
+    backend = plan.llama.backend
+    return {
+        1: lambda: gpu_kernels.run_kernel_checks(device),
+        2: lambda: gpu_kernels.run_attention_timing(shapes, device, plan.copy_bytes),
+        3: lambda: gpu_llama8b.run_offline(shared),
+        4: lambda: gpu_llama8b.run_decode_floor(shared),
+        5: lambda: gpu_models.run_engine_parity(
+            device, backend, plan.parity_requests, plan.parity_tokens
+        ),
+    }
+
+
+def environment(device: Any) -> dict[str, Any]:
+    import torch
+    import transformers
+    import triton
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info |= {"device_name": props.name, "device_memory_gib": props.total_memory / 2**30}
+    return info
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    stubbed = shim_missing_modules()
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("iterserve bench gpu: error: no CUDA device (use --device cpu)", file=sys.stderr)
+        return 2
+    plan = make_plan(args)
+    start = time.perf_counter()
+    report: dict[str, Any] = {
+        "quick": args.quick,
+        "argv": sys.argv[1:],
+        "environment": environment(device),
+        "stubbed_modules": stubbed,
+        "sections": {},
+        "wall_s": 0.0,
+    }
+    if args.quick and plan.llama.shape.num_layers < 32:
+        report["note"] = (
+            f"--quick: sections 3 and 4 use {plan.llama.shape.num_layers} of Llama-3-8B's 32 "
+            f"layers and fewer, shorter requests"
+        )
+    functions = _section_functions(plan, device)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    path = args.output_dir / ("gpu-quick.json" if args.quick else "gpu.json")
+    from iterserve.bench.gpu_report import format_report, format_section
+
+    for number in plan.sections:
+        name = SECTIONS[number]
+        print(f"== section {number}: {name}", flush=True)
+        entry = {"section": number, **run_section(functions[number])}
+        report["sections"][name] = entry
+        print("\n".join(format_section(name, entry)), flush=True)
+        # Written after every section: a run stopped by a time limit keeps what it measured.
+        report["wall_s"] = time.perf_counter() - start
+        path.write_text(json.dumps(report, indent=2, default=str))
+    print("\n" + format_report(report))
+    print(f"wrote {path}")
+    failed = [n for n, e in report["sections"].items() if e["status"] != "ok"]
+    return 1 if failed else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    from iterserve.bench.cli_args import add_gpu_args
+
+    parser = argparse.ArgumentParser(
+        prog="python -m iterserve.bench.gpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_gpu_args(parser)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main(_parser().parse_args()))

@@ -1,0 +1,151 @@
+"""``iterserve bench gpu`` on a CPU: every section end to end on tiny shapes (Triton under its
+interpreter), run as the lent GPU machine runs it (``python -m iterserve.bench.gpu``) behind an
+import blocker that fails any import of iterserve's that machine could not satisfy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from iterserve.bench import gpu
+from iterserve.bench.gpu_kernels import SectionFailed
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+TINY_ARGS = [
+    "--device", "cpu", "--quick", "--dtype", "float32", "--attention-backend", "triton",
+    "--attention-shapes", "2x32", "--attention-geometry", "4:2:64",
+    "--llama-shape", "64:2:4:2:128:512", "--num-requests", "4", "--prompt-len", "16",
+    "--output-len", "8", "--decode-batch", "4", "--decode-context", "32", "--decode-steps", "4",
+    "--parity-requests", "6", "--parity-tokens", "8", "--copy-mib", "1",
+]  # fmt: skip
+
+# Installs the blocker, runs the script as ``python -m`` would, and reports what was blocked.
+_RUNNER = """
+import json, runpy, sys
+sys.path.insert(0, {here!r})
+import import_blocker
+blocker = import_blocker.install()
+sys.argv = ["iterserve.bench.gpu", *{args!r}]
+try:
+    runpy.run_module("iterserve.bench.gpu", run_name="__main__", alter_sys=True)
+    code = 0
+except SystemExit as e:
+    code = e.code
+print("BLOCKED " + json.dumps(sorted({{m for m, _ in blocker.blocked}})))
+sys.exit(code)
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("gpu")
+    args = [*TINY_ARGS, "--output-dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNNER.format(here=str(HERE), args=args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    blocked_line = next(
+        (line for line in proc.stdout.splitlines() if line.startswith("BLOCKED ")), None
+    )
+    assert blocked_line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {
+        "returncode": proc.returncode,
+        "stdout": proc.stdout,
+        "stderr": proc.stderr,
+        "blocked": json.loads(blocked_line.removeprefix("BLOCKED ")),
+        "report": json.loads((out / "gpu-quick.json").read_text()),
+    }
+
+
+def test_imports_only_what_the_lent_machine_has(tiny_run: dict[str, Any]) -> None:
+    # platformdirs (the C kernels' build cache) is stubbed by the script; nothing else missing.
+    assert set(tiny_run["blocked"]) <= {"platformdirs"}, tiny_run["blocked"]
+    assert tiny_run["report"]["stubbed_modules"] == tiny_run["blocked"]
+
+
+def test_every_section_runs_on_a_cpu(tiny_run: dict[str, Any]) -> None:
+    assert tiny_run["returncode"] == 0, tiny_run["stderr"][-3000:]
+    sections = tiny_run["report"]["sections"]
+    assert {n: e["status"] for n, e in sections.items()} == dict.fromkeys(
+        gpu.SECTIONS.values(), "ok"
+    )
+    assert [sections[n]["section"] for n in gpu.SECTIONS.values()] == [1, 2, 3, 4, 5]
+
+    kernels = sections["kernel_checks"]["result"]
+    assert (kernels["num_checks"], kernels["num_failed"]) == (8, 0)  # no bfloat16 on a CPU
+
+    attention = sections["attention_bandwidth"]["result"]
+    assert attention["shape"]["num_kv_heads"] == 2 and attention["copy_bandwidth_gb_s"] > 0
+    (row,) = attention["rows"]
+    assert (row["batch"], row["context"]) == (2, 32) and row["bandwidth_gb_s"] > 0
+    assert row["vs_copy"] > 0 and attention["target_ratio"] is None  # no 64x2048 row
+
+    offline = sections["offline_throughput"]["result"]
+    for engine in ("iterserve", "transformers"):
+        assert offline[engine]["generated_tokens"] == 4 * 8
+        assert offline[engine]["tokens_per_s"] > 0
+    assert offline["ratio"] > 0 and offline["model"]["platform"] == "triton"
+    assert offline["transformers"]["timed_out"] is False
+    assert offline["first_token_agreement"] == 1.0  # float32, same weights
+
+    floor = sections["decode_floor"]["result"]
+    assert (floor["batch"], floor["num_steps"]) == (4, 4)
+    assert floor["iteration_ms"] > 0 and floor["floor_ms"] > 0 and floor["vs_floor"] > 0
+    assert floor["kv_bytes_read"] > 0 and floor["weight_bytes_read"] > 0
+
+    parity = sections["engine_parity"]["result"]
+    assert parity["num_mismatches"] == 0 and parity["backend"] == "triton"
+    recompute, swap = parity["runs"]["recompute"], parity["runs"]["swap"]
+    assert recompute["counters"]["device"]["preemptions_recompute"] > 0
+    assert swap["counters"]["device"]["preemptions_swap"] > 0
+    assert recompute["counters"]["device"]["prefix_cache_hit_tokens"] > 0
+    assert recompute["num_completions"] == 8  # 6 requests, 2 of them n=2
+
+    for name in gpu.SECTIONS.values():
+        assert f"] {name} (ok" in tiny_run["stdout"]  # the table
+
+
+def test_blocker_fails_a_foreign_import_from_iterserve() -> None:
+    code = (
+        f"import sys; sys.path.insert(0, {str(HERE)!r}); import import_blocker; "
+        "import_blocker.install(); "
+        "exec('import httpx', {'__name__': 'iterserve.bench.fake'})"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 1 and "httpx is not on the lent GPU machine" in proc.stderr
+
+
+def test_a_failing_section_keeps_its_error_and_partial_result() -> None:
+    def fails() -> dict[str, Any]:
+        raise SectionFailed("2 checks failed", {"num_failed": 2})
+
+    entry = gpu.run_section(fails)
+    assert entry["status"] == "failed" and entry["result"] == {"num_failed": 2}
+    assert "SectionFailed" in entry["traceback"]
+    crash = gpu.run_section(lambda: {"x": 1 // 0})
+    assert crash["status"] == "failed" and "ZeroDivisionError" in crash["error"]
+
+
+def test_main_exits_1_when_a_section_fails(tmp_path: Path) -> None:
+    # 3 query heads over 2 KV heads: the kernel's launcher rejects the shape.
+    overrides = ["--sections", "2", "--attention-geometry", "3:2:64"]
+    args = gpu._parser().parse_args([*TINY_ARGS, *overrides, "--output-dir", str(tmp_path)])
+    assert gpu.main(args) == 1
+    report = json.loads((tmp_path / "gpu-quick.json").read_text())
+    entry = report["sections"]["attention_bandwidth"]
+    assert entry["status"] == "failed" and "multiple of num_kv_heads" in entry["error"]
+    assert list(report["sections"]) == ["attention_bandwidth"]
