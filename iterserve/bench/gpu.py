@@ -27,10 +27,8 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 import traceback
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,28 +43,6 @@ SECTIONS = {
 # Run order: the small sections first; 4 before 3 (3 frees the shared 8B model).
 RUN_ORDER = (1, 2, 5, 4, 3)
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-
-
-def shim_missing_modules() -> list[str]:
-    """Stand-ins for modules iterserve's kernels import that the lent machine may lack.
-
-    ``iterserve.kernels.cpu_build`` (imported by the platform module) imports
-    ``platformdirs`` for the C kernels' build cache; the GPU path never builds them. Returns
-    the names stubbed.
-    """
-    stubbed = []
-    try:
-        import platformdirs  # noqa: F401
-    except ImportError:
-        stub = types.ModuleType("platformdirs")
-
-        def user_cache_dir(appname: str | None = None, *args: Any, **kwargs: Any) -> str:
-            return os.path.join(tempfile.gettempdir(), appname or "cache")
-
-        stub.user_cache_dir = user_cache_dir  # type: ignore[attr-defined]
-        sys.modules["platformdirs"] = stub
-        stubbed.append("platformdirs")
-    return stubbed
 
 
 @dataclass(frozen=True)
@@ -193,7 +169,6 @@ def environment(device: Any) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    stubbed = shim_missing_modules()
     import torch
 
     device = torch.device(args.device)
@@ -206,7 +181,6 @@ def main(args: argparse.Namespace) -> int:
         "quick": args.quick,
         "argv": sys.argv[1:],
         "environment": environment(device),
-        "stubbed_modules": stubbed,
         "sections": {},
         "wall_s": 0.0,
     }

@@ -27,7 +27,6 @@ import tempfile
 from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp before the kernels' library)
-from platformdirs import user_cache_dir
 
 from iterserve import envs
 
@@ -52,7 +51,12 @@ def _cpu_id() -> str:
 
 def _cache_dir() -> Path:
     """Beside the converted models (``ITERSERVE_CACHE_DIR`` or the user cache dir)."""
-    return Path(envs.ITERSERVE_CACHE_DIR or user_cache_dir("iterserve")) / "kernels"
+    if envs.ITERSERVE_CACHE_DIR:
+        return Path(envs.ITERSERVE_CACHE_DIR) / "kernels"
+    # Imported here: the GPU path (and `bench gpu` on a bare GPU machine) never builds these.
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("iterserve")) / "kernels"
 
 
 def _cflags() -> tuple[str, ...]:
