@@ -146,8 +146,10 @@ class TorchModelRunner:
             "profile", token_ids, 0, list(range(num_blocks)), False, SamplingParams()
         )
         self.execute_model(SchedulerOutput(scheduled=[sched]))  # warm-up
+        self._synchronize()
         start = time.perf_counter()
         self.execute_model(SchedulerOutput(scheduled=[sched]))
+        self._synchronize()  # nothing is sampled: the forward may still run on a GPU
         prefill_s = (time.perf_counter() - start) / num_tokens
         kv_bytes_per_token = self.kv_cache.bytes_per_token
         if self.kv_cache.num_host_blocks == 0:
@@ -156,6 +158,12 @@ class TorchModelRunner:
         start = time.perf_counter()
         self.kv_cache.swap_out(pairs)
         self.kv_cache.swap_in(pairs)
+        self.kv_cache.synchronize()
         elapsed = max(time.perf_counter() - start, 1e-9)
         bandwidth = 2 * len(pairs) * bs * kv_bytes_per_token / elapsed
         return PreemptionCosts(prefill_s, bandwidth, kv_bytes_per_token)
+
+    def _synchronize(self) -> None:
+        """Wait for the device's queued work (timing only; nothing on a CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
