@@ -34,6 +34,11 @@ class AttentionMetadata:
         block_tables: [num_reqs, max_num_blocks] int64 (rows padded with 0).
         num_decodes: the first ``num_decodes`` requests have exactly one query token.
         query_lens / seq_lens_list: the same numbers as Python ints.
+        max_seq_len_bound: set for a padded decode batch in static buffers (the CUDA-graph
+            path, see :mod:`~iterserve.executor.cuda_graphs`): the static bound on
+            ``seq_lens`` (``max_model_len``); attention then uses the platform's
+            :meth:`~iterserve.kernels.platform.Platform.static_decode_attention`.
+        num_padding: the last rows are padding (slot -1, seq_len 1, outputs discarded).
     """
 
     slot_mapping: torch.Tensor
@@ -43,6 +48,8 @@ class AttentionMetadata:
     num_decodes: int
     query_lens: list[int]
     seq_lens_list: list[int]
+    max_seq_len_bound: int | None = None
+    num_padding: int = 0
 
 
 class KVCache:
@@ -211,6 +218,20 @@ class PagedAttention:
         self.md = metadata
         self.scale = scale
         self.platform = platform
+        # Rows whose KV is written: all (negative slots skipped by the op), or, on a padded
+        # batch without the static op (eager only), the real rows.
+        self._num_written: int | None = None
+        if metadata.max_seq_len_bound is not None:
+            self._ragged = platform.static_decode_attention(
+                metadata.block_tables,
+                metadata.seq_lens,
+                metadata.query_start_loc,
+                metadata.max_seq_len_bound,
+                scale,
+            )
+            if self._ragged is not None:
+                return
+            self._num_written = len(metadata.query_lens) - metadata.num_padding
         # A platform with one op for the whole ragged batch runs prefill chunks and decodes in it.
         self._ragged = platform.ragged_attention(
             metadata.block_tables,
@@ -239,7 +260,11 @@ class PagedAttention:
     ) -> torch.Tensor:
         key_cache = self.kv_cache.key[layer_idx]  # [num_kv_heads, num_blocks, block, head_dim]
         value_cache = self.kv_cache.value[layer_idx]
-        self.platform.write_kv(k, v, key_cache, value_cache, self.md.slot_mapping)
+        n = self._num_written
+        if n is None:
+            self.platform.write_kv(k, v, key_cache, value_cache, self.md.slot_mapping)
+        else:
+            self.platform.write_kv(k[:n], v[:n], key_cache, value_cache, self.md.slot_mapping[:n])
         if self._ragged is not None:
             return self._ragged(q, key_cache, value_cache)
         nd = self.md.num_decodes

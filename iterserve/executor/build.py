@@ -14,6 +14,7 @@ import torch
 from iterserve.config import ConfigError, EngineConfig, GiB, require_single_device
 from iterserve.engine.policy import PreemptionCosts
 from iterserve.executor.attention import KVCache
+from iterserve.executor.cuda_graphs import decode_buckets
 from iterserve.executor.memory import (
     CUDA_GRAPH_RESERVE,
     CudaMemoryReader,
@@ -242,6 +243,11 @@ def build(config: EngineConfig) -> LoadedModel:
     )
     eos_ids = eos_token_ids(model_dir, hf_config, tokenizer)
     runner = TorchModelRunner(model, kv_cache, config.model.seed, eos_ids)
+    if graphs:
+        runner.enable_padded_decode(
+            decode_buckets(config.scheduler.max_num_seqs), config.model.max_model_len
+        )
+        runner.capture_decode_graphs()
     costs = None
     if num_host_blocks and config.scheduler.preemption_mode == "auto":
         costs = runner.measure_preemption_costs()
