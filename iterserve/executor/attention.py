@@ -14,6 +14,7 @@ Each token's KV goes to ``slot_mapping[t] = block_id * block_size + offset``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -273,7 +274,7 @@ class PagedAttention:
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         if nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache)
-        qsl = self.md.query_start_loc.tolist()
+        qsl = [0, *itertools.accumulate(self.md.query_lens)]  # host ints: no device read
         for i in range(nd, len(self.md.query_lens)):
             start, end = qsl[i], qsl[i + 1]
             seq_len = self.md.seq_lens_list[i]
