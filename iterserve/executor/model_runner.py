@@ -155,10 +155,23 @@ class TorchModelRunner:
         """Capture the padded decode forward of every bucket as a CUDA graph (CUDA only).
 
         Raises:
-            RuntimeError: :meth:`enable_padded_decode` was not called, or capture failed.
+            RuntimeError: :meth:`enable_padded_decode` was not called, the platform has no
+                :meth:`~iterserve.kernels.platform.Platform.static_decode_attention`, or
+                capture failed.
         """
         if self.decode_graphs is None:
             raise RuntimeError("enable_padded_decode first")
+        inputs = self.decode_graphs.inputs
+        probe = self.platform.static_decode_attention(
+            inputs.block_tables, inputs.seq_lens, inputs.query_start_loc, inputs.max_model_len, 1.0
+        )
+        if (
+            probe is None
+        ):  # its decode attention reads host lengths: a graph would replay stale ones
+            raise RuntimeError(
+                f"the {self.platform.name} platform has no graph-safe decode attention: CUDA "
+                f"graphs need the triton one (or pass --enforce-eager)"
+            )
         self.decode_graphs.capture()
 
     def _decode_logits(

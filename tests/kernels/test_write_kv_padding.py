@@ -7,12 +7,12 @@ import torch
 from iterserve.kernels.triton_write_kv import write_kv, write_kv_reference
 
 
-def test_negative_slots_are_skipped() -> None:
+def test_negative_slots_are_skipped(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(0)
-    key = torch.randn(4, 2, 16, generator=gen)
-    value = torch.randn(4, 2, 16, generator=gen)
-    slots = torch.tensor([5, -1, 33, -1])
-    caches = [torch.zeros(2, 3, 16, 16) for _ in range(4)]
+    key = torch.randn(4, 2, 16, generator=gen).to(device)
+    value = torch.randn(4, 2, 16, generator=gen).to(device)
+    slots = torch.tensor([5, -1, 33, -1], device=device)
+    caches = [torch.zeros(2, 3, 16, 16, device=device) for _ in range(4)]
     write_kv(key, value, caches[0], caches[1], slots)
     write_kv_reference(key, value, caches[2], caches[3], slots)
     for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
