@@ -120,7 +120,7 @@ def kv_cache_budget(
 
 
 def worst_case_batch(
-    num_tokens: int, num_seqs: int, max_model_len: int, block_size: int
+    num_tokens: int, num_seqs: int, max_model_len: int, block_size: int, vocab_size: int = 100
 ) -> tuple[list[ScheduledRequest], int]:
     """The profiling iteration: ``num_tokens`` prompt tokens split as evenly as possible across
     ``min(num_seqs, num_tokens)`` requests (each at most ``max_model_len``), every one
@@ -134,7 +134,7 @@ def worst_case_batch(
         num_blocks = -(-length // block_size)
         table = list(range(next_block, next_block + num_blocks))
         next_block += num_blocks
-        token_ids = [(i + t) % 100 for t in range(length)]
+        token_ids = [(i + t) % vocab_size for t in range(length)]
         scheduled.append(
             ScheduledRequest(
                 f"profile-{i}", token_ids, 0, table, True, _WORST_CASE_SAMPLING, token_ids
@@ -164,7 +164,9 @@ def profile_memory(
     Returns:
         The readings and the dummy pool's bytes (part of the peak; not serving memory).
     """
-    scheduled, num_blocks = worst_case_batch(num_tokens, num_seqs, max_model_len, block_size)
+    scheduled, num_blocks = worst_case_batch(
+        num_tokens, num_seqs, max_model_len, block_size, model.config.vocab_size
+    )
     weight = model.embed_tokens.weight
     reader.reset_peak()
     kv = KVCache(

@@ -67,10 +67,11 @@ def test_profile_step_runs_the_worst_case_forward_and_sizes_the_pool() -> None:
     model = tiny_model(TorchPlatform())
     readings = MemoryProfile(total=10 * GIB, peak_torch=3 * GIB, non_torch=GIB // 2)
     reader = FakeReader(readings)
-    got, dummy_bytes = profile_memory(model, 40, 4, 64, 16, reader)
+    # 2 requests of 50 tokens (ids past the vocabulary of 50 are wrapped): 4 blocks each.
+    got, dummy_bytes = profile_memory(model, 100, 2, 64, 16, reader)
     assert got == readings and reader.events == ["reset", "read"]
     per_block = KVCache.bytes_per_block(len(model.layers), 16, 2, 8, torch.float32)
-    assert dummy_bytes == 4 * per_block  # 4 requests of 10 tokens: one block each
+    assert dummy_bytes == 8 * per_block
 
     hf = LlamaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2
