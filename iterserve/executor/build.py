@@ -189,6 +189,21 @@ def use_cuda_graphs(config: EngineConfig, device: torch.device, platform: Platfo
     )
 
 
+def capture_decode_graphs(runner: TorchModelRunner, config: EngineConfig) -> None:
+    """Capture the runner's decode CUDA graphs for the buckets of ``max_num_seqs`` (where
+    :func:`use_cuda_graphs`; also for callers that build their runner themselves, such as
+    benchmarks).
+
+    Raises:
+        RuntimeError: a capture failed (the message names ``--enforce-eager``).
+    """
+    assert config.model.max_model_len is not None, "resolve max_model_len first"
+    runner.enable_padded_decode(
+        decode_buckets(config.scheduler.max_num_seqs), config.model.max_model_len
+    )
+    runner.capture_decode_graphs()
+
+
 def build(config: EngineConfig) -> LoadedModel:
     """Load the model named by ``config.model.model`` and build a ready model runner.
 
@@ -244,10 +259,7 @@ def build(config: EngineConfig) -> LoadedModel:
     eos_ids = eos_token_ids(model_dir, hf_config, tokenizer)
     runner = TorchModelRunner(model, kv_cache, config.model.seed, eos_ids)
     if graphs:
-        runner.enable_padded_decode(
-            decode_buckets(config.scheduler.max_num_seqs), config.model.max_model_len
-        )
-        runner.capture_decode_graphs()
+        capture_decode_graphs(runner, config)
     costs = None
     if num_host_blocks and config.scheduler.preemption_mode == "auto":
         costs = runner.measure_preemption_costs()
