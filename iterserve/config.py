@@ -109,6 +109,10 @@ class ModelConfig:
             "they build, else torch; triton on a CPU only under TRITON_INTERPRET=1 (tests)"
         },
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata={"help": "no CUDA graphs: run decode iterations eagerly (CUDA with triton only)"},
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)

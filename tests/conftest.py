@@ -1,8 +1,10 @@
-"""Shared fixtures: one float32 copy of the real default model for the whole session.
+"""Shared fixtures: one float32 copy of the real default model for the whole session, and the
+``device`` the device-neutral executor tests run on (CUDA when present, else the CPU).
 
-The Triton kernels run under Triton's interpreter (on the CPU): ``TRITON_INTERPRET=1`` is set
-here, before any test imports triton (``@triton.jit`` reads it when it decorates a kernel), so
-CI needs nothing else. On a GPU run the tests with ``TRITON_INTERPRET=0`` to compile them.
+Without a CUDA device the Triton kernels run under Triton's interpreter (on the CPU):
+``TRITON_INTERPRET=1`` is set here, before any test imports triton (``@triton.jit`` reads it
+when it decorates a kernel), so CI needs nothing else. With one they compile for the GPU
+(unless ``TRITON_INTERPRET`` is set explicitly).
 """
 
 from __future__ import annotations
@@ -11,11 +13,19 @@ import os
 from typing import Any
 
 import pytest
+import torch
 from helpers import SHARED_NUM_KV_BLOCKS
 
 from iterserve.config import EngineConfig
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """CUDA when present, else the CPU (as the engine's own choice, ``select_device``)."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 @pytest.fixture(scope="session")

@@ -86,6 +86,15 @@ def test_flags_and_yaml_config(tmp_path: Path) -> None:
     assert not cfg.cache.enable_prefix_caching
 
 
+def test_enforce_eager_flag_and_keyword() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--enforce-eager"])
+    kwargs = engine_kwargs(args, parser)
+    assert kwargs == {"enforce_eager": True}
+    assert EngineConfig.from_kwargs(**kwargs).model.enforce_eager
+    assert not EngineConfig.from_kwargs().model.enforce_eager  # graphs on by default (CUDA)
+
+
 def test_yaml_config_unknown_key_is_an_error(tmp_path: Path) -> None:
     config_file = tmp_path / "bad.yaml"
     config_file.write_text("max-num-sequences: 8\n")

@@ -13,6 +13,9 @@ Each token's KV goes to ``slot_mapping[t] = block_id * block_size + offset``.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +35,11 @@ class AttentionMetadata:
         block_tables: [num_reqs, max_num_blocks] int64 (rows padded with 0).
         num_decodes: the first ``num_decodes`` requests have exactly one query token.
         query_lens / seq_lens_list: the same numbers as Python ints.
+        max_seq_len_bound: set for a padded decode batch in static buffers (the CUDA-graph
+            path, see :mod:`~iterserve.executor.cuda_graphs`): the static bound on
+            ``seq_lens`` (``max_model_len``); attention then uses the platform's
+            :meth:`~iterserve.kernels.platform.Platform.static_decode_attention`.
+        num_padding: the last rows are padding (slot -1, seq_len 1, outputs discarded).
     """
 
     slot_mapping: torch.Tensor
@@ -41,6 +49,8 @@ class AttentionMetadata:
     num_decodes: int
     query_lens: list[int]
     seq_lens_list: list[int]
+    max_seq_len_bound: int | None = None
+    num_padding: int = 0
 
 
 class KVCache:
@@ -52,6 +62,14 @@ class KVCache:
     block-major layout a transposing copy of all gathered KV was needed (measured 2x slower
     for decode attention on the development CPU, see docs/engine.md). Heads are also the axis
     tensor parallelism shards.
+
+    The host swap pool is pinned on CUDA, and swap copies run on :attr:`copy_stream`, ordered
+    by stream semantics rather than host waits: each swap starts after the work queued on the
+    compute stream so far; the compute stream waits for a swap-out's gather (so a later
+    forward cannot overwrite blocks before they are read) and for a swap-in's scatter (so
+    the forward reading them sees them). All copies to and from host blocks run in order on
+    that one stream, so a host block is never rewritten before an earlier copy of it has
+    finished; the CPU never reads the host pool.
     """
 
     def __init__(
@@ -78,6 +96,8 @@ class KVCache:
         self.host = (
             torch.zeros(host_shape, dtype=dtype, pin_memory=pin) if num_host_blocks else None
         )
+        # Swap copies run on their own stream on CUDA (None elsewhere: copies are synchronous).
+        self.copy_stream = torch.cuda.Stream(device) if pin and num_host_blocks else None
 
     @staticmethod
     def bytes_per_block(
@@ -88,28 +108,93 @@ class KVCache:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy device blocks to host blocks: ``(device_block_id, host_block_id)`` pairs."""
+        """Copy device blocks to host blocks: ``(device_block_id, host_block_id)`` pairs.
+
+        On CUDA the copies run on :attr:`copy_stream` (see the class docstring): the blocks are
+        gathered into a device staging tensor after the forwards issued so far, the compute
+        stream waits for that gather only (a later forward may then overwrite the blocks),
+        and the staging rows go to pinned host blocks asynchronously.
+        """
         if not pairs:
             return
         assert self.host is not None, "swap without a host pool"
-        src = torch.tensor([d for d, _ in pairs], device=self.key[0].device)
-        dst = torch.tensor([h for _, h in pairs])
-        for layer, (k, v) in enumerate(zip(self.key, self.value, strict=True)):
-            # [num_kv_heads, n, block, head_dim] -> [n, num_kv_heads, block, head_dim]
-            self.host[dst, layer, 0] = k.index_select(1, src).transpose(0, 1).to("cpu")
-            self.host[dst, layer, 1] = v.index_select(1, src).transpose(0, 1).to("cpu")
+        with self._on_copy_stream() as compute:
+            device = self.key[0].device
+            src = torch.tensor([d for d, _ in pairs], device=device)
+            staging = self._staging(len(pairs), device)
+            for layer, (k, v) in enumerate(zip(self.key, self.value, strict=True)):
+                # [num_kv_heads, n, block, head_dim] -> rows [n, num_kv_heads, block, head_dim]
+                staging[:, layer, 0] = k.index_select(1, src).transpose(0, 1)
+                staging[:, layer, 1] = v.index_select(1, src).transpose(0, 1)
+            self._compute_waits(compute)
+            for row, host_start, n in _runs([h for _, h in pairs]):
+                self.host[host_start : host_start + n].copy_(
+                    staging[row : row + n], non_blocking=True
+                )
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy host blocks back to device blocks: ``(host_block_id, device_block_id)`` pairs."""
+        """Copy host blocks back to device blocks: ``(host_block_id, device_block_id)`` pairs.
+
+        On CUDA the copies run on :attr:`copy_stream` after the forwards issued so far (the
+        device blocks may have been read by the last one), and the compute stream waits for
+        them before the next forward reads the blocks.
+        """
         if not pairs:
             return
         assert self.host is not None, "swap without a host pool"
-        src = torch.tensor([h for h, _ in pairs])
-        dst = torch.tensor([d for _, d in pairs], device=self.key[0].device)
-        blocks = self.host[src]  # [n, layers, 2, num_kv_heads, block, head_dim]
-        for layer, (k, v) in enumerate(zip(self.key, self.value, strict=True)):
-            k[:, dst] = blocks[:, layer, 0].transpose(0, 1).to(k.device, non_blocking=True)
-            v[:, dst] = blocks[:, layer, 1].transpose(0, 1).to(v.device, non_blocking=True)
+        with self._on_copy_stream() as compute:
+            device = self.key[0].device
+            staging = self._staging(len(pairs), device)
+            for row, host_start, n in _runs([h for h, _ in pairs]):
+                staging[row : row + n].copy_(
+                    self.host[host_start : host_start + n], non_blocking=True
+                )
+            dst = torch.tensor([d for _, d in pairs], device=device)
+            for layer, (k, v) in enumerate(zip(self.key, self.value, strict=True)):
+                k.index_copy_(1, dst, staging[:, layer, 0].transpose(0, 1))
+                v.index_copy_(1, dst, staging[:, layer, 1].transpose(0, 1))
+            self._compute_waits(compute)
+
+    def synchronize(self) -> None:
+        """Wait on the host until every swap copy issued so far has finished (timing only)."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+
+    def _staging(self, n: int, device: torch.device) -> torch.Tensor:
+        """[n, layers, 2, num_kv_heads, block, head_dim]: rows laid out as host blocks."""
+        assert self.host is not None
+        return torch.empty((n, *self.host.shape[1:]), dtype=self.host.dtype, device=device)
+
+    @contextlib.contextmanager
+    def _on_copy_stream(self) -> Iterator[torch.cuda.Stream | None]:
+        """On CUDA: make the copy stream current, after the work queued on the compute stream
+        (the one current on entry, yielded) so far: the blocks' last writes and reads.
+        Elsewhere nothing (yields None)."""
+        if self.copy_stream is None:
+            yield None
+            return
+        compute = torch.cuda.current_stream(self.copy_stream.device)
+        self.copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self.copy_stream):
+            yield compute
+
+    def _compute_waits(self, compute: torch.cuda.Stream | None) -> None:
+        """The compute stream's later work waits for what the copy stream has queued so far
+        (an event recorded now: later copies on the copy stream do not hold it up)."""
+        if compute is not None and self.copy_stream is not None:
+            compute.wait_stream(self.copy_stream)
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive ids: ``(index into ids, first id, length)``, so each run is one
+    copy of contiguous host blocks."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
 
 
 class PagedAttention:
@@ -134,6 +219,20 @@ class PagedAttention:
         self.md = metadata
         self.scale = scale
         self.platform = platform
+        # Rows whose KV is written: all (negative slots skipped by the op), or, on a padded
+        # batch without the static op (eager only), the real rows.
+        self._num_written: int | None = None
+        if metadata.max_seq_len_bound is not None:
+            self._ragged = platform.static_decode_attention(
+                metadata.block_tables,
+                metadata.seq_lens,
+                metadata.query_start_loc,
+                metadata.max_seq_len_bound,
+                scale,
+            )
+            if self._ragged is not None:
+                return
+            self._num_written = len(metadata.query_lens) - metadata.num_padding
         # A platform with one op for the whole ragged batch runs prefill chunks and decodes in it.
         self._ragged = platform.ragged_attention(
             metadata.block_tables,
@@ -162,7 +261,11 @@ class PagedAttention:
     ) -> torch.Tensor:
         key_cache = self.kv_cache.key[layer_idx]  # [num_kv_heads, num_blocks, block, head_dim]
         value_cache = self.kv_cache.value[layer_idx]
-        self.platform.write_kv(k, v, key_cache, value_cache, self.md.slot_mapping)
+        n = self._num_written
+        if n is None:
+            self.platform.write_kv(k, v, key_cache, value_cache, self.md.slot_mapping)
+        else:
+            self.platform.write_kv(k[:n], v[:n], key_cache, value_cache, self.md.slot_mapping[:n])
         if self._ragged is not None:
             return self._ragged(q, key_cache, value_cache)
         nd = self.md.num_decodes
@@ -171,7 +274,7 @@ class PagedAttention:
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         if nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache)
-        qsl = self.md.query_start_loc.tolist()
+        qsl = [0, *itertools.accumulate(self.md.query_lens)]  # host ints: no device read
         for i in range(nd, len(self.md.query_lens)):
             start, end = qsl[i], qsl[i + 1]
             seq_len = self.md.seq_lens_list[i]

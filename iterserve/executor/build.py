@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,8 +14,16 @@ import torch
 from iterserve.config import ConfigError, EngineConfig, GiB, require_single_device
 from iterserve.engine.policy import PreemptionCosts
 from iterserve.executor.attention import KVCache
+from iterserve.executor.cuda_graphs import decode_buckets
+from iterserve.executor.memory import (
+    CUDA_GRAPH_RESERVE,
+    CudaMemoryReader,
+    MemoryProfile,
+    kv_cache_budget,
+    profile_memory,
+)
 from iterserve.executor.model_runner import TorchModelRunner
-from iterserve.kernels.platform import Platform, select_platform
+from iterserve.kernels.platform import Platform, TritonPlatform, select_platform
 from iterserve.models.llama import LlamaForCausalLM
 from iterserve.models.loader import resolve_model_dir
 
@@ -118,8 +128,21 @@ def load_model(
 
 
 def num_kv_blocks_for(
-    config: EngineConfig, hf_config: Any, dtype: torch.dtype, device: torch.device
+    config: EngineConfig,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    profile: Callable[[], tuple[MemoryProfile, int]] | None = None,
+    graph_reserve: int = 0,
 ) -> int:
+    """KV blocks in the pool: ``--num-kv-blocks``, else ``--kv-cache-memory`` bytes, else (on a
+    GPU) what :func:`~iterserve.executor.memory.kv_cache_budget` leaves after ``profile``
+    (the profiling forward: readings and the dummy pool's bytes) and ``graph_reserve`` bytes,
+    else 1 GiB (CPU).
+
+    Raises:
+        ConfigError: the budget holds no block.
+    """
     cache = config.cache
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
@@ -136,16 +159,49 @@ def num_kv_blocks_for(
     )
     if cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * cache.gpu_memory_utilization) - used
+    elif profile is not None:
+        readings, dummy_kv_bytes = profile()
+        budget = kv_cache_budget(
+            readings, cache.gpu_memory_utilization, dummy_kv_bytes, graph_reserve
+        )
+        logger.info(
+            "memory profile: %s, dummy KV %d bytes, graph reserve %d bytes -> KV budget %d bytes",
+            readings,
+            dummy_kv_bytes,
+            graph_reserve,
+            budget,
+        )
     else:
         budget = GiB
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ConfigError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes")
     return int(num_blocks)
+
+
+def use_cuda_graphs(config: EngineConfig, device: torch.device, platform: Platform) -> bool:
+    """Decode iterations replay CUDA graphs: on CUDA, on the Triton platform (its attention has
+    a launch whose grid depends on static bounds only), unless ``--enforce-eager``."""
+    return (
+        device.type == "cuda"
+        and isinstance(platform, TritonPlatform)
+        and not config.model.enforce_eager
+    )
+
+
+def capture_decode_graphs(runner: TorchModelRunner, config: EngineConfig) -> None:
+    """Capture the runner's decode CUDA graphs for the buckets of ``max_num_seqs`` (where
+    :func:`use_cuda_graphs`; also for callers that build their runner themselves, such as
+    benchmarks).
+
+    Raises:
+        RuntimeError: a capture failed (the message names ``--enforce-eager``).
+    """
+    assert config.model.max_model_len is not None, "resolve max_model_len first"
+    runner.enable_padded_decode(
+        decode_buckets(config.scheduler.max_num_seqs), config.model.max_model_len
+    )
+    runner.capture_decode_graphs()
 
 
 def build(config: EngineConfig) -> LoadedModel:
@@ -170,7 +226,22 @@ def build(config: EngineConfig) -> LoadedModel:
     assert config.model.max_model_len is not None
     model = load_model(hf_config, model_dir, dtype, device, config.model.max_model_len, platform)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    num_blocks = num_kv_blocks_for(config, hf_config, dtype, device)
+    graphs = use_cuda_graphs(config, device, platform)
+    profile: Callable[[], tuple[MemoryProfile, int]] | None = None
+    if device.type == "cuda":
+        profile = functools.partial(
+            profile_memory,
+            model,
+            config.scheduler.max_num_batched_tokens,
+            config.scheduler.max_num_seqs,
+            config.model.max_model_len,
+            config.cache.block_size,
+            CudaMemoryReader(device),
+        )
+
+    num_blocks = num_kv_blocks_for(
+        config, hf_config, dtype, device, profile, CUDA_GRAPH_RESERVE if graphs else 0
+    )
     per_block = KVCache.bytes_per_block(
         len(model.layers), config.cache.block_size, model.num_kv_heads, model.head_dim, dtype
     )
@@ -187,6 +258,8 @@ def build(config: EngineConfig) -> LoadedModel:
     )
     eos_ids = eos_token_ids(model_dir, hf_config, tokenizer)
     runner = TorchModelRunner(model, kv_cache, config.model.seed, eos_ids)
+    if graphs:
+        capture_decode_graphs(runner, config)
     costs = None
     if num_host_blocks and config.scheduler.preemption_mode == "auto":
         costs = runner.measure_preemption_costs()

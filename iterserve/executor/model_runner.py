@@ -11,6 +11,7 @@ from iterserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, Schedu
 from iterserve.engine.policy import PreemptionCosts
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.executor.attention import AttentionMetadata, KVCache, PagedAttention
+from iterserve.executor.cuda_graphs import DecodeGraphs, StaticDecodeInputs
 from iterserve.executor.sampler import Sampler, SamplingState
 from iterserve.models.llama import LlamaForCausalLM
 
@@ -105,6 +106,8 @@ class TorchModelRunner:
         self.sampler = Sampler(seed, self.platform, eos_token_ids)
         self.scale = float(model.head_dim) ** -0.5
         self.states: dict[str, SamplingState] = {}
+        # Padded decode in static buffers (CUDA graphs once captured), if enabled.
+        self.decode_graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -114,19 +117,69 @@ class TorchModelRunner:
         self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        inputs = prepare_inputs(scheduler_output.scheduled, self.kv_cache.block_size, self.device)
-        attention = PagedAttention(self.kv_cache, inputs.metadata, self.scale, self.platform)
-        hidden = self.model(inputs.input_ids, inputs.positions, attention)  # [num_tokens, hidden]
-        if not inputs.sampled:
-            return ModelRunnerOutput(sampled_token_ids={})
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab]
-        states = [self._state(s) for s in inputs.sampled]
+        scheduled = scheduler_output.scheduled
+        graphs = self.decode_graphs
+        bucket = graphs.bucket_for(scheduled) if graphs is not None else None
+        if graphs is not None and bucket is not None:
+            logits = graphs.run(scheduled, bucket)  # [num_reqs, vocab], padding dropped
+            sampled = scheduled
+        else:
+            inputs = prepare_inputs(scheduled, self.kv_cache.block_size, self.device)
+            attention = PagedAttention(self.kv_cache, inputs.metadata, self.scale, self.platform)
+            hidden = self.model(inputs.input_ids, inputs.positions, attention)  # [tokens, hidden]
+            if not inputs.sampled:
+                return ModelRunnerOutput(sampled_token_ids={})
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [sampled, vocab]
+            sampled = inputs.sampled
+        states = [self._state(s) for s in sampled]
         out = self.sampler(logits, states)
-        ids = [s.request_id for s in inputs.sampled]
+        ids = [s.request_id for s in sampled]
         return ModelRunnerOutput(
             sampled_token_ids=dict(zip(ids, out.token_ids, strict=True)),
             logprobs={i: lp for i, lp in zip(ids, out.logprobs, strict=True) if lp is not None},
         )
+
+    def enable_padded_decode(self, buckets: list[int], max_model_len: int) -> DecodeGraphs:
+        """Run pure-decode iterations of at most ``buckets[-1]`` requests padded to a bucket in
+        static buffers (eagerly until :meth:`capture_decode_graphs`); see
+        :mod:`~iterserve.executor.cuda_graphs`."""
+        kv = self.kv_cache
+        inputs = StaticDecodeInputs(
+            buckets[-1], max_model_len, kv.block_size, kv.num_blocks, self.device
+        )
+        self.decode_graphs = DecodeGraphs(inputs, buckets, self._decode_logits)
+        return self.decode_graphs
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self) -> None:
+        """Capture the padded decode forward of every bucket as a CUDA graph (CUDA only).
+
+        Raises:
+            RuntimeError: :meth:`enable_padded_decode` was not called, the platform has no
+                :meth:`~iterserve.kernels.platform.Platform.static_decode_attention`, or
+                capture failed.
+        """
+        if self.decode_graphs is None:
+            raise RuntimeError("enable_padded_decode first")
+        inputs = self.decode_graphs.inputs
+        probe = self.platform.static_decode_attention(
+            inputs.block_tables, inputs.seq_lens, inputs.query_start_loc, inputs.max_model_len, 1.0
+        )
+        if (
+            probe is None
+        ):  # its decode attention reads host lengths: a graph would replay stale ones
+            raise RuntimeError(
+                f"the {self.platform.name} platform has no graph-safe decode attention: CUDA "
+                f"graphs need the triton one (or pass --enforce-eager)"
+            )
+        self.decode_graphs.capture()
+
+    def _decode_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The forward and LM head over every row of a padded decode batch -> [rows, vocab]."""
+        attention = PagedAttention(self.kv_cache, metadata, self.scale, self.platform)
+        return self.model.compute_logits(self.model(input_ids, positions, attention))
 
     def _state(self, sched: ScheduledRequest) -> SamplingState:
         state = self.states.get(sched.request_id)
@@ -146,8 +199,10 @@ class TorchModelRunner:
             "profile", token_ids, 0, list(range(num_blocks)), False, SamplingParams()
         )
         self.execute_model(SchedulerOutput(scheduled=[sched]))  # warm-up
+        self._synchronize()
         start = time.perf_counter()
         self.execute_model(SchedulerOutput(scheduled=[sched]))
+        self._synchronize()  # nothing is sampled: the forward may still run on a GPU
         prefill_s = (time.perf_counter() - start) / num_tokens
         kv_bytes_per_token = self.kv_cache.bytes_per_token
         if self.kv_cache.num_host_blocks == 0:
@@ -156,6 +211,12 @@ class TorchModelRunner:
         start = time.perf_counter()
         self.kv_cache.swap_out(pairs)
         self.kv_cache.swap_in(pairs)
+        self.kv_cache.synchronize()
         elapsed = max(time.perf_counter() - start, 1e-9)
         bandwidth = 2 * len(pairs) * bs * kv_bytes_per_token / elapsed
         return PreemptionCosts(prefill_s, bandwidth, kv_bytes_per_token)
+
+    def _synchronize(self) -> None:
+        """Wait for the device's queued work (timing only; nothing on a CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -5,6 +5,11 @@ greedy argmax, or temperature -> min_p -> top_k / top_p -> a draw. Draws use the
 race (argmax of p / q with q ~ Exp(1) is a sample from p), so each request can use its own
 seeded generator, making seeded sampling independent of what else is batched. Logprobs are
 those of the raw model distribution (before any processing), as vLLM reports them.
+
+Everything runs on the logits' device: generators live there (created on the first draw, so a
+seed gives the same tokens on one device type, CPU or CUDA, but not across them), per-request
+masks and penalties go over in one host-to-device copy each, and the host reads only the
+sampled ids and, when asked, the logprobs (one transfer each per iteration).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class SamplingState:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
+    # The request's own generator (seeded requests), on the logits' device from the first draw.
     generator: torch.Generator | None = None
 
 
@@ -47,13 +53,14 @@ class Sampler:
     def __init__(
         self, seed: int, platform: Platform, eos_token_ids: frozenset[int] = frozenset()
     ) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        # The shared generator per device (created on the first draw there, seeded with seed).
+        self.generators: dict[torch.device, torch.Generator] = {}
         self.platform = platform
         self.eos_token_ids = sorted(eos_token_ids)
 
     def new_state(self, params: SamplingParams, prompt_token_ids: list[int]) -> SamplingState:
-        gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        return SamplingState(params, prompt_token_ids, generator=gen)
+        return SamplingState(params, prompt_token_ids)
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         """logits: [num_reqs, vocab_size] in the model's dtype (float32 logits are modified
@@ -83,9 +90,13 @@ class Sampler:
             state.output_token_ids.append(token)
         logprobs: list[TokenLogprobs | None] = [None] * len(states)
         if raw_logprobs is not None:
-            for i, state in enumerate(states):
-                if want_logprobs[i]:
-                    logprobs[i] = _token_logprobs(raw_logprobs[i], token_list[i], state.params)
+            lp_rows = [i for i, want in enumerate(want_logprobs) if want]
+            for i, lp in zip(
+                lp_rows,
+                _token_logprobs(raw_logprobs, tokens, token_list, lp_rows, states),
+                strict=True,
+            ):
+                logprobs[i] = lp
         return SamplerOutput(token_list, logprobs)
 
     @staticmethod
@@ -100,35 +111,65 @@ class Sampler:
         )
 
     def _mask_until_min_tokens(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
+        rows: list[int] = []
+        cols: list[int] = []
         for i, s in enumerate(states):
             if len(s.output_token_ids) < s.params.min_tokens:
                 ids = list(s.params.stop_token_ids)
                 if not s.params.ignore_eos:
                     ids += self.eos_token_ids
                 ids = [t for t in ids if t < logits.shape[1]]
-                if ids:
-                    logits[i, ids] = float("-inf")
+                rows += [i] * len(ids)
+                cols += ids
+        if rows:
+            index = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device)
+            logits[index[0], index[1]] = float("-inf")
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
-        vocab = logits.shape[1]
-        for i, s in enumerate(states):
-            p = s.params
-            if not p.needs_penalties:
-                continue
-            out = torch.tensor(s.output_token_ids, dtype=torch.int64, device=logits.device)
-            counts = torch.bincount(out, minlength=vocab).to(logits.dtype)  # [vocab]
-            row = logits[i]
-            if p.repetition_penalty != 1.0:
-                prompt = torch.tensor(s.prompt_token_ids, dtype=torch.int64, device=logits.device)
-                seen = counts > 0
-                seen[prompt] = True
-                penalized = torch.where(
-                    row > 0, row / p.repetition_penalty, row * p.repetition_penalty
-                )
-                row.copy_(torch.where(seen, penalized, row))
-            row -= p.frequency_penalty * counts
-            row -= p.presence_penalty * (counts > 0).to(logits.dtype)
+        """Repetition (prompt and output tokens), frequency and presence penalties (output
+        tokens) of the rows that have any, in one batch: token counts come over as one
+        index list."""
+        rows = [i for i, s in enumerate(states) if s.params.needs_penalties]
+        if not rows:
+            return
+        vocab, device, dtype = logits.shape[1], logits.device, logits.dtype
+        out_rows = [j for j, i in enumerate(rows) for _ in states[i].output_token_ids]
+        out_ids = [t for i in rows for t in states[i].output_token_ids]
+        rep_rows = [j for j, i in enumerate(rows) if states[i].params.repetition_penalty != 1.0]
+        prompt_rows = [j for j in rep_rows for _ in states[rows[j]].prompt_token_ids]
+        prompt_ids = [t for j in rep_rows for t in states[rows[j]].prompt_token_ids]
+        params = [states[i].params for i in rows]
+        host = torch.tensor([out_rows + prompt_rows, out_ids + prompt_ids], dtype=torch.int64).to(
+            device
+        )
+        scalars = torch.tensor(
+            [
+                [p.repetition_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                [p.presence_penalty for p in params],
+            ],
+            dtype=dtype,
+        ).to(device)[:, :, None]  # [3, num_rows, 1]
+        rep, freq, presence = scalars[0], scalars[1], scalars[2]
+        n_out = len(out_ids)
+        counts = torch.zeros(len(rows), vocab, dtype=dtype, device=device)
+        counts.index_put_(
+            (host[0, :n_out], host[1, :n_out]),
+            torch.ones(n_out, dtype=dtype, device=device),
+            accumulate=True,
+        )
+        index = torch.tensor(rows, dtype=torch.int64).to(device)
+        sub = logits[index]  # [num_rows, vocab]
+        if rep_rows:
+            seen = counts > 0
+            seen[host[0, n_out:], host[1, n_out:]] = True
+            # x / 1.0 and x * 1.0 are x: rows without a repetition penalty are unchanged.
+            penalized = torch.where(sub > 0, sub / rep, sub * rep)
+            sub = torch.where(seen, penalized, sub)
+        sub = sub - freq * counts
+        sub = sub - presence * (counts > 0).to(dtype)
+        logits[index] = sub
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -137,8 +178,8 @@ class Sampler:
             [p.temperature for p in params], dtype=logits.dtype, device=logits.device
         )
         probs = torch.softmax(logits / temps[:, None], dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
-        if bool((min_p > 0).any()):
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).to(probs.device)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
         if any(p.uses_top_k or p.top_p < 1.0 for p in params):
@@ -146,17 +187,25 @@ class Sampler:
         return probs / probs.sum(dim=-1, keepdim=True)
 
     def _draw(self, probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Exponential race on the probabilities' device: the shared generator's noise for
+        the rows without a seed (one draw), each seeded request's own for its row."""
+        device = probs.device
         q = torch.empty_like(probs)
-        shared = [i for i, s in enumerate(states) if s.generator is None]
+        shared = [i for i, s in enumerate(states) if s.params.seed is None]
         if shared:
-            q[shared] = (
-                torch.empty(len(shared), probs.shape[1])
-                .exponential_(generator=self.generator)
-                .to(q.device)
-            )
+            gen = self.generators.get(device)
+            if gen is None:
+                gen = torch.Generator(device).manual_seed(self.seed)
+                self.generators[device] = gen
+            noise = torch.empty(len(shared), probs.shape[1], device=device)
+            q[torch.tensor(shared).to(device)] = noise.exponential_(generator=gen)
         for i, s in enumerate(states):
-            if s.generator is not None:
-                q[i] = torch.empty(probs.shape[1]).exponential_(generator=s.generator).to(q.device)
+            if s.params.seed is not None:
+                if s.generator is None or s.generator.device != device:
+                    s.generator = torch.Generator(device).manual_seed(s.params.seed)
+                q[i] = torch.empty(probs.shape[1], device=device).exponential_(
+                    generator=s.generator
+                )
         return (probs / q).argmax(dim=-1)
 
 
@@ -174,11 +223,46 @@ def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     return torch.zeros_like(probs).scatter(1, order, sorted_probs * keep)
 
 
-def _token_logprobs(row: torch.Tensor, token: int, params: SamplingParams) -> TokenLogprobs:
-    """row: [vocab] raw log-probabilities."""
-    k = params.logprobs or 0
-    top: list[tuple[int, float]] = []
-    if k:
-        values, ids = row.topk(k)
-        top = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprobs(token_id=token, logprob=float(row[token]), top=top)
+def _token_logprobs(
+    raw: torch.Tensor,
+    tokens: torch.Tensor,
+    token_list: list[int],
+    rows: list[int],
+    states: list[SamplingState],
+) -> list[TokenLogprobs]:
+    """The sampled token's logprob and each row's top ``params.logprobs`` for ``rows``.
+
+    Args:
+        raw: [num_reqs, vocab] raw log-probabilities.
+        tokens: [num_reqs] int64, the sampled ids (on raw's device); token_list the same
+            on the host.
+        rows: the rows that asked for logprobs.
+
+    One transfer to the host: the chosen logprobs and every top-k (one ``topk`` per distinct
+    k) are concatenated on the device first.
+    """
+    index = torch.tensor(rows, dtype=torch.int64).to(raw.device)
+    parts = [raw[index, tokens[index]]]  # [len(rows)]
+    by_k: dict[int, list[int]] = {}
+    for j, i in enumerate(rows):
+        k = states[i].params.logprobs or 0
+        if k:
+            by_k.setdefault(k, []).append(j)
+    for k, js in by_k.items():
+        values, ids = raw[index[torch.tensor(js).to(raw.device)]].topk(k)  # [len(js), k]
+        # ids as float32 are exact below 2**24 (vocabularies are far smaller)
+        parts += [values.flatten(), ids.flatten().to(raw.dtype)]
+    flat = torch.cat(parts).tolist()
+    chosen, offset = flat[: len(rows)], len(rows)
+    top: dict[int, list[tuple[int, float]]] = {}
+    for k, js in by_k.items():
+        n = len(js) * k
+        top_values, top_ids = flat[offset : offset + n], flat[offset + n : offset + 2 * n]
+        offset += 2 * n
+        for r, j in enumerate(js):
+            row = slice(r * k, (r + 1) * k)
+            top[j] = [(int(t), v) for t, v in zip(top_ids[row], top_values[row], strict=True)]
+    return [
+        TokenLogprobs(token_id=token_list[i], logprob=chosen[j], top=top.get(j, []))
+        for j, i in enumerate(rows)
+    ]

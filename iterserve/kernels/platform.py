@@ -127,7 +127,8 @@ class Platform(ABC):
             key_cache, value_cache: [num_kv_heads, num_blocks, block_size, head_dim]
                 contiguous, key's dtype.
             slot_mapping: [num_tokens] int64, ``block_id * block_size + offset``, each in
-                ``[0, num_blocks * block_size)``.
+                ``[0, num_blocks * block_size)``; negative (a padding row, skipped) only on a
+                platform with :meth:`static_decode_attention`.
         """
 
     @abstractmethod
@@ -192,6 +193,33 @@ class Platform(ABC):
 
         Raises:
             ValueError: a table points outside the pool.
+        """
+        return None
+
+    def static_decode_attention(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        max_seq_len: int,
+        scale: float,
+    ) -> RaggedAttention | None:
+        """Paged attention of one query token per row that CUDA graphs can capture: its launch
+        depends only on tensor shapes and ``max_seq_len`` (a static bound, ``max_model_len``),
+        never on the rows' current lengths, and it reads no value on the host (no table
+        check: the caller checks the tables on the host). None (the default) where the
+        platform has no such op: then decode iterations are not captured.
+
+        Args:
+            block_tables: [num_rows, max_num_blocks] int64, wide enough for ``max_seq_len``.
+            seq_lens: [num_rows] int64, each in ``[1, max_seq_len]``; a padding row has 1
+                (and a table of valid block ids, its output is discarded).
+            query_start_loc: [num_rows + 1] int64, ``arange(num_rows + 1)``.
+            max_seq_len: the static bound on ``seq_lens`` (tokens).
+            scale: as for :meth:`decode_attention`.
+
+        Returns:
+            As for :meth:`ragged_attention`, with one query token per row.
         """
         return None
 
@@ -397,6 +425,35 @@ class TritonPlatform(TorchPlatform):
                 seq_lens,
                 query_start_loc,
                 max_query_len,
+                max_seq_len,
+                scale,
+            )
+
+        return attend
+
+    def static_decode_attention(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        max_seq_len: int,
+        scale: float,
+    ) -> RaggedAttention:
+        from iterserve.kernels.triton_paged_attention import paged_attention
+
+        def attend(
+            q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+        ) -> torch.Tensor:
+            # The split count and grid follow from the shapes and max_seq_len alone; each
+            # program stops at its own row's seq_len, read on the device.
+            return paged_attention(
+                q,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                1,
                 max_seq_len,
                 scale,
             )

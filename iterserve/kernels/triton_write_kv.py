@@ -4,7 +4,9 @@ The contract of :meth:`~iterserve.kernels.platform.Platform.write_kv` (vLLM's
 ``reshape_and_cache``): token ``t``'s key and value go to offset ``slot % block_size`` of block
 ``slot // block_size``, ``slot = slot_mapping[t]``, of the head-major caches
 ``[num_kv_heads, num_blocks, block_size, head_dim]``. One program per (token, KV head) copies
-one ``head_dim`` row of each. :func:`write_kv_reference` is the plain-torch definition.
+one ``head_dim`` row of each. A negative slot (a padding row of a CUDA-graph decode batch) is
+skipped: the pool has no reserved block to write padding into. :func:`write_kv_reference` is
+the plain-torch definition.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def _write_kv_kernel(
     head_idx = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
     slot = tl.load(slot_mapping_ptr + token_idx)
+    if slot < 0:  # a padding row
+        return
     # A contiguous head slice of the cache is [num_blocks * BLOCK_SIZE, HEAD_DIM]: slot is its row.
     dst = head_idx.to(tl.int64) * stride_c_h + slot * HEAD_DIM + offs_d
     token = token_idx.to(tl.int64)
@@ -57,8 +61,9 @@ def write_kv(
         key_cache, value_cache: [num_kv_heads, num_blocks, block_size, head_dim] contiguous,
             key's dtype.
         slot_mapping: [num_tokens] int64, ``block_id * block_size + offset``, each in
-            ``[0, num_blocks * block_size)``: not checked here (that would sync the device
-            every layer); the scheduler's block manager hands out only slots of the pool.
+            ``[0, num_blocks * block_size)``, or negative for a row to skip (padding): not
+            checked here (that would sync the device every layer); the scheduler's block
+            manager hands out only slots of the pool.
 
     Raises:
         ValueError: on shapes, dtypes, devices or layouts the kernel does not take.
@@ -109,7 +114,9 @@ def write_kv_reference(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """:func:`write_kv` in plain torch (same arguments)."""
+    """:func:`write_kv` in plain torch (same arguments; negative slots skipped)."""
+    keep = slot_mapping >= 0
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = key.transpose(0, 1)
-    value_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = value.transpose(0, 1)
+    slots = slot_mapping[keep]
+    key_cache.view(num_kv_heads, -1, head_dim)[:, slots] = key[keep].transpose(0, 1)
+    value_cache.view(num_kv_heads, -1, head_dim)[:, slots] = value[keep].transpose(0, 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from iterserve import envs
 from iterserve.engine.outputs import ScheduledRequest
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.executor.attention import KVCache, PagedAttention
@@ -92,6 +93,7 @@ def test_paged_attention_matches_dense(
             assert torch.equal(kv.value[0][:, slot[0], slot[1]], full_v[i][p])
 
 
+@pytest.mark.skipif(not envs.triton_interpret(), reason="CPU tensors: Triton's interpreter only")
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("shapes", [SHAPES, MIXED_DECODES], ids=["small", "mixed-lengths"])
 def test_triton_paged_attention_matches_dense(
@@ -103,11 +105,9 @@ def test_triton_paged_attention_matches_dense(
     test_paged_attention_matches_dense(TritonPlatform(), block_size, 0, shapes)
 
 
-def test_swap_out_and_in_round_trips_blocks() -> None:
+def test_swap_out_and_in_round_trips_blocks(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(3)
-    kv = KVCache(
-        2, 8, 4, NUM_KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"), num_host_blocks=4
-    )
+    kv = KVCache(2, 8, 4, NUM_KV_HEADS, HEAD_DIM, torch.float32, device, num_host_blocks=4)
     for layer in range(2):
         kv.key[layer].copy_(torch.randn(kv.key[layer].shape, generator=gen))
         kv.value[layer].copy_(torch.randn(kv.value[layer].shape, generator=gen))
