@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Directory for converted models (default: the user cache dir, e.g. ~/.cache/iterserve).
 ITERSERVE_CACHE_DIR: str | None = os.environ.get("ITERSERVE_CACHE_DIR") or None
@@ -21,3 +22,14 @@ def triton_interpret() -> bool:
     """Triton's own ``TRITON_INTERPRET=1`` (its kernels run in Python on the CPU), read when
     asked: the platform allows the ``triton`` backend on a CPU only under it."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+def cache_dir() -> Path:
+    """iterserve's cache directory: ``ITERSERVE_CACHE_DIR``, else the user cache dir (e.g.
+    ``~/.cache/iterserve``). ``platformdirs`` is imported here, when a cache is used: the GPU
+    check runs where it is not installed and uses none."""
+    if ITERSERVE_CACHE_DIR:
+        return Path(ITERSERVE_CACHE_DIR)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("iterserve"))

@@ -314,6 +314,11 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention-backend", default="auto", help="iterserve's backend on the device (auto)"
     )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="iterserve without decode CUDA graphs (as `serve --enforce-eager`)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument(
         "--attention-shapes",

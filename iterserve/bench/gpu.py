@@ -56,6 +56,7 @@ class Plan:
     parity_requests: int
     parity_tokens: int
     copy_bytes: int
+    enforce_eager: bool = False
 
 
 def _ints(text: str, sep: str) -> list[int]:
@@ -87,6 +88,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         shape=LlamaShape(hidden, layers, heads, kv_heads, inter, vocab),
         dtype=getattr(torch, _DTYPES[args.dtype]),
         backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         num_requests=pick(args.num_requests, 128, 64),
         prompt_len=pick(args.prompt_len, 256, 128),
         output_len=pick(args.output_len, 128, 64),
@@ -105,6 +107,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         parity_requests=args.parity_requests,
         parity_tokens=pick(args.parity_tokens, 24, 16),
         copy_bytes=copy_bytes,
+        enforce_eager=args.enforce_eager,
     )
 
 
@@ -142,7 +145,11 @@ def _section_functions(plan: Plan, device: Any) -> dict[int, Callable[[], dict[s
         3: lambda: gpu_llama8b.run_offline(shared),
         4: lambda: gpu_llama8b.run_decode_floor(shared),
         5: lambda: gpu_models.run_engine_parity(
-            device, backend, plan.parity_requests, plan.parity_tokens
+            device,
+            backend,
+            plan.parity_requests,
+            plan.parity_tokens,
+            enforce_eager=plan.enforce_eager,
         ),
     }
 
@@ -180,6 +187,7 @@ def main(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "quick": args.quick,
         "argv": sys.argv[1:],
+        "enforce_eager": args.enforce_eager,
         "environment": environment(device),
         "sections": {},
         "wall_s": 0.0,

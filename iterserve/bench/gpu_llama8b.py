@@ -45,6 +45,7 @@ class LlamaBenchSettings:
     shape: LlamaShape
     dtype: torch.dtype
     backend: str  # iterserve's --attention-backend on the device
+    enforce_eager: bool  # iterserve's --enforce-eager (no decode CUDA graphs)
     num_requests: int  # section 3: requests, all arriving at once
     prompt_len: int  # random token ids, fixed length
     output_len: int  # greedy, EOS ignored, exactly this many
@@ -148,6 +149,7 @@ def run_decode_floor(shared: SharedLlama) -> dict[str, Any]:
         max_model_len=s.max_model_len,
         max_num_seqs=batch,
         max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, batch),
+        enforce_eager=s.enforce_eager,
     )
     params = SamplingParams(max_tokens=s.decode_steps + 8, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(_prompts(s, batch, context)):
@@ -258,6 +260,7 @@ def _iterserve_throughput(
         max_model_len=s.max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, max_num_seqs),
+        enforce_eager=s.enforce_eager,
     )
     params = SamplingParams(
         max_tokens=s.output_len, min_tokens=s.output_len, temperature=0.0, ignore_eos=True

@@ -114,9 +114,12 @@ def make_engine(
     """An :class:`LLMEngine` on ``model`` with a KV pool of ``num_kv_blocks`` blocks (and a
     host pool of ``num_host_blocks`` for swapping), no tokenizer and no EOS token.
 
-    ``scheduler_kwargs`` are engine config keywords (``max_num_seqs``, ``preemption_mode``, ...).
+    ``scheduler_kwargs`` are engine config keywords (``max_num_seqs``, ``preemption_mode``,
+    ``enforce_eager``, ...). Decode CUDA graphs are captured as ``iterserve serve`` captures
+    them (on CUDA with the Triton platform, unless ``enforce_eager``).
     """
     from iterserve.executor.attention import KVCache
+    from iterserve.executor.build import capture_decode_graphs, use_cuda_graphs
     from iterserve.executor.model_runner import TorchModelRunner
 
     dtype = model.embed_tokens.weight.dtype
@@ -144,6 +147,8 @@ def make_engine(
         num_host_blocks,
     )
     runner = TorchModelRunner(model, kv_cache, config.model.seed)
+    if use_cuda_graphs(config, device, model.platform):
+        capture_decode_graphs(runner, config)
     costs = None
     if num_host_blocks and config.scheduler.preemption_mode == "auto":
         costs = runner.measure_preemption_costs()
@@ -213,7 +218,12 @@ PARITY_SHAPE = LlamaShape(256, 2, 4, 2, 512, 1024)
 
 
 def run_engine_parity(
-    device: torch.device, backend: str, num_requests: int = 12, max_tokens: int = 24, seed: int = 0
+    device: torch.device,
+    backend: str,
+    num_requests: int = 12,
+    max_tokens: int = 24,
+    seed: int = 0,
+    enforce_eager: bool = False,
 ) -> dict[str, Any]:
     """The same float32 random Llama through the engine on ``device`` (``backend``) and on
     the CPU (plain torch), per :data:`PARITY_RUNS`: greedy token ids must be equal.
@@ -235,7 +245,13 @@ def run_engine_parity(
         outputs, counters = {}, {}
         for where, model in models.items():
             host_blocks = 64 if settings["preemption_mode"] == "swap" else 0
-            engine = make_engine(model, num_host_blocks=host_blocks, **PARITY_ENGINE, **settings)
+            engine = make_engine(
+                model,
+                num_host_blocks=host_blocks,
+                enforce_eager=enforce_eager,
+                **PARITY_ENGINE,
+                **settings,
+            )
             outputs[where] = run_engine(engine, workload)
             counters[where] = _engine_counters(engine)
         mismatches = _compare(outputs["device"], outputs["cpu"])

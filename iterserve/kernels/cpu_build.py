@@ -51,12 +51,7 @@ def _cpu_id() -> str:
 
 def _cache_dir() -> Path:
     """Beside the converted models (``ITERSERVE_CACHE_DIR`` or the user cache dir)."""
-    if envs.ITERSERVE_CACHE_DIR:
-        return Path(envs.ITERSERVE_CACHE_DIR) / "kernels"
-    # Imported here: the GPU path (and `bench gpu` on a bare GPU machine) never builds these.
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("iterserve")) / "kernels"
+    return envs.cache_dir() / "kernels"
 
 
 def _cflags() -> tuple[str, ...]:

@@ -18,7 +18,6 @@ import tempfile
 from pathlib import Path
 
 from filelock import FileLock
-from platformdirs import user_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +50,9 @@ def default_gguf_path() -> Path:
 
 def cache_root() -> Path:
     """Where converted models are kept (``ITERSERVE_CACHE_DIR`` or the user cache dir)."""
-    from iterserve.envs import ITERSERVE_CACHE_DIR
+    from iterserve import envs
 
-    return Path(ITERSERVE_CACHE_DIR or user_cache_dir("iterserve")) / "models"
+    return envs.cache_dir() / "models"
 
 
 def resolve_model_dir(model: str) -> Path:
