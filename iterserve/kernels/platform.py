@@ -407,29 +407,13 @@ class TritonPlatform(TorchPlatform):
         block_size: int,
         scale: float,
     ) -> RaggedAttention:
-        from iterserve.kernels.triton_paged_attention import paged_attention
-
         # The kernel follows the tables unchecked: check them once per iteration, not per layer.
         check_block_tables(block_tables, seq_lens, num_blocks, block_size)
         max_query_len = max(query_lens, default=0)
         max_seq_len = max(seq_lens_list, default=0)
-
-        def attend(
-            q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
-        ) -> torch.Tensor:
-            return paged_attention(
-                q,
-                key_cache,
-                value_cache,
-                block_tables,
-                seq_lens,
-                query_start_loc,
-                max_query_len,
-                max_seq_len,
-                scale,
-            )
-
-        return attend
+        return _triton_attend(
+            block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale
+        )
 
     def static_decode_attention(
         self,
@@ -439,26 +423,36 @@ class TritonPlatform(TorchPlatform):
         max_seq_len: int,
         scale: float,
     ) -> RaggedAttention:
-        from iterserve.kernels.triton_paged_attention import paged_attention
+        # The split count and grid follow from the shapes and max_seq_len alone; each
+        # program stops at its own row's seq_len, read on the device.
+        return _triton_attend(block_tables, seq_lens, query_start_loc, 1, max_seq_len, scale)
 
-        def attend(
-            q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
-        ) -> torch.Tensor:
-            # The split count and grid follow from the shapes and max_seq_len alone; each
-            # program stops at its own row's seq_len, read on the device.
-            return paged_attention(
-                q,
-                key_cache,
-                value_cache,
-                block_tables,
-                seq_lens,
-                query_start_loc,
-                1,
-                max_seq_len,
-                scale,
-            )
 
-        return attend
+def _triton_attend(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> RaggedAttention:
+    """The Triton paged-attention launch of one iteration, bound to its metadata."""
+    from iterserve.kernels.triton_paged_attention import paged_attention
+
+    def attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
+        return paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            max_query_len,
+            max_seq_len,
+            scale,
+        )
+
+    return attend
 
 
 def triton_available(device: torch.device) -> bool:
