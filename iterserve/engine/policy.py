@@ -178,10 +178,13 @@ def priority_victims(
     KV blocks) may preempt, in the order to preempt them: least urgent first, then the most
     recently admitted (DESIGN.md, "Priority preemption at admission").
 
-    The candidate counts with its effective (aged) priority. A running request counts with
-    its tier's priority until it has given up its seat once for a more urgent request, and
-    with its effective priority after that (:func:`victim_priority`); it is a victim when that
-    is at least ``config.priority_preemption_margin`` steps less urgent than the candidate.
+    The candidate counts with its tier's priority (:func:`tier_priority`), not its aged one:
+    aging orders the queue (an aged request takes the next free seat ahead of newer arrivals)
+    but earns no right to take a seat from running work, so requests of one tier never
+    preempt each other however long they waited. A running request counts with its tier's
+    priority until it has given up its seat once for a more urgent request, and with its
+    effective priority after that (:func:`victim_priority`); it is a victim when that is at
+    least ``config.priority_preemption_margin`` steps less urgent than the candidate.
     So aged work is preempted once, not never: under overload every running request has
     waited long enough to be aged, and judging them aged would turn the policy off exactly
     when the urgent tier needs it. And aging's bound still holds: a request preempted once is
@@ -193,7 +196,7 @@ def priority_victims(
     margin = config.priority_preemption_margin
     if margin <= 0 or config.scheduling_policy == "fcfs":
         return []
-    threshold = effective_priority(candidate, now, config) + margin
+    threshold = tier_priority(candidate.priority, config) + margin
     ranked = [(victim_priority(r, now, config), r.admit_seq, r) for r in running]
     victims = [
         (p, seq, r) for p, seq, r in ranked if p >= threshold and not is_protected(r, iteration)
@@ -207,8 +210,15 @@ def victim_priority(request: Request, now: float, config: SchedulerConfig) -> in
     (its tier's) until it has been preempted for priority once, its effective (aged) priority
     after that (:func:`priority_victims`)."""
     if request.num_priority_preemptions == 0:
-        return request.priority
+        return tier_priority(request.priority, config)
     return effective_priority(request, now, config)
+
+
+def tier_priority(priority: int, config: SchedulerConfig) -> int:
+    """The priority of the tier a request's integer ``priority`` maps to (the tier with the
+    largest priority <= it, else the most urgent): what priority preemption compares, so a
+    client's ``priority: -10**20`` counts as the most urgent tier, not beyond it."""
+    return config.tier_for(priority).priority
 
 
 @dataclass(frozen=True)

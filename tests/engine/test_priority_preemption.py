@@ -310,6 +310,30 @@ def test_equal_priorities_never_preempt_each_other(priority: int) -> None:
 
 
 @pytest.mark.parametrize(
+    ("waiting", "running"), [(STANDARD, STANDARD), (BEST_EFFORT, STANDARD), (BEST_EFFORT, 5)]
+)
+def test_aging_earns_a_place_in_the_queue_not_a_running_seat(waiting: int, running: int) -> None:
+    # Aged to premium, a waiting request still counts as its tier for priority preemption: it
+    # takes the next free seat, never one of its own tier or a more urgent one (priority 5
+    # maps to best-effort, the tier it counts as).
+    h = Harness(max_num_seqs=2, priority_preemption_margin=1, aging_interval_s=1.0)
+    fill_seats(h, 2, priority=running)
+    h.add("aged", 3, max_tokens=4, priority=waiting)
+    h.clock.now += 10.0
+    assert policy.effective_priority(h.request("aged"), h.clock.now, h.scheduler.config) == 0
+    assert h.steps_until_sampled("aged", limit=10) is None
+    assert h.scheduler.num_preemptions == 0
+
+
+def test_a_priority_beyond_the_most_urgent_tier_counts_as_that_tier() -> None:
+    h = Harness(max_num_seqs=2, priority_preemption_margin=1)
+    fill_seats(h, 2, priority=PREMIUM)
+    h.add("eager", 3, max_tokens=4, priority=-(10**20))
+    assert h.steps_until_sampled("eager", limit=10) is None
+    assert h.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize(
     ("arrival", "margin", "preempts"),
     [
         (STANDARD, 1, True),  # 2 - 1 = 1 >= 1
