@@ -15,13 +15,14 @@ Kubernetes (or systemd) starts a fresh replica.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
-from iterserve.config import EngineConfig, ServerConfig, require_single_device
+from iterserve.config import ConfigError, EngineConfig, ServerConfig, require_single_device
 from iterserve.draining import DrainingServer
 from iterserve.engine.process_engine import LOG_FORMAT, ProcessEngine
 from iterserve.server.app import build_app
@@ -96,12 +97,30 @@ def serve(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> int:
     setup_logging()
     # Invalid settings fail here, before any process starts.
     require_single_device(EngineConfig.from_kwargs(**engine_kwargs))
+    if server_config.telemetry_db:
+        check_telemetry_db(server_config.telemetry_db)
     engine = ProcessEngine(
         engine_kwargs,
         telemetry_db=server_config.telemetry_db,
         hang_timeout_s=server_config.engine_hang_timeout_s,
     )
     return run_server(build_app(engine, server_config), server_config)
+
+
+def check_telemetry_db(path: str) -> None:
+    """Open (or create) the ``--telemetry-db`` file here, before the model loads, so that a
+    bad path fails at once and names the file (the engine process opens it again).
+
+    Raises:
+        ConfigError: not a database this version can write (a directory, an unwritable path,
+            a corrupt file, another version's tables).
+    """
+    from iterserve.telemetry.schema import connect
+
+    try:
+        connect(path).close()
+    except sqlite3.Error as e:
+        raise ConfigError(f"--telemetry-db {path}: {e}") from e
 
 
 def run_server(app: FastAPI, server_config: ServerConfig) -> int:

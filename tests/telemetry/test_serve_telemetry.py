@@ -131,3 +131,19 @@ def test_real_serve_writes_iterations_from_the_engine_process(tmp_path: Path) ->
     ] + [(0, 1)] * 5
     assert [i["iteration_id"] for i in iterations] == list(range(1, 7))
     assert iterations[-1]["free_kv_blocks"] == 64  # freed when it finished
+
+
+@pytest.mark.parametrize("kind", ["directory", "corrupt", "unwritable"])
+def test_a_bad_telemetry_db_fails_before_the_model_loads(tmp_path: Path, kind: str) -> None:
+    from iterserve.config import ConfigError, ServerConfig
+    from iterserve.server.launch import serve
+
+    path = {
+        "directory": tmp_path,
+        "corrupt": tmp_path / "corrupt.db",
+        "unwritable": tmp_path / "missing-dir" / "t.db",
+    }[kind]
+    if kind == "corrupt":
+        path.write_bytes(b"not a database" * 100)
+    with pytest.raises(ConfigError, match=f"--telemetry-db {path}"):
+        serve({}, ServerConfig(telemetry_db=str(path)))
