@@ -7,7 +7,10 @@ import argparse
 
 def _count(text: str) -> int:
     """A non-negative integer SQLite can compare with (at most 2**63 - 1)."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
     if not 0 <= value < 2**63:
         raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {text}")
     return value

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sqlite3
 import sys
 from collections import defaultdict
@@ -159,7 +160,12 @@ def main(args: argparse.Namespace) -> int:
     except (FileNotFoundError, sqlite3.Error) as e:
         print(f"iterserve report: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(_without_nan(report), indent=2) if args.json else format_report(report))
+    text = json.dumps(_without_nan(report), indent=2) if args.json else format_report(report)
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `iterserve report ... | head`: the reader had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
     return 0
 
 

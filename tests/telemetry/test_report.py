@@ -157,3 +157,34 @@ def test_counts_out_of_range_are_usage_errors(db: str, flag: str, value: str) ->
     with pytest.raises(SystemExit) as exit_:
         main(["report", "--db", db, flag, value])
     assert exit_.value.code == 2
+
+
+def test_a_non_integer_count_names_the_flag_not_the_parser(
+    db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["report", "--db", db, "--limit", "abc"])
+    err = capsys.readouterr().err
+    assert "must be a non-negative integer, got 'abc'" in err and "_count" not in err
+
+
+def test_a_closed_pipe_is_no_error(db: str) -> None:
+    # `iterserve report --json | head -1`: the reader left before the report was written.
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "iterserve.cli", "report", "--db", db, "--json"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
