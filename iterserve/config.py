@@ -230,10 +230,14 @@ def parse_tiers(data: object) -> tuple[Tier, ...]:
             continue
         if not isinstance(entry, dict):
             raise ConfigError(f"a tier must be a mapping, got {entry!r}")
-        try:
-            tiers.append(Tier(**entry))
-        except TypeError as e:
-            raise ConfigError(f"bad tier {entry!r}: {e}") from e
+        fields = {f.name for f in dataclasses.fields(Tier)}
+        if unknown := sorted(str(k) for k in entry if k not in fields):
+            raise ConfigError(
+                f"bad tier {entry!r}: unknown keys {unknown} (known: {sorted(fields)})"
+            )
+        if missing := [k for k in ("name", "priority") if k not in entry]:
+            raise ConfigError(f"bad tier {entry!r}: {' and '.join(missing)} required")
+        tiers.append(Tier(**entry))
     return tuple(tiers)
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,3 +111,19 @@ def test_tiers_are_bounded() -> None:
     assert len(parse_tiers(many[:MAX_TIERS])) == MAX_TIERS
     with pytest.raises(ConfigError, match=f"at most {MAX_TIERS} tiers"):
         parse_tiers(many)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"name": "a"}, "priority required"),
+        ({"priority": 1}, "name required"),
+        ({"name": "a", "priority": 1, "x": 2}, "unknown keys ['x']"),
+    ],
+)
+def test_a_bad_tier_says_what_is_wrong_in_its_own_words(
+    entry: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        parse_tiers([entry])
+    assert "__init__" not in str(e.value)
