@@ -47,7 +47,6 @@ def _held_mib(mode: str) -> float:
     return float(out.stdout.strip())
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
 def test_new_shapes_do_not_grow_memory_once_bounded() -> None:
     bounded, default = _held_mib("bounded"), _held_mib("default")
     assert bounded < 32, bounded
