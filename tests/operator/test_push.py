@@ -120,27 +120,37 @@ def test_misbehaving_pods_are_errors_not_exceptions() -> None:
 
 
 def test_a_slow_pod_holds_no_other_and_many_pods_are_all_reached() -> None:
+    busy_pods = 150  # beyond aiohttp's default pool of 100 connections
+    arrived = 0
+    all_arrived = asyncio.Event()
+
     async def slow(step: str, request: web.Request) -> web.StreamResponse:
-        await asyncio.sleep(5)
+        await asyncio.sleep(60)
         return await good(step, request)
 
     async def busy(step: str, request: web.Request) -> web.StreamResponse:
-        await asyncio.sleep(0.4)
+        # A barrier, not a sleep: no busy pod answers its GET until every busy pod's GET is
+        # open at once. With a pool limit, pods beyond it never get a connection, the barrier
+        # never opens and every busy pod times out; the result does not hang on CPU speed.
+        nonlocal arrived
+        if step == "load":
+            arrived += 1
+            if arrived == busy_pods:
+                all_arrived.set()
+            await all_arrived.wait()
         return await good(step, request)
 
     async def scenario() -> None:
         runner, base, _ = await _pods({"slow": slow, "busy": busy})
         try:
-            # 150 pods behind one address: beyond aiohttp's default pool of 100, pods would
-            # queue for a connection inside their own timeout.
             pods = [PodTarget("slow", f"{base}/slow")]
-            pods += [PodTarget(f"busy-{i}", f"{base}/busy") for i in range(150)]
+            pods += [PodTarget(f"busy-{i}", f"{base}/busy") for i in range(busy_pods)]
             start = time.monotonic()
-            results = await sync_pods(pods, SETTINGS, HASH, 2, "t", timeout_s=1.0)
+            results = await sync_pods(pods, SETTINGS, HASH, 2, "t", timeout_s=4.0)
             elapsed = time.monotonic() - start
         finally:
             await runner.cleanup()
-        assert elapsed < 3.5, elapsed  # the slow pod's GET is cut at 1 s
+        assert elapsed < 12, elapsed  # the slow pod's GET is cut at 4 s, not held for 60
         slow_result, *busy_results = results
         assert not slow_result.applied and "Timeout" in (slow_result.error or "")
         assert all(r.applied for r in busy_results), [r for r in busy_results if not r.applied]
