@@ -353,7 +353,11 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = field(
-        default=1, metadata={"help": "GPUs per replica (with --simulate: the profile's degree)"}
+        default=1,
+        metadata={
+            "help": "model shards per replica, one process and device each (with --simulate: "
+            "the profile's degree)"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -362,21 +366,6 @@ class ParallelConfig:
             self.tensor_parallel_size >= 1,
             f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
         )
-
-
-def require_single_device(config: EngineConfig) -> None:
-    """Refuse tensor parallelism on real devices (a later release; a simulated replica
-    takes the profile's degree instead).
-
-    Raises:
-        ConfigError: ``tensor_parallel_size`` is not 1.
-    """
-    tp = config.parallel.tensor_parallel_size
-    _require(
-        tp == 1,
-        f"tensor_parallel_size={tp} is not supported yet: iterserve runs one device per "
-        "replica (tensor parallelism is a later release)",
-    )
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from iterserve.config import (
     ConfigError,
     EngineConfig,
     parse_tiers,
-    require_single_device,
 )
 
 
@@ -48,13 +47,6 @@ def test_defaults() -> None:
 def test_invalid_configs_raise(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_kwargs(**kwargs)
-
-
-def test_tensor_parallelism_is_refused_on_real_devices() -> None:
-    # Simulated replicas take the profile's degree; the torch path refuses anything but 1.
-    config = EngineConfig.from_kwargs(tensor_parallel_size=4)
-    with pytest.raises(ConfigError, match="tensor_parallel_size=4 is not supported"):
-        require_single_device(config)
 
 
 def test_unknown_keyword_is_a_type_error() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from iterserve.config import ConfigError, EngineConfig, GiB, require_single_device
+from iterserve.config import ConfigError, EngineConfig, GiB
 from iterserve.engine.policy import PreemptionCosts
 from iterserve.executor.attention import KVCache
 from iterserve.executor.cuda_graphs import decode_buckets
@@ -24,9 +25,11 @@ from iterserve.executor.memory import (
     profile_memory,
 )
 from iterserve.executor.model_runner import TorchModelRunner
+from iterserve.executor.tensor_parallel import Workers, attach, init_group, rank_device
 from iterserve.kernels.platform import Platform, TritonPlatform, select_platform
 from iterserve.models.llama import LlamaForCausalLM
 from iterserve.models.loader import resolve_model_dir
+from iterserve.models.parallel import SINGLE, TPGroup, divide, kv_head_range
 
 logger = logging.getLogger(__name__)
 
@@ -126,22 +129,31 @@ def load_model(
     device: torch.device,
     max_position: int,
     platform: Platform,
+    tp: TPGroup = SINGLE,
 ) -> LlamaForCausalLM:
-    """Instantiate our Llama forward on ``platform``, fill it from the directory's safetensors
-    files, and pack its linear weights where the platform packs them."""
+    """Instantiate our Llama forward (rank ``tp.rank``'s shard) on ``platform``, fill it from
+    the directory's safetensors files, and pack its linear weights where the platform packs
+    them. Each tensor is opened as a lazy slice and only this rank's shard of it is read.
+
+    Raises:
+        ConfigError: no safetensors files, or heads that do not divide by ``tp.size``.
+    """
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{model_dir} has no .safetensors weights")
-    with torch.device(device):
-        model = LlamaForCausalLM(hf_config, max_position, platform)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(hf_config, max_position, platform, tp)
+    except ValueError as e:  # a degree the heads or the MLP width do not divide by
+        raise ConfigError(str(e)) from e
 
     def weights() -> Any:
         for path in files:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name)
 
     model.load_weights(weights())
     # Rotary tables are computed in float32 and cast here, as Hugging Face casts cos/sin.
@@ -157,11 +169,12 @@ def num_kv_blocks_for(
     device: torch.device,
     profile: Callable[[], tuple[MemoryProfile, int]] | None = None,
     graph_reserve: int = 0,
+    num_kv_heads: int | None = None,
 ) -> int:
     """KV blocks in the pool: ``--num-kv-blocks``, else ``--kv-cache-memory`` bytes, else (on a
     GPU) what :func:`~iterserve.executor.memory.kv_cache_budget` leaves after ``profile``
     (the profiling forward: readings and the dummy pool's bytes) and ``graph_reserve`` bytes,
-    else 1 GiB (CPU).
+    else 1 GiB (CPU). ``num_kv_heads``: the KV heads this rank holds (default: the model's).
 
     Raises:
         ConfigError: the budget holds no block.
@@ -176,7 +189,7 @@ def num_kv_blocks_for(
     per_block = KVCache.bytes_per_block(
         hf_config.num_hidden_layers,
         cache.block_size,
-        hf_config.num_key_value_heads,
+        num_kv_heads or hf_config.num_key_value_heads,
         head_dim,
         dtype,
     )
@@ -227,21 +240,34 @@ def capture_decode_graphs(runner: TorchModelRunner, config: EngineConfig) -> Non
     runner.capture_decode_graphs()
 
 
-def build(config: EngineConfig) -> LoadedModel:
-    """Load the model named by ``config.model.model`` and build a ready model runner.
+@dataclass
+class Shard:
+    """One rank's part of a replica: its model shard, KV cache and runner."""
+
+    model: LlamaForCausalLM
+    platform: Platform
+    runner: TorchModelRunner
+    num_kv_blocks: int  # the same on every rank (the minimum over them)
+    num_host_blocks: int
+    eos_token_ids: frozenset[int]  # the driver's (workers do not sample)
+
+
+def build_shard(config: EngineConfig, model_dir: Path | str, tp: TPGroup = SINGLE) -> Shard:
+    """Load rank ``tp.rank``'s shard of the model and build its KV cache and runner. Every rank
+    of a group calls this at once (the KV pool is agreed on with a collective).
+
+    Args:
+        config: the engine config, ``max_model_len`` resolved.
+        model_dir: a resolved Hugging Face model directory.
+        tp: this rank's group (one rank: the whole model).
 
     Raises:
         ConfigError: unsupported model or settings that do not fit it.
-        ModelNotFoundError: the model cannot be found locally.
     """
-    from transformers import AutoTokenizer
-
-    require_single_device(config)
-    model_dir = resolve_model_dir(config.model.model)
+    model_dir = Path(model_dir)
     hf_config = load_hf_config(model_dir)
-    config = config.with_max_model_len(resolve_max_model_len(config, hf_config))
     dtype = _DTYPES[config.model.dtype]
-    device = select_device()
+    device = select_device() if tp.size == 1 else rank_device(tp)
     if device.type == "cpu":
         logger.info("CPU matmul cache capacities: %s", bound_onednn_caches())
     try:
@@ -249,9 +275,10 @@ def build(config: EngineConfig) -> LoadedModel:
     except ValueError as e:  # a backend this device or dtype cannot run: a setting's error
         raise ConfigError(str(e)) from e
     assert config.model.max_model_len is not None
-    model = load_model(hf_config, model_dir, dtype, device, config.model.max_model_len, platform)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    graphs = use_cuda_graphs(config, device, platform)
+    model = load_model(
+        hf_config, model_dir, dtype, device, config.model.max_model_len, platform, tp
+    )
+    graphs = use_cuda_graphs(config, device, platform) and tp.size == 1
     profile: Callable[[], tuple[MemoryProfile, int]] | None = None
     if device.type == "cuda":
         profile = functools.partial(
@@ -263,14 +290,20 @@ def build(config: EngineConfig) -> LoadedModel:
             config.cache.block_size,
             CudaMemoryReader(device),
         )
-
     num_blocks = num_kv_blocks_for(
-        config, hf_config, dtype, device, profile, CUDA_GRAPH_RESERVE if graphs else 0
+        config,
+        hf_config,
+        dtype,
+        device,
+        profile,
+        CUDA_GRAPH_RESERVE if graphs else 0,
+        model.num_kv_heads,
     )
+    num_blocks = tp.all_reduce_min(num_blocks)  # every rank holds the same block ids
     per_block = KVCache.bytes_per_block(
         len(model.layers), config.cache.block_size, model.num_kv_heads, model.head_dim, dtype
     )
-    num_host_blocks = int(config.cache.swap_space * GiB) // per_block
+    num_host_blocks = tp.all_reduce_min(int(config.cache.swap_space * GiB) // per_block)
     kv_cache = KVCache(
         len(model.layers),
         num_blocks,
@@ -281,36 +314,100 @@ def build(config: EngineConfig) -> LoadedModel:
         device,
         num_host_blocks,
     )
-    eos_ids = eos_token_ids(model_dir, hf_config, tokenizer)
+    eos_ids = frozenset[int]()
+    if tp.is_driver:
+        from transformers import AutoTokenizer
+
+        eos_ids = eos_token_ids(model_dir, hf_config, AutoTokenizer.from_pretrained(model_dir))
     runner = TorchModelRunner(model, kv_cache, config.model.seed, eos_ids)
     if graphs:
         capture_decode_graphs(runner, config)
+    return Shard(model, platform, runner, num_blocks, num_host_blocks, eos_ids)
+
+
+def build(config: EngineConfig, fail_fast: bool = False) -> LoadedModel:
+    """Load the model named by ``config.model.model`` and build a ready model runner; with
+    ``tensor_parallel_size`` N > 1 this process is rank 0 and N - 1 worker processes hold the
+    other shards (:mod:`~iterserve.executor.tensor_parallel`).
+
+    Args:
+        config: the engine config.
+        fail_fast: a tensor-parallel worker's death exits this process (the engine process).
+
+    Raises:
+        ConfigError: unsupported model or settings that do not fit it.
+        ModelNotFoundError: the model cannot be found locally.
+    """
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model_dir(config.model.model)
+    hf_config = load_hf_config(model_dir)
+    config = config.with_max_model_len(resolve_max_model_len(config, hf_config))
+    size = config.parallel.tensor_parallel_size
+    check_tensor_parallel(hf_config, size)
+    if size == 1:
+        shard = build_shard(config, model_dir)
+    else:
+        workers = Workers(size, config, str(model_dir), fail_fast)
+        atexit.register(workers.close)
+        try:
+            shard = build_shard(config, model_dir, init_group(0, size, workers.init_method))
+        except BaseException:
+            workers.close()
+            raise
+        attach(shard.runner, workers)
+    runner = shard.runner
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     costs = None
-    if num_host_blocks and config.scheduler.preemption_mode == "auto":
+    if shard.num_host_blocks and config.scheduler.preemption_mode == "auto":
         costs = runner.measure_preemption_costs()
         logger.info("preemption costs: %s", costs)
     logger.info(
-        "model %s on %s in %s, %s ops; %d KV blocks of %d tokens, %d host blocks",
+        "model %s on %s in %s, %s ops, tensor parallel %d; %d KV blocks of %d tokens, "
+        "%d host blocks",
         model_dir,
-        device,
-        dtype,
-        platform.name,
-        num_blocks,
+        runner.device,
+        config.model.dtype,
+        shard.platform.name,
+        size,
+        shard.num_kv_blocks,
         config.cache.block_size,
-        num_host_blocks,
+        shard.num_host_blocks,
     )
     return LoadedModel(
         config=config,
         runner=runner,
-        platform=platform,
+        platform=shard.platform,
         tokenizer=tokenizer,
         hf_config=hf_config,
         model_dir=model_dir,
-        num_kv_blocks=num_blocks,
-        num_host_blocks=num_host_blocks,
-        eos_token_ids=eos_ids,
+        num_kv_blocks=shard.num_kv_blocks,
+        num_host_blocks=shard.num_host_blocks,
+        eos_token_ids=shard.eos_token_ids,
         preemption_costs=costs,
     )
+
+
+def check_tensor_parallel(hf_config: Any, size: int) -> None:
+    """Refuse a degree the model's shapes do not split into, before any process starts.
+
+    Raises:
+        ConfigError: the query heads, the MLP width or (for the KV heads) neither the degree
+            nor the KV head count divides the other; or CUDA has fewer GPUs than ranks.
+    """
+    if size == 1:
+        return
+    kv = int(hf_config.num_key_value_heads)
+    try:
+        divide(int(hf_config.num_attention_heads), size, "num_attention_heads")
+        divide(int(hf_config.intermediate_size), size, "intermediate_size")
+        kv_head_range(kv, TPGroup(0, size))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if torch.cuda.is_available() and torch.cuda.device_count() < size:
+        raise ConfigError(
+            f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} visible"
+        )
 
 
 def build_llm_engine(**kwargs: Any) -> Any:
@@ -320,7 +417,7 @@ def build_llm_engine(**kwargs: Any) -> Any:
     """
     from iterserve.engine.llm_engine import LLMEngine
 
-    loaded = build(EngineConfig.from_kwargs(**kwargs))
+    loaded = build(EngineConfig.from_kwargs(**kwargs), fail_fast=True)
     return LLMEngine(
         loaded.config,
         loaded.runner,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,9 +109,15 @@ class TorchModelRunner:
         self.states: dict[str, SamplingState] = {}
         # Padded decode in static buffers (CUDA graphs once captured), if enabled.
         self.decode_graphs: DecodeGraphs | None = None
+        # Tensor parallelism: the driver (rank 0) announces each step to the other ranks
+        # first (:func:`~iterserve.executor.tensor_parallel.attach`); only it samples.
+        self.before_step: Callable[[SchedulerOutput], None] | None = None
+        self.is_driver = model.tp.is_driver
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.before_step is not None:
+            self.before_step(scheduler_output)
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
         self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
@@ -120,6 +127,7 @@ class TorchModelRunner:
         scheduled = scheduler_output.scheduled
         graphs = self.decode_graphs
         bucket = graphs.bucket_for(scheduled) if graphs is not None else None
+        logits: torch.Tensor | None
         if graphs is not None and bucket is not None:
             logits = graphs.run(scheduled, bucket)  # [num_reqs, vocab], padding dropped
             sampled = scheduled
@@ -131,6 +139,8 @@ class TorchModelRunner:
                 return ModelRunnerOutput(sampled_token_ids={})
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [sampled, vocab]
             sampled = inputs.sampled
+        if logits is None:  # a tensor-parallel worker: the driver samples
+            return ModelRunnerOutput(sampled_token_ids={})
         states = [self._state(s) for s in sampled]
         out = self.sampler(logits, states)
         ids = [s.request_id for s in sampled]
@@ -179,7 +189,9 @@ class TorchModelRunner:
     ) -> torch.Tensor:
         """The forward and LM head over every row of a padded decode batch -> [rows, vocab]."""
         attention = PagedAttention(self.kv_cache, metadata, self.scale, self.platform)
-        return self.model.compute_logits(self.model(input_ids, positions, attention))
+        logits = self.model.compute_logits(self.model(input_ids, positions, attention))
+        assert logits is not None, "padded decode runs with one rank only"
+        return logits
 
     def _state(self, sched: ScheduledRequest) -> SamplingState:
         state = self.states.get(sched.request_id)

@@ -2,18 +2,39 @@
 
 Linear layers follow Megatron-LM's tensor-parallel split (Shoeybi et al., 2019): a
 column-parallel layer shards its output features, a row-parallel layer its input features
-(and would all-reduce its output). With ``tp_size=1`` (today) each rank holds everything; the
-weight loaders already cut the shard a rank owns, so tensor parallelism only has to pass a
-rank and add the all-reduce.
+and all-reduces its output; the embedding and the LM head split the vocabulary
+(:mod:`~iterserve.models.parallel`). Each weight loader cuts the shard its rank owns, from a
+lazy safetensors slice when the loader passes one (so a rank reads only its shard). With one
+rank (``SINGLE``) every layer holds everything and nothing communicates.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from iterserve.kernels.platform import LinearOp, Platform
+from iterserve.models.parallel import SINGLE, TPGroup, divide, kv_head_range
+
+# A checkpoint tensor as the loader hands it: a tensor, or a lazy safetensors slice
+# (``safe_open(...).get_slice(name)``) from which a rank reads only its shard.
+Loadable = Any
+
+
+def narrow(loaded: Loadable, dim: int, start: int, length: int) -> torch.Tensor:
+    """``loaded.narrow(dim, start, length)``; from a safetensors slice only these elements are
+    read."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, length)
+    return loaded[(slice(None),) * dim + (slice(start, start + length),)]
+
+
+def materialize(loaded: Loadable) -> torch.Tensor:
+    """The whole tensor (for the parameters every rank holds in full: norms, biases)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
 
 
 class RMSNorm(nn.Module):
@@ -60,30 +81,23 @@ class PackableLinear(nn.Module):
 
 
 class ColumnParallelLinear(PackableLinear):
-    """``y = x W^T (+ b)`` with W ``[out_features / tp_size, in_features]`` on each rank."""
+    """``y = x W^T (+ b)`` with W ``[out_features / tp.size, in_features]`` on each rank (no
+    communication: the output stays sharded by columns)."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE
     ) -> None:
         super().__init__()
-        if out_features % tp_size:
-            raise ValueError(f"out_features {out_features} not divisible by tp_size {tp_size}")
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = nn.Parameter(torch.empty(out_features // tp_size, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features // tp_size)) if bias else None
-
-    def _shard(self, loaded: torch.Tensor, size: int) -> torch.Tensor:
-        return loaded.narrow(0, self.tp_rank * size, size)
+        self.tp = tp
+        out = divide(out_features, tp.size, "out_features")
+        self.weight = nn.Parameter(torch.empty(out, in_features))
+        self.bias = nn.Parameter(torch.empty(out)) if bias else None
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+        self, param: nn.Parameter, loaded: Loadable, shard_id: str | None = None
     ) -> None:
-        param.data.copy_(self._shard(loaded, param.shape[0]))
+        size = param.shape[0]
+        param.data.copy_(narrow(loaded, 0, self.tp.rank * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -91,27 +105,24 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     (gate and up of SwiGLU). Shard ``i`` occupies rows ``sum(sizes[:i]) .. +sizes[i]``."""
 
     def __init__(
-        self,
-        in_features: int,
-        output_sizes: list[int],
-        bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        self, in_features: int, output_sizes: list[int], bias: bool = False, tp: TPGroup = SINGLE
     ) -> None:
-        super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size)
-        self.output_sizes = [s // tp_size for s in output_sizes]
+        super().__init__(in_features, sum(output_sizes), bias, tp)
+        self.output_sizes = [divide(s, tp.size, "intermediate_size") for s in output_sizes]
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+        self, param: nn.Parameter, loaded: Loadable, shard_id: str | None = None
     ) -> None:
         idx = int(shard_id) if shard_id is not None else 0
         size = self.output_sizes[idx]
         offset = sum(self.output_sizes[:idx])
-        param.data.narrow(0, offset, size).copy_(self._shard(loaded, size))
+        param.data.narrow(0, offset, size).copy_(narrow(loaded, 0, self.tp.rank * size, size))
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q, k and v projections; rows ``[q heads | k heads | v heads] x head_dim``."""
+class QKVParallelLinear(PackableLinear):
+    """Fused q, k and v projections; rows ``[q heads | k heads | v heads] x head_dim`` of this
+    rank's heads: ``num_heads / tp.size`` query heads and the KV heads of
+    :func:`~iterserve.models.parallel.kv_head_range` (replicated above ``num_kv_heads``)."""
 
     def __init__(
         self,
@@ -120,54 +131,102 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_heads: int,
         num_kv_heads: int,
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp: TPGroup = SINGLE,
     ) -> None:
-        if num_heads % tp_size or num_kv_heads % tp_size:
-            raise ValueError(
-                f"heads ({num_heads}, {num_kv_heads}) not divisible by tp_size {tp_size}"
-            )
-        out = (num_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden_size, out, bias, tp_rank, tp_size)
-        self.q_size = num_heads // tp_size * head_dim
-        self.kv_size = num_kv_heads // tp_size * head_dim
+        super().__init__()
+        self.tp = tp
+        self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
+        self.kv_head_start, self.num_kv_heads = kv_head_range(num_kv_heads, tp)
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        out = self.q_size + 2 * self.kv_size
+        self.weight = nn.Parameter(torch.empty(out, hidden_size))
+        self.bias = nn.Parameter(torch.empty(out)) if bias else None
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+        self, param: nn.Parameter, loaded: Loadable, shard_id: str | None = None
     ) -> None:
-        offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size)}
-        offsets["v"] = (self.q_size + self.kv_size, self.kv_size)
-        offset, size = offsets[str(shard_id)]
-        param.data.narrow(0, offset, size).copy_(self._shard(loaded, size))
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
+        else:
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, start = self.kv_size, self.kv_head_start * self.head_dim
+        param.data.narrow(0, offset, size).copy_(narrow(loaded, 0, start, size))
 
 
 class RowParallelLinear(PackableLinear):
-    """``y = x W^T (+ b)`` with W ``[out_features, in_features / tp_size]`` on each rank;
-    with tensor parallelism the partial outputs are summed across ranks."""
+    """``y = x W^T (+ b)`` with W ``[out_features, in_features / tp.size]`` on each rank: the
+    input comes sharded by columns, the partial outputs are summed over the ranks (one
+    all-reduce of ``[num_tokens, out_features]``), then the bias is added once."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE
     ) -> None:
         super().__init__()
-        if in_features % tp_size:
-            raise ValueError(f"in_features {in_features} not divisible by tp_size {tp_size}")
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size))
+        self.tp = tp
+        self.weight = nn.Parameter(
+            torch.empty(out_features, divide(in_features, tp.size, "in_features"))
+        )
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        y = self.packed(x, None) if self.packed is not None else F.linear(x, self.weight)
+        y = self.tp.all_reduce(y)
+        return y + self.bias if self.bias is not None else y
+
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+        self, param: nn.Parameter, loaded: Loadable, shard_id: str | None = None
     ) -> None:
         if param.dim() == 1:  # the bias is added once, not sharded
-            param.data.copy_(loaded)
+            param.data.copy_(materialize(loaded))
             return
         size = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+        param.data.copy_(narrow(loaded, 1, self.tp.rank * size, size))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embeddings with the vocabulary split by rows: rank ``r`` holds rows
+    ``[r * per_rank, (r + 1) * per_rank)`` (``per_rank = ceil(vocab / tp.size)``, the last
+    rank's rows beyond the vocabulary zero). Each rank embeds the ids it holds, zeroes the
+    others and the ranks sum (one all-reduce of ``[num_tokens, hidden]``).
+
+    The same shard is the LM head when the embeddings are tied: :meth:`logits` gives this
+    rank's columns of the logits.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.per_rank
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [num_tokens] int64 -> [num_tokens, hidden]."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: Loadable, shard_id: str | None = None
+    ) -> None:
+        load_vocab_rows(param, loaded, self.vocab_start, self.vocab_size)
+
+
+def load_vocab_rows(param: nn.Parameter, loaded: Loadable, start: int, vocab_size: int) -> None:
+    """Copy rows ``[start, start + len(param))`` of a ``[vocab, hidden]`` checkpoint tensor into
+    ``param``, leaving rows past ``vocab_size`` (the last rank's padding) zero."""
+    count = max(0, min(param.shape[0], vocab_size - start))
+    param.data.zero_()
+    if count:
+        param.data.narrow(0, 0, count).copy_(narrow(loaded, 0, start, count))
 
 
 class RotaryEmbedding(nn.Module):

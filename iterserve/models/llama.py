@@ -25,7 +25,11 @@ from iterserve.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
+    VocabParallelEmbedding,
+    load_vocab_rows,
+    materialize,
 )
+from iterserve.models.parallel import SINGLE, TPGroup, kv_head_range
 
 
 class Attention(Protocol):
@@ -67,27 +71,32 @@ def build_rotary(config: Any, head_dim: int, max_position: int) -> RotaryEmbeddi
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, platform: Platform) -> None:
+    def __init__(
+        self, config: Any, layer_idx: int, platform: Platform, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.platform = platform
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // num_heads
         attn_bias = bool(getattr(config, "attention_bias", False))
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, platform)
         self.qkv_proj = QKVParallelLinear(
-            hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=attn_bias
+            hidden, head_dim, num_heads, config.num_key_value_heads, bias=attn_bias, tp=tp
         )
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hidden, bias=attn_bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=attn_bias, tp=tp)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, platform)
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=mlp_bias)
-        self.down_proj = RowParallelLinear(inter, hidden, bias=mlp_bias)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=mlp_bias, tp=tp)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=mlp_bias, tp=tp)
+        # This rank's heads (all of them with one rank).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
 
     def forward(
         self,
@@ -127,28 +136,37 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The decoder stack plus the language-model head (tied to the embeddings when the config
-    says so).
+    says so), as one tensor-parallel shard.
 
     Args:
         config: the Hugging Face model config.
         max_position: positions the rotary tables cover (the serving ``max_model_len``).
         platform: runs the norms, SwiGLU's activation, rotary and packed linears
             (:func:`~iterserve.kernels.platform.select_platform`, chosen once at start).
+        tp: the tensor-parallel group this shard belongs to (one rank: the whole model).
+
+    Raises:
+        ValueError: the heads or the MLP width do not divide by ``tp.size``.
     """
 
-    def __init__(self, config: Any, max_position: int, platform: Platform) -> None:
+    def __init__(
+        self, config: Any, max_position: int, platform: Platform, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
         self.config = config
         self.platform = platform
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp
+        self.vocab_size = int(config.vocab_size)
+        self.embed_tokens = VocabParallelEmbedding(self.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, platform) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, platform, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, platform)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-        self.num_kv_heads = int(config.num_key_value_heads)
+        if not self.tie_word_embeddings:  # this rank's rows of the vocabulary
+            per_rank = self.embed_tokens.per_rank
+            self.lm_head = nn.Parameter(torch.zeros(per_rank, config.hidden_size))
+        self.num_kv_heads = kv_head_range(int(config.num_key_value_heads), tp)[1]  # this rank's
         self.head_dim = int(
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
@@ -172,12 +190,19 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None, "a model without layers"
         return self.norm.forward_residual(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_sampled, hidden] -> logits [num_sampled, vocab_size] in the model's dtype (the
-        sampler makes a float32 copy only when it needs one)."""
+        sampler makes a float32 copy only when it needs one). With tensor parallelism each
+        rank computes its vocabulary columns and the driver gathers them; the other ranks get
+        None."""
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden, None)
-        return F.linear(hidden, self.lm_head_weight)
+            logits = self.packed_lm_head(hidden, None)
+        else:
+            logits = F.linear(hidden, self.lm_head_weight)
+        if self.tp.size == 1:
+            return logits
+        gathered = self.tp.gather_to_driver(logits)  # [num_sampled, size * per_rank]
+        return gathered[:, : self.vocab_size] if gathered is not None else None
 
     def pack_linear_weights(self) -> None:
         """Repack every linear weight where the platform packs weights (oneDNN's layout in
@@ -200,8 +225,10 @@ class LlamaForCausalLM(nn.Module):
             return self._weight_bytes
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face Llama checkpoint tensors, fusing q/k/v and gate/up.
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Load Hugging Face Llama checkpoint tensors, fusing q/k/v and gate/up, each cut to
+        this rank's shard. A weight may be a tensor or a lazy safetensors slice
+        (``safe_open(...).get_slice(name)``), of which only the shard is read.
 
         Raises:
             ValueError: a checkpoint tensor has no place in this model, or a parameter was
@@ -235,11 +262,13 @@ class LlamaForCausalLM(nn.Module):
             param = params[name]
             module = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
             loader = getattr(module, "weight_loader", None)
-            with torch.no_grad():
+            with torch.no_grad():  # copy_ casts to the parameter's dtype
                 if loader is not None:
-                    loader(param, tensor.to(param.dtype), shard_id)
+                    loader(param, tensor, shard_id)
+                elif name == "lm_head":
+                    load_vocab_rows(param, tensor, self.embed_tokens.vocab_start, self.vocab_size)
                 else:
-                    param.data.copy_(tensor)
+                    param.data.copy_(materialize(tensor))
             loaded.add(name)
         missing = set(params) - loaded
         if missing:

@@ -22,7 +22,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from iterserve.config import ConfigError, EngineConfig, ServerConfig, require_single_device
+from iterserve.config import ConfigError, EngineConfig, ServerConfig
 from iterserve.draining import DrainingServer
 from iterserve.engine.process_engine import LOG_FORMAT, ProcessEngine
 from iterserve.server.app import build_app
@@ -96,7 +96,7 @@ def serve(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> int:
     """
     setup_logging()
     # Invalid settings fail here, before any process starts.
-    require_single_device(EngineConfig.from_kwargs(**engine_kwargs))
+    EngineConfig.from_kwargs(**engine_kwargs)
     if server_config.telemetry_db:
         check_telemetry_db(server_config.telemetry_db)
     engine = ProcessEngine(

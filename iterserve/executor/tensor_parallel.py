@@ -1,0 +1,370 @@
+"""Tensor parallelism across processes: one replica's model sharded over ``N`` ranks.
+
+The engine process is rank 0, the driver: it runs the scheduler, its own shard, and samples.
+Ranks ``1 .. N-1`` are worker processes (``python -m iterserve.executor.tensor_parallel``)
+that load their shard, size their KV cache, then run every iteration the driver announces.
+Each iteration the driver sends one :class:`StepMessage` to every worker over its socket
+(pickled once): a request's block table in full the first time a rank sees it (or after it
+was preempted), then per step only the tokens to compute and the blocks appended since, the
+finished and preempted ids and the swaps. Workers never sample, so they need no prompt, no
+sampling parameters and no generated text. All ranks then run the same forward in lockstep;
+the collectives inside it (:mod:`~iterserve.models.parallel`) are the only other traffic.
+
+Failure: the driver watches every worker; a worker that exits (killed, OOM, an exception)
+fails the driver at once: in the engine process (``fail_fast``) it exits with code 1, so the
+server's streams all end with an error, ``/health`` fails and the server exits non-zero;
+elsewhere (``LLM(...)``) the next step raises :class:`WorkerDiedError`. A hung worker is caught
+by the collective timeout (``ITERSERVE_TP_TIMEOUT_S``, default 60 s). Workers die with the
+driver (``PR_SET_PDEATHSIG``) and stop on their socket's EOF: no process outlives the driver.
+
+On a CPU the cores are divided among the ranks (``torch.set_num_threads``) so that ``N``
+processes on one machine do not oversubscribe them. Backend: NCCL with one GPU per rank when
+CUDA is present, gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from iterserve.engine.outputs import ScheduledRequest, SchedulerOutput
+from iterserve.engine.sampling_params import SamplingParams
+from iterserve.models.parallel import TPGroup
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process exited; the replica cannot run any more steps."""
+
+
+def collective_timeout_s() -> float:
+    """Seconds any collective may wait for the other ranks (``ITERSERVE_TP_TIMEOUT_S``)."""
+    return float(os.environ.get("ITERSERVE_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+
+# ---------------------------------------------------------------- the per-step message
+
+
+@dataclass(frozen=True)
+class ScheduledDelta:
+    """One request's share of an iteration, as a worker needs it.
+
+    ``blocks`` is the whole block table when ``full_table`` is set, else the blocks appended
+    to the table the worker holds for ``request_id``.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    blocks: list[int]
+    full_table: bool
+    sample: bool
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """What every worker gets per iteration (``shutdown``: stop instead)."""
+
+    scheduled: list[ScheduledDelta] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    shutdown: bool = False
+
+
+class StepEncoder:
+    """The driver's side: turns each :class:`SchedulerOutput` into a :class:`StepMessage`,
+    remembering the block table each worker holds per request."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[int]] = {}
+
+    def encode(self, out: SchedulerOutput) -> StepMessage:
+        tables = self.tables
+        for request_id in (*out.finished_request_ids, *out.preempted_request_ids):
+            tables.pop(request_id, None)
+        scheduled = []
+        for s in out.scheduled:
+            table = s.block_table
+            known = tables.get(s.request_id)
+            n = len(known) if known is not None else 0
+            if known is not None and len(table) >= n and table[:n] == known:
+                blocks, full = table[n:], False
+                known.extend(blocks)
+            else:  # new to the workers, or its blocks changed (preempted and resumed)
+                blocks, full = list(table), True
+                tables[s.request_id] = list(table)
+            scheduled.append(
+                ScheduledDelta(
+                    s.request_id, s.token_ids, s.num_computed_tokens, blocks, full, s.sample
+                )
+            )
+        return StepMessage(
+            scheduled,
+            out.finished_request_ids,
+            out.preempted_request_ids,
+            out.blocks_to_swap_out,
+            out.blocks_to_swap_in,
+        )
+
+
+class StepDecoder:
+    """A worker's side: rebuilds the :class:`SchedulerOutput` of each :class:`StepMessage`."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[int]] = {}
+        self._params = SamplingParams()  # workers do not sample: any params do
+
+    def decode(self, msg: StepMessage) -> SchedulerOutput:
+        tables = self.tables
+        for request_id in (*msg.finished_request_ids, *msg.preempted_request_ids):
+            tables.pop(request_id, None)
+        scheduled = []
+        for d in msg.scheduled:
+            if d.full_table:
+                table = tables[d.request_id] = list(d.blocks)
+            else:
+                table = tables[d.request_id]
+                table.extend(d.blocks)
+            scheduled.append(
+                ScheduledRequest(
+                    d.request_id,
+                    d.token_ids,
+                    d.num_computed_tokens,
+                    list(table),
+                    d.sample,
+                    self._params,
+                )
+            )
+        return SchedulerOutput(
+            scheduled=scheduled,
+            preempted_request_ids=msg.preempted_request_ids,
+            finished_request_ids=msg.finished_request_ids,
+            blocks_to_swap_out=msg.blocks_to_swap_out,
+            blocks_to_swap_in=msg.blocks_to_swap_in,
+        )
+
+
+# ---------------------------------------------------------------- the process group
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_group(rank: int, size: int, init_method: str) -> TPGroup:
+    """Join the ``size``-rank process group (blocks until every rank has joined, at most the
+    collective timeout); pins this rank's GPU under CUDA, divides the CPU cores otherwise.
+
+    Raises:
+        RuntimeError: the other ranks did not join in time.
+    """
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        torch.set_num_threads(max(1, cores // size))
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=collective_timeout_s()),
+    )
+    return TPGroup(rank, size)
+
+
+def rank_device(tp: TPGroup) -> torch.device:
+    """The device of rank ``tp.rank``: its own GPU, or the CPU."""
+    return torch.device("cuda", tp.rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# ---------------------------------------------------------------- the driver's side
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """The first message a worker reads: everything it needs to build its shard."""
+
+    rank: int
+    size: int
+    init_method: str
+    config: Any  # EngineConfig, max_model_len resolved
+    model_dir: str
+    parent_pid: int
+
+
+class Workers:
+    """Ranks ``1 .. size-1`` as child processes, started before the driver joins the group.
+
+    Args:
+        size: the tensor-parallel degree.
+        config: the engine config (its ``max_model_len`` resolved).
+        model_dir: the resolved model directory every rank loads its shard from.
+        fail_fast: a worker's death ends this process (exit code 1) rather than failing the
+            next step (the engine process sets it: the server then exits too).
+    """
+
+    def __init__(self, size: int, config: Any, model_dir: str, fail_fast: bool) -> None:
+        self.size = size
+        self.fail_fast = fail_fast
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.encoder = StepEncoder()
+        self.dead: str | None = None
+        self._closing = False
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.conns: list[Connection] = []
+        try:
+            for rank in range(1, size):
+                self._start(rank, config, model_dir)
+        except BaseException:
+            self.close()
+            raise
+        for rank, proc in enumerate(self.procs, start=1):
+            threading.Thread(
+                target=self._watch,
+                args=(rank, proc),
+                name=f"iterserve-tp-watch-{rank}",
+                daemon=True,
+            ).start()
+
+    def _start(self, rank: int, config: Any, model_dir: str) -> None:
+        ours, theirs = socket.socketpair()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, "--fd", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+            )
+        finally:
+            theirs.close()
+        self.procs.append(proc)
+        conn = Connection(ours.detach())
+        self.conns.append(conn)
+        setup = WorkerSetup(rank, self.size, self.init_method, config, model_dir, os.getpid())
+        conn.send_bytes(pickle.dumps(setup))
+
+    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        if self._closing:
+            return
+        from iterserve.engine.process_engine import describe_exit
+
+        self.dead = f"tensor-parallel worker rank {rank} died ({describe_exit(code)})"
+        logger.error("%s: this replica cannot run", self.dead)
+        if self.fail_fast:
+            self.kill()
+            logging.shutdown()
+            os._exit(1)
+
+    def broadcast(self, out: SchedulerOutput) -> None:
+        """Send ``out`` to every worker (before the driver's own forward).
+
+        Raises:
+            WorkerDiedError: a worker is gone.
+        """
+        if self.dead is not None:
+            raise WorkerDiedError(self.dead)
+        data = pickle.dumps(self.encoder.encode(out), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except OSError as e:
+            raise WorkerDiedError(self.dead or f"a tensor-parallel worker is gone ({e})") from e
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(OSError):
+                proc.kill()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop every worker: a shutdown message, then SIGKILL after ``timeout_s``."""
+        self._closing = True
+        data = pickle.dumps(StepMessage(shutdown=True))
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send_bytes(data)
+                conn.close()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# ---------------------------------------------------------------- a worker
+
+
+def worker_main(fd: int) -> int:
+    """A worker process: read its :class:`WorkerSetup`, build its shard, then run each
+    :class:`StepMessage` until shutdown or the socket's EOF; the exit code."""
+    from iterserve.engine.process_engine import LOG_FORMAT, die_with_parent
+    from iterserve.executor.build import build_shard
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    conn = Connection(fd)
+    setup: WorkerSetup = pickle.loads(conn.recv_bytes())
+    die_with_parent(setup.parent_pid)
+    tp = init_group(setup.rank, setup.size, setup.init_method)
+    runner = build_shard(setup.config, setup.model_dir, tp).runner
+    decoder = StepDecoder()
+    logger.info("tensor-parallel rank %d of %d ready", tp.rank, tp.size)
+    while True:
+        try:
+            msg: StepMessage = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            logger.info("rank %d: the driver closed its socket; stopping", tp.rank)
+            return 0
+        if msg.shutdown:
+            return 0
+        runner.execute_model(decoder.decode(msg))
+
+
+def attach(runner: Any, workers: Workers) -> None:
+    """Make the driver's runner announce every step to ``workers`` before its own forward."""
+    runner.before_step = workers.broadcast
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="an iterserve tensor-parallel worker")
+    parser.add_argument("--fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    code = 1
+    try:
+        code = worker_main(args.fd)
+    except Exception:
+        logger.exception("tensor-parallel worker failed")
+    finally:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    sys.exit(code)
+
+
+BeforeStep = Callable[[SchedulerOutput], None]
+
+if __name__ == "__main__":
+    main()
