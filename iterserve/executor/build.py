@@ -6,12 +6,13 @@ import atexit
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from iterserve.config import ConfigError, EngineConfig, GiB
 from iterserve.engine.policy import PreemptionCosts
@@ -83,6 +84,12 @@ class LoadedModel:
     num_host_blocks: int
     eos_token_ids: frozenset[int]
     preemption_costs: PreemptionCosts | None
+    workers: Workers | None = None  # ranks 1 .. N-1 under tensor parallelism
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (also at exit)."""
+        if self.workers is not None:
+            self.workers.close()
 
 
 def load_hf_config(model_dir: Path) -> Any:
@@ -138,8 +145,6 @@ def load_model(
     Raises:
         ConfigError: no safetensors files, or heads that do not divide by ``tp.size``.
     """
-    from safetensors import safe_open
-
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{model_dir} has no .safetensors weights")
@@ -149,17 +154,22 @@ def load_model(
     except ValueError as e:  # a degree the heads or the MLP width do not divide by
         raise ConfigError(str(e)) from e
 
-    def weights() -> Any:
-        for path in files:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_slice(name)
-
-    model.load_weights(weights())
+    model.load_weights(checkpoint_slices(files))
     # Rotary tables are computed in float32 and cast here, as Hugging Face casts cos/sin.
     model = model.to(dtype).eval()
     model.pack_linear_weights()
     return model
+
+
+def checkpoint_slices(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    """``(name, lazy slice)`` of every tensor in the safetensors ``files``: nothing is read until
+    a weight loader indexes the slice, and then only the indexed part (memory-mapped)."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_slice(name)
 
 
 def num_kv_blocks_for(
@@ -345,9 +355,15 @@ def build(config: EngineConfig, fail_fast: bool = False) -> LoadedModel:
     config = config.with_max_model_len(resolve_max_model_len(config, hf_config))
     size = config.parallel.tensor_parallel_size
     check_tensor_parallel(hf_config, size)
+    workers = None
     if size == 1:
         shard = build_shard(config, model_dir)
     else:
+        if dist.is_initialized():
+            raise ConfigError(
+                "this process already holds a tensor-parallel replica (one per process): "
+                "close() it first"
+            )
         workers = Workers(size, config, str(model_dir), fail_fast)
         atexit.register(workers.close)
         try:
@@ -385,6 +401,7 @@ def build(config: EngineConfig, fail_fast: bool = False) -> LoadedModel:
         num_host_blocks=shard.num_host_blocks,
         eos_token_ids=shard.eos_token_ids,
         preemption_costs=costs,
+        workers=workers,
     )
 
 

@@ -37,7 +37,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,9 +63,8 @@ def collective_timeout_s() -> float:
 # ---------------------------------------------------------------- the per-step message
 
 
-@dataclass(frozen=True)
-class ScheduledDelta:
-    """One request's share of an iteration, as a worker needs it.
+class ScheduledDelta(NamedTuple):
+    """One request's share of an iteration, as a worker needs it (a tuple on the wire).
 
     ``blocks`` is the whole block table when ``full_table`` is set, else the blocks appended
     to the table the worker holds for ``request_id``.
@@ -300,7 +299,10 @@ class Workers:
                 proc.kill()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop every worker: a shutdown message, then SIGKILL after ``timeout_s``."""
+        """Stop every worker (a shutdown message, then SIGKILL after ``timeout_s``) and leave
+        the process group; idempotent."""
+        if self._closing:
+            return
         self._closing = True
         data = pickle.dumps(StepMessage(shutdown=True))
         for conn in self.conns:
@@ -313,6 +315,8 @@ class Workers:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- a worker
