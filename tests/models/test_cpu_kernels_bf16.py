@@ -41,15 +41,21 @@ def test_packed_linear_is_bit_exact(num_tokens: int) -> None:
     assert not weight_packing_available(CPU, torch.float32)
 
 
+# Where two backends' greedy paths part, the token each chose must be a near-tie in the
+# other's distribution (natural log): bfloat16 roundings differ between the C layer ops and
+# torch's fused RMSNorm, and between oneDNN's AVX-512 and AMX matmuls on different CPUs.
+NEAR_TIE = 0.25
+
+
 @pytest.mark.model
 def test_bf16_greedy_matches_the_torch_backend() -> None:
-    """Same first 8 greedy tokens as plain torch. Not longer: bfloat16 roundings differ
-    (the C layer ops round like Hugging Face's modules, torch's fused RMSNorm does not), so
-    long generations may part after a near-tie."""
+    """The first 8 greedy tokens as plain torch's, up to a near-tie: where the two paths part
+    (if they do), both tokens are within :data:`NEAR_TIE` of each other in each backend's own
+    distribution; most prompts do not part at all."""
     from iterserve import LLM, SamplingParams
 
     assert layer_ops_available(CPU, torch.bfloat16), "the C kernels must build here"
-    params = SamplingParams(max_tokens=8, temperature=0.0)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
     outputs = {}
     for backend in ("torch", "cpu"):
         llm = LLM(model="default", dtype="bfloat16", attention_backend=backend, num_kv_blocks=64)
@@ -60,5 +66,18 @@ def test_bf16_greedy_matches_the_torch_backend() -> None:
             assert runner.model.layers[0].qkv_proj.packed is not None
         else:
             assert runner.platform == TorchPlatform() and runner.model.packed_lm_head is None
-        outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    assert outputs["cpu"] == outputs["torch"]
+        outputs[backend] = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    identical = 0
+    for cpu, ref in zip(outputs["cpu"], outputs["torch"], strict=True):
+        if cpu.token_ids == ref.token_ids:
+            identical += 1
+            continue
+        i = next(
+            i for i, (a, b) in enumerate(zip(cpu.token_ids, ref.token_ids, strict=True)) if a != b
+        )
+        for mine, other in ((cpu, ref), (ref, cpu)):
+            top = dict(mine.logprobs[i].top)  # type: ignore[index]
+            other_token = other.token_ids[i]
+            assert other_token in top, (i, mine.token_ids, other.token_ids)
+            assert top[mine.token_ids[i]] - top[other_token] < NEAR_TIE, (i, top)
+    assert identical >= len(PROMPTS) - 1, "only a near-tie may part the two paths"
