@@ -112,10 +112,27 @@ class TorchModelRunner:
         # Tensor parallelism: the driver (rank 0) announces each step to the other ranks
         # first (:func:`~iterserve.executor.tensor_parallel.attach`); only it samples.
         self.before_step: Callable[[SchedulerOutput], None] | None = None
+        # ... and any error in the step is the replica's failure: the error to raise instead.
+        self.on_step_error: Callable[[BaseException], BaseException] | None = None
         self.is_driver = model.tp.is_driver
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Make the output's block copies, run the forward of its scheduled requests and
+        sample (the driver, or the only rank); a worker rank returns no tokens.
+
+        Raises:
+            TensorParallelError: under tensor parallelism, any failure of the step (a rank
+                died or timed out): the replica cannot continue.
+        """
+        if self.on_step_error is None:
+            return self._execute(scheduler_output)
+        try:
+            return self._execute(scheduler_output)
+        except Exception as e:
+            raise self.on_step_error(e) from e
+
+    @torch.inference_mode()
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.before_step is not None:
             self.before_step(scheduler_output)
         for request_id in scheduler_output.finished_request_ids:

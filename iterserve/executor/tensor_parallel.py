@@ -13,9 +13,11 @@ the collectives inside it (:mod:`~iterserve.models.parallel`) are the only other
 Failure: the driver watches every worker; a worker that exits (killed, OOM, an exception)
 fails the driver at once: in the engine process (``fail_fast``) it exits with code 1, so the
 server's streams all end with an error, ``/health`` fails and the server exits non-zero;
-elsewhere (``LLM(...)``) the next step raises :class:`WorkerDiedError`. A hung worker is caught
-by the collective timeout (``ITERSERVE_TP_TIMEOUT_S``, default 60 s). Workers die with the
-driver (``PR_SET_PDEATHSIG``) and stop on their socket's EOF: no process outlives the driver.
+elsewhere (``LLM(...)``) the step raises :class:`TensorParallelError`, and so does every
+later one. A hung worker is caught
+by the collective timeout (``ITERSERVE_TP_TIMEOUT_S``, default 60 s), and any error in the
+driver's forward is as fatal (the ranks are out of step after it). Workers die with the driver
+(``PR_SET_PDEATHSIG``) and stop on their socket's EOF: no process outlives the driver.
 
 On a CPU the cores are divided among the ranks (``torch.set_num_threads``) so that ``N``
 processes on one machine do not oversubscribe them. Backend: NCCL with one GPU per rank when
@@ -34,7 +36,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
@@ -51,8 +53,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 60.0
 
 
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker process exited; the replica cannot run any more steps."""
+class TensorParallelError(RuntimeError):
+    """A rank died, hung past the collective timeout or failed a step: the replica's shards
+    are out of step and it cannot run any more iterations."""
 
 
 def collective_timeout_s() -> float:
@@ -233,6 +236,7 @@ class Workers:
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         self.encoder = StepEncoder()
         self.dead: str | None = None
+        self._lock = threading.Lock()
         self._closing = False
         self.procs: list[subprocess.Popen[bytes]] = []
         self.conns: list[Connection] = []
@@ -271,27 +275,54 @@ class Workers:
             return
         from iterserve.engine.process_engine import describe_exit
 
-        self.dead = f"tensor-parallel worker rank {rank} died ({describe_exit(code)})"
-        logger.error("%s: this replica cannot run", self.dead)
+        self.fail(f"tensor-parallel worker rank {rank} died ({describe_exit(code)})")
+
+    def fail(self, reason: str) -> None:
+        """The replica is broken (``reason``): exit this process (``fail_fast``) or kill the
+        workers and refuse every later step."""
+        with self._lock:
+            first, self.dead = self.dead is None, self.dead or reason
+        if not first:  # the workers killed below report their deaths too
+            return
+        logger.error("%s: this replica cannot run", reason)
+        self.kill()
         if self.fail_fast:
-            self.kill()
             logging.shutdown()
             os._exit(1)
+
+    def step_failed(self, error: BaseException) -> TensorParallelError:
+        """The driver's forward raised ``error``: fatal for the replica (see :meth:`fail`);
+        the error to raise when not ``fail_fast``."""
+        # A rank's death usually shows first as a collective's connection error here: name
+        # the dead rank when one exits within a second, rather than the socket error.
+        deadline = time.monotonic() + 1.0
+        while self.dead is None and time.monotonic() < deadline:
+            for rank, proc in enumerate(self.procs, start=1):
+                code = proc.poll()
+                if code is not None:
+                    from iterserve.engine.process_engine import describe_exit
+
+                    self.fail(f"tensor-parallel worker rank {rank} died ({describe_exit(code)})")
+                    break
+            else:
+                time.sleep(0.05)
+        self.fail(self.dead or f"a tensor-parallel step failed ({type(error).__name__}: {error})")
+        return TensorParallelError(self.dead)
 
     def broadcast(self, out: SchedulerOutput) -> None:
         """Send ``out`` to every worker (before the driver's own forward).
 
         Raises:
-            WorkerDiedError: a worker is gone.
+            TensorParallelError: a worker is gone.
         """
         if self.dead is not None:
-            raise WorkerDiedError(self.dead)
+            raise TensorParallelError(self.dead)
         data = pickle.dumps(self.encoder.encode(out), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for conn in self.conns:
                 conn.send_bytes(data)
         except OSError as e:
-            raise WorkerDiedError(self.dead or f"a tensor-parallel worker is gone ({e})") from e
+            raise TensorParallelError(self.dead or f"a tensor-parallel worker is gone ({e})") from e
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -348,8 +379,10 @@ def worker_main(fd: int) -> int:
 
 
 def attach(runner: Any, workers: Workers) -> None:
-    """Make the driver's runner announce every step to ``workers`` before its own forward."""
+    """Make the driver's runner announce every step to ``workers`` before its own forward,
+    and treat any error in it as the replica's failure."""
     runner.before_step = workers.broadcast
+    runner.on_step_error = workers.step_failed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -367,8 +400,6 @@ def main(argv: list[str] | None = None) -> None:
                 dist.destroy_process_group()
     sys.exit(code)
 
-
-BeforeStep = Callable[[SchedulerOutput], None]
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,9 @@ rank gives.
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,10 @@ from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from iterserve.config import EngineConfig
+from iterserve.engine.llm_engine import IterationError
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.executor.build import LoadedModel, build
+from iterserve.executor.tensor_parallel import TensorParallelError
 from iterserve.models.loader import resolve_model_dir
 
 pytestmark = pytest.mark.model
@@ -116,6 +120,41 @@ def test_a_random_8q_2kv_llama_at_tp2_and_tp4_equals_tp1(random_llama_dir: Path)
         assert _workers() == []
     _assert_same(results[2], results[1])
     _assert_same(results[4], results[1])
+
+
+def test_a_hung_worker_times_out_the_step_and_fails_the_replica(
+    random_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopped worker: the driver's collective gives up after ITERSERVE_TP_TIMEOUT_S, the
+    step's requests fail, every later step fails at once and no worker is left."""
+    monkeypatch.setenv("ITERSERVE_TP_TIMEOUT_S", "3")
+    config = EngineConfig.from_kwargs(
+        model=str(random_llama_dir), dtype="float32", num_kv_blocks=32, tensor_parallel_size=2
+    )
+    loaded = build(config)
+    try:
+        cores = len(os.sched_getaffinity(0))
+        assert torch.get_num_threads() == max(1, cores // 2)  # the cores split between ranks
+        [worker] = _workers()
+        engine = make_engine(loaded, num_kv_blocks=32, max_num_seqs=4)
+        engine.add_request("a", [1, 2, 3], GREEDY)
+        engine.step()
+        worker.suspend()
+        start = time.monotonic()
+        with pytest.raises(IterationError) as failed:
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert 2.5 < time.monotonic() - start < 20
+        assert isinstance(failed.value.__cause__, TensorParallelError)
+        assert psutil.wait_procs([worker], timeout=10)[1] == []  # killed, not left stopped
+        engine.add_request("b", [4, 5], GREEDY)
+        start = time.monotonic()
+        with pytest.raises(IterationError, match="TensorParallelError"):
+            engine.step()
+        assert time.monotonic() - start < 1
+    finally:
+        loaded.close()
+    assert _workers() == []
 
 
 @pytest.fixture(scope="module")

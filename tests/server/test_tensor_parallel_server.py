@@ -105,6 +105,20 @@ def test_an_abort_frees_its_blocks_and_a_live_config_change_applies(tp_server: S
     asyncio.run(main())
 
 
+def test_sigterm_exits_zero_and_leaves_no_process() -> None:
+    with run_server("--tensor-parallel-size", "3", "--num-kv-blocks", "32") as server:
+        processes = tree(server)
+        assert len(workers(server)) == 2
+        r = httpx.post(
+            server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60
+        )
+        assert r.status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+        _, alive = psutil.wait_procs(processes, timeout=10)
+        assert [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+
+
 def test_a_killed_worker_fails_every_stream_and_the_server_exits(tp_server: Server) -> None:
     """Last in the module: it ends the server."""
     processes = tree(tp_server)
