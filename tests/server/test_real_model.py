@@ -108,7 +108,8 @@ def test_non_streaming_disconnect_frees_blocks_within_a_second(server: Server) -
 
 def test_sixteen_streams_survive_two_config_changes(server: Server) -> None:
     """8 long streams run; max_num_seqs drops to 4 (nothing is dropped, 8 more wait); it rises
-    to 16 (the waiting 8 are admitted at once, next to the first 8)."""
+    to 16 (the waiting 8 are admitted at once, next to the first 8). The first 8 are long
+    enough to outlive both changes (the raise lands ~10 tokens into them; they have 64)."""
 
     async def stream(http: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[int, list[str]]:
         body = {
@@ -129,11 +130,11 @@ def test_sixteen_streams_survive_two_config_changes(server: Server) -> None:
 
     async def main() -> tuple[list[Any], list[dict[str, Any]]]:
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
-            first = [asyncio.create_task(stream(http, i, 200)) for i in range(8)]
+            first = [asyncio.create_task(stream(http, i, 64)) for i in range(8)]
             await until(http, lambda s: s["num_running"] == 8, "8 running")
             r = await http.put("/admin/scheduler_config", json={"max_num_seqs": 4}, headers=ADMIN)
             assert r.status_code == 200 and r.json()["max_num_seqs"] == 4
-            second = [asyncio.create_task(stream(http, i, 48)) for i in range(8, 16)]
+            second = [asyncio.create_task(stream(http, i, 16)) for i in range(8, 16)]
             lowered = await until(http, lambda s: s["num_waiting"] == 8, "8 waiting")
             assert lowered["num_running"] == 8 and lowered["max_num_seqs"] == 4
             r = await http.put(
@@ -152,7 +153,7 @@ def test_sixteen_streams_survive_two_config_changes(server: Server) -> None:
     finally:
         settings = {k: v for k, v in original.items() if k not in ("config_hash", "config_version")}
         httpx.put(server.url + "/admin/scheduler_config", json=settings, headers=ADMIN, timeout=60)
-    expected = [200] * 8 + [48] * 8
+    expected = [64] * 8 + [16] * 8
     assert [n for n, _ in results] == expected
     assert all(f == ["length"] for _, f in results), results
     # The 8 waiting were admitted in one iteration, next to the 8 still running.
@@ -204,7 +205,7 @@ def test_swap_preemption_under_kv_pressure_keeps_every_stream_whole() -> None:
     back; /load shows them swapped, the metrics count swap preemptions, and every stream
     still delivers all its tokens."""
     with run_server(
-        "--dtype", "float32", "--num-kv-blocks", "24", "--swap-space", "0.05",
+        "--dtype", "float32", "--num-kv-blocks", "12", "--swap-space", "0.05",
         "--preemption-mode", "swap", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
     ) as server:  # fmt: skip
         seen_swapped = []
@@ -212,7 +213,7 @@ def test_swap_preemption_under_kv_pressure_keeps_every_stream_whole() -> None:
         async def main() -> list[Any]:
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
                 bodies = [
-                    {"prompt": f"Story {i}: once upon a time", "max_tokens": 80, "ignore_eos": True}
+                    {"prompt": f"Story {i}: once upon a time", "max_tokens": 40, "ignore_eos": True}
                     for i in range(6)
                 ]
                 tasks = [asyncio.create_task(stream_completion(http, b)) for b in bodies]
@@ -222,7 +223,7 @@ def test_swap_preemption_under_kv_pressure_keeps_every_stream_whole() -> None:
                 return [t.result() for t in tasks]
 
         results = asyncio.run(main())
-        assert [(r.status, r.completion_tokens, r.errors) for r in results] == [(200, 80, [])] * 6
+        assert [(r.status, r.completion_tokens, r.errors) for r in results] == [(200, 40, [])] * 6
         assert max(seen_swapped) > 0, "no request was ever swapped out"
         swaps = metric(server, 'iterserve_num_preemptions_total{mode="swap",reason="kv"}')
         assert swaps >= 1
