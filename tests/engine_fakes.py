@@ -477,3 +477,13 @@ def build_stalling_engine(**kwargs: Any) -> LLMEngine:
 
     engine.step_deltas = stalling  # type: ignore[method-assign]
     return engine
+
+
+def build_failing_engine(bad_settings: bool = True, **kwargs: Any) -> LLMEngine:
+    """A ``ProcessEngine`` factory that raises as a build does: a ConfigError (settings the
+    model does not take) or, with ``bad_settings=False``, an unexpected error."""
+    from iterserve.config import ConfigError
+
+    if bad_settings:
+        raise ConfigError("tensor_parallel_size 2 does not divide num_attention_heads 9")
+    raise RuntimeError("a loader bug")

@@ -38,6 +38,9 @@ class Server:
         return self.log.read_text(errors="replace")
 
 
+ITERSERVE = [sys.executable, "-m", "iterserve.cli"]  # the CLI of the interpreter running the tests
+
+
 @contextmanager
 def run_server(
     *flags: str, startup_timeout_s: float = 240.0, port: int | None = None, command: str = "serve"
@@ -46,7 +49,7 @@ def run_server(
     or ``router``), ready; stopped on exit."""
     port = port or free_port()
     log = Path(tempfile.mkstemp(prefix="iterserve-server-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "iterserve.cli", command, "--host", "127.0.0.1"]
+    cmd = [*ITERSERVE, command, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *flags]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))

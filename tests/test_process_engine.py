@@ -13,7 +13,12 @@ from helpers import collect, make_engine
 
 from iterserve.engine.errors import InvalidRequestError
 from iterserve.engine.llm_engine import IterationError
-from iterserve.engine.messages import AddRequest, EngineDeadError, RequestFailedError
+from iterserve.engine.messages import (
+    AddRequest,
+    EngineDeadError,
+    EngineStartError,
+    RequestFailedError,
+)
 from iterserve.engine.process_engine import ProcessEngine
 from iterserve.engine.sampling_params import SamplingParams
 
@@ -104,6 +109,25 @@ def test_errors_survive_the_pipe_with_their_fields() -> None:
     assert (str(err), err.param) == ("bad", "top_p")
     it = pickle.loads(pickle.dumps(IterationError(["a"], ValueError("x"))))
     assert it.request_ids == ["a"] and "x" in str(it)
+
+
+@pytest.mark.parametrize("bad_settings", [True, False])
+def test_a_build_error_reaches_the_server_as_one_line(bad_settings: bool) -> None:
+    """The child's build raising is an EngineStartError with its message (not an EOF)."""
+
+    async def main() -> None:
+        engine = ProcessEngine(
+            {"bad_settings": bad_settings}, factory="engine_fakes:build_failing_engine"
+        )
+        with pytest.raises(EngineStartError) as caught:
+            await engine.start()
+        assert caught.value.bad_settings is bad_settings
+        expected = "does not divide" if bad_settings else "RuntimeError: a loader bug"
+        assert expected in str(caught.value)
+        assert not engine.is_running
+        assert engine._proc.exitcode == (2 if bad_settings else 1)
+
+    asyncio.run(main())
 
 
 def test_reused_ids_errors_outside_the_forward_and_stopping_twice() -> None:

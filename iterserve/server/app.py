@@ -22,7 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import iterserve
 from iterserve.config import ServerConfig
-from iterserve.engine.messages import EngineClient, EngineLoad, IterationStats
+from iterserve.engine.messages import (
+    EngineClient,
+    EngineLoad,
+    EngineStartError,
+    IterationStats,
+)
 from iterserve.server.admission import Admission
 from iterserve.server.live_config import VersionedSettings
 from iterserve.server.metrics import ServerMetrics
@@ -80,7 +85,11 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine_client.start()
+        try:
+            await engine_client.start()
+        except EngineStartError as e:
+            app.state.start_error = e  # run_server turns bad settings into a ConfigError
+            raise EngineStartError(str(e), e.bad_settings) from None
         try:
             holder["state"] = state = _server_state(engine_client, server_config, tokenizer, clock)
             app.state.server = state

@@ -14,6 +14,7 @@ Kubernetes (or systemd) starts a fresh replica.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import time
@@ -92,7 +93,8 @@ def serve(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> int:
     """Run a replica (the engine in its own process) until it is stopped; the exit code.
 
     Raises:
-        ConfigError, TypeError: invalid engine or server settings.
+        ConfigError, TypeError: invalid engine or server settings (some found only when the
+            engine process reads the model: the server then stops without serving).
     """
     setup_logging()
     # Invalid settings fail here, before any process starts.
@@ -136,5 +138,11 @@ def run_server(app: FastAPI, server_config: ServerConfig) -> int:
         lifespan="on",
     )
     server = GracefulServer(config, app, server_config.shutdown_grace_period_s)
-    server.run()
+    with contextlib.suppress(SystemExit):  # uvicorn's exit(3) when the start-up raised
+        server.run()
+    start_error = getattr(app.state, "start_error", None)
+    if start_error is not None and start_error.bad_settings:
+        # Settings the model does not take (found only once the engine process read the
+        # model, e.g. a tensor-parallel degree): the CLI's one-line error and exit 2.
+        raise ConfigError(str(start_error))
     return server.exit_code

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -15,7 +16,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from server_utils import ADMIN_TOKEN, API_KEY, Server, run_server
+from server_utils import ADMIN_TOKEN, API_KEY, ITERSERVE, Server, free_port, run_server
 
 from iterserve.server.launch import ENGINE_DEAD_EXIT_S
 
@@ -103,6 +104,15 @@ def test_an_abort_frees_its_blocks_and_a_live_config_change_applies(tp_server: S
             assert r.status_code == 200, r.text
 
     asyncio.run(main())
+
+
+def test_a_degree_the_model_does_not_split_into_is_a_one_line_error_and_exit_2() -> None:
+    """Found only once the engine process has read the model (9 query heads, 3 KV heads)."""
+    cmd = [*ITERSERVE, "serve", "--tensor-parallel-size", "2", "--port", str(free_port())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("iterserve serve: error: ") and "num_attention_heads" in last, last
 
 
 def test_sigterm_exits_zero_and_leaves_no_process() -> None:
