@@ -241,6 +241,9 @@ class GenerationRun:
             await asyncio.gather(*[t for t in tasks if t is not None], return_exceptions=True)
 
 
+ENGINE_UNAVAILABLE_RETRY_AFTER_S = 1  # the Retry-After of a dead or stopping engine's 503
+
+
 def bad_request(e: InvalidRequestError) -> APIError:
     return APIError(400, str(e), param=e.param)
 
@@ -251,8 +254,15 @@ def engine_error(e: BaseException) -> BaseException:
         return bad_request(e)
     if isinstance(e, RequestFailedError):
         return APIError(500, f"the engine failed this request: {e}", type="internal_error")
+    # 503s say when to retry, as admission's do: a dead replica exits within seconds (its pod
+    # restarts; a router or client retries elsewhere), a drain's abort is as short-lived.
+    retry = {"Retry-After": str(ENGINE_UNAVAILABLE_RETRY_AFTER_S)}
     if isinstance(e, RequestAbortedError):
-        return APIError(503, f"request aborted: {e}", "service_unavailable_error", code="aborted")
+        return APIError(
+            503, f"request aborted: {e}", "service_unavailable_error", code="aborted", headers=retry
+        )
     if isinstance(e, EngineDeadError):
-        return APIError(503, f"the engine is unavailable: {e}", type="service_unavailable_error")
+        return APIError(
+            503, f"the engine is unavailable: {e}", "service_unavailable_error", headers=retry
+        )
     return e

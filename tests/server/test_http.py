@@ -493,7 +493,7 @@ def test_a_dead_engine_fails_health_and_requests_with_503(tokenizer: Any) -> Non
         for path in ("/health", "/ready", "/load"):  # a router must not pick it as idle
             assert (await http.get(path)).status_code == 503, path
         r = await http.post("/v1/completions", json=body, headers=AUTH)
-        assert r.status_code == 503
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
         assert r.json()["error"]["message"] == (
             "the engine is unavailable: the engine is not running"
         )
