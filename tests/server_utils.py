@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -114,3 +115,17 @@ async def stream_completion(
                 c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]
             ]
     return result
+
+
+async def read_story_events(http: Any, i: int, started: asyncio.Event) -> list[str]:
+    """A long streamed completion's ``data:`` payloads (``started`` set at the first), read
+    until the stream ends: what a client sees when the replica fails under it."""
+    body = {"prompt": f"Story {i}:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    events = []
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+    return events

@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 from fake_engine import FakeEngineClient, serve_in_process, until
-from server_utils import Server, run_server
+from server_utils import Server, read_story_events, run_server
 
 from iterserve.config import ServerConfig
 from iterserve.server.launch import ENGINE_DEAD_EXIT_S, GracefulServer
@@ -37,18 +37,6 @@ def wait_gone(processes: list[psutil.Process], timeout_s: float) -> list[psutil.
     return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-async def read_events(http: httpx.AsyncClient, i: int, started: asyncio.Event) -> list[str]:
-    body = {"prompt": f"Story {i}:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    events = []
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                started.set()
-    return events
-
-
 @pytest.mark.model
 def test_a_killed_engine_ends_every_stream_and_the_server_exits_non_zero() -> None:
     with run_server(*FLAGS) as server:
@@ -59,7 +47,8 @@ def test_a_killed_engine_ends_every_stream_and_the_server_exits_non_zero() -> No
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
                 started = [asyncio.Event() for _ in range(3)]
                 streams = [
-                    asyncio.create_task(read_events(http, i, e)) for i, e in enumerate(started)
+                    asyncio.create_task(read_story_events(http, i, e))
+                    for i, e in enumerate(started)
                 ]
                 for e in started:
                     await asyncio.wait_for(e.wait(), 60)

@@ -16,7 +16,15 @@ import httpx
 import openai
 import psutil
 import pytest
-from server_utils import ADMIN_TOKEN, API_KEY, ITERSERVE, Server, free_port, run_server
+from server_utils import (
+    ADMIN_TOKEN,
+    API_KEY,
+    ITERSERVE,
+    Server,
+    free_port,
+    read_story_events,
+    run_server,
+)
 
 from iterserve.server.launch import ENGINE_DEAD_EXIT_S
 
@@ -134,21 +142,12 @@ def test_a_killed_worker_fails_every_stream_and_the_server_exits(tp_server: Serv
     processes = tree(tp_server)
     worker = workers(tp_server)[0]
 
-    async def read(http: httpx.AsyncClient, i: int, started: asyncio.Event) -> list[str]:
-        body = {"prompt": f"Story {i}:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        events = []
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    started.set()
-        return events
-
     async def main() -> list[list[str]]:
         async with httpx.AsyncClient(base_url=tp_server.url, timeout=60, headers=AUTH) as http:
             started = [asyncio.Event() for _ in range(3)]
-            streams = [asyncio.create_task(read(http, i, e)) for i, e in enumerate(started)]
+            streams = [
+                asyncio.create_task(read_story_events(http, i, e)) for i, e in enumerate(started)
+            ]
             for e in started:
                 await asyncio.wait_for(e.wait(), 60)
             worker.send_signal(signal.SIGKILL)
