@@ -114,10 +114,16 @@ def check_columns(conn: sqlite3.Connection, path: str) -> None:
     an older table as it is; its rows would then all fail to insert, silently dropped).
 
     Raises:
-        sqlite3.DatabaseError: a table lacks columns (another version's database).
+        sqlite3.DatabaseError: a table is missing (not a telemetry database) or lacks columns
+            (another version's database).
     """
     for table, columns in COLUMNS.items():
         present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if not present:  # the report reads any file: an empty one, another program's
+            raise sqlite3.DatabaseError(
+                f"{path}: no table {table}: not a telemetry database (written by "
+                "`iterserve serve --telemetry-db`)"
+            )
         if missing := [c for c in columns if c not in present]:
             raise sqlite3.DatabaseError(
                 f"{path}: table {table} lacks columns {', '.join(missing)}: not a telemetry "

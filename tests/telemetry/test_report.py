@@ -151,6 +151,15 @@ def test_another_versions_database_is_refused(
     assert "not a telemetry database of this version" in capsys.readouterr().err
 
 
+def test_a_database_without_the_tables_is_named_as_such(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "empty.db"
+    path.touch()  # SQLite reads an empty file as an empty database
+    assert main(["report", "--db", str(path)]) == 2
+    assert "no table sequences: not a telemetry database" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--prefill-ceiling", "--limit"])
 @pytest.mark.parametrize("value", ["-1", str(2**63), "x"])
 def test_counts_out_of_range_are_usage_errors(db: str, flag: str, value: str) -> None:
