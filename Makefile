@@ -10,6 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip --disable-pip-version-check
 # helm and kubectl for the chart's tests (from npm: scripts/fetch-k8s-tools).
 TOOLS ?= .tools/bin
+# The suite's 30 slowest tests close its log: where its time goes, run by run.
+PYTEST_ARGS ?= --durations=30
 
 .PHONY: run generate test lint install tools
 
