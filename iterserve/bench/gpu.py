@@ -27,10 +27,11 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 SECTIONS = {
@@ -176,6 +177,8 @@ def environment(device: Any) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    # Nothing is downloaded: no retries against an unreachable hub (the lent machine is offline).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
     device = torch.device(args.device)
@@ -197,6 +200,16 @@ def main(args: argparse.Namespace) -> int:
             f"--quick: sections 3 and 4 use {plan.llama.shape.num_layers} of Llama-3-8B's 32 "
             f"layers and fewer, shorter requests"
         )
+    from iterserve.bench.gpu_kernels import triton_preflight
+
+    preflight = triton_preflight(device)
+    report["triton_preflight"] = preflight
+    print(f"triton preflight: {_preflight_line(preflight)}", flush=True)
+    if not preflight["ok"] and plan.llama.backend == "auto":
+        # Sections 1 and 2 fail on their own; 3-5 still measure the engine on plain torch.
+        plan = replace(plan, llama=replace(plan.llama, backend="torch"))
+        fallback = "Triton does not run here: sections 3-5 use --attention-backend torch"
+        report["note"] = "; ".join(filter(None, (report.get("note"), fallback)))
     functions = _section_functions(plan, device)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     path = args.output_dir / ("gpu-quick.json" if args.quick else "gpu.json")
@@ -217,6 +230,28 @@ def main(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _preflight_line(preflight: dict[str, Any]) -> str:
+    status = "ok" if preflight["ok"] else f"FAILED {preflight['error'][:200]}"
+    return (
+        f"{status} ({preflight['seconds']:.1f} s; C compiler {preflight['c_compiler']}, "
+        f"Python.h {'found' if preflight['python_h'] else 'missing'})"
+    )
+
+
+def _exit(code: int) -> None:
+    """Exit with ``code``; at once if a thread outlives the run (a transformers generation
+    thread that did not stop would otherwise keep the process alive: the results are
+    written by now)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    if any(t.is_alive() and not t.daemon for t in others):
+        print("iterserve bench gpu: a thread still runs; exiting without it", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def _parser() -> argparse.ArgumentParser:
     from iterserve.bench.cli_args import add_gpu_args
 
@@ -230,4 +265,4 @@ def _parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    sys.exit(main(_parser().parse_args()))
+    _exit(main(_parser().parse_args()))

@@ -10,6 +10,7 @@ copy's bandwidth counts read + write (``2 * bytes / time`` of a large ``copy_``)
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 import traceback
@@ -43,6 +44,36 @@ def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
     dst = torch.empty_like(src)
     seconds = time_ms(lambda: dst.copy_(src), device) / 1e3
     return 2 * num_bytes / seconds
+
+
+def triton_preflight(device: torch.device) -> dict[str, Any]:
+    """Compile and run one small Triton kernel (the KV write) on ``device``: whether Triton
+    works there at all. On a GPU its first launch builds Triton's launcher with the C
+    compiler (``CC``, else gcc or clang) against Python's headers; a machine without them
+    fails here, in seconds, and says so."""
+    import shutil
+    import sysconfig
+    from pathlib import Path
+
+    from iterserve.kernels.triton_write_kv import write_kv
+
+    include = sysconfig.get_paths().get("include", "")
+    info: dict[str, Any] = {
+        "c_compiler": os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang"),
+        "python_h": (Path(include) / "Python.h").is_file(),
+    }
+    start = time.perf_counter()
+    try:
+        kv = torch.ones(1, 1, 16, device=device)
+        cache = torch.zeros(1, 1, 16, 16, device=device)
+        write_kv(kv, kv, cache, cache.clone(), torch.tensor([3], device=device))
+        if float(cache[0, 0, 3].sum()) != 16.0:
+            raise AssertionError("the KV write stored the wrong values")
+        info |= {"ok": True}
+    except Exception as e:  # reported, and the model sections fall back to plain torch
+        info |= {"ok": False, "error": repr(e), "traceback": traceback.format_exc()}
+    info["seconds"] = time.perf_counter() - start
+    return info
 
 
 def run_kernel_checks(device: torch.device) -> dict[str, Any]:

@@ -106,6 +106,9 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     if report.get("note"):
         lines.append(report["note"])
+    preflight = report.get("triton_preflight")
+    if preflight and not preflight.get("ok"):
+        lines.append(f"triton preflight FAILED: {preflight.get('error', '')[:300]}")
     for name, entry in sorted(report["sections"].items(), key=lambda kv: kv[1]["section"]):
         lines.extend(format_section(name, entry))
     return "\n".join(lines)
@@ -119,6 +122,6 @@ def format_section(name: str, entry: dict[str, Any]) -> list[str]:
     if "result" in entry:
         try:
             lines.extend("  " + line for line in _FORMATTERS[name](entry["result"]))
-        except (KeyError, TypeError, ValueError) as e:  # the JSON has it all anyway
+        except Exception as e:  # a table bug must not stop the run: the JSON has it all
             lines.append(f"  (no table: {e!r})")
     return lines

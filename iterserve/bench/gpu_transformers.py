@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+# Seconds to wait for transformers' generation thread after a hard stop.
+_STOP_TIMEOUT_S = 30.0
+
 
 def transformers_throughput(
     model: Any,
@@ -32,8 +35,10 @@ def transformers_throughput(
         return _generate_batch(model, prompts, config)
     manager_kwargs = _manager_kwargs(model, device)
     results: dict[str, list[int]] = {}
+    early_stop = None  # after a timeout: "done", or "thread still running"
+    # A time limit on the stop too: a generation thread that hangs must not hang the run.
     with model.continuous_batching_context_manager(
-        generation_config=config, block=True, **manager_kwargs
+        generation_config=config, block=True, timeout=_STOP_TIMEOUT_S, **manager_kwargs
     ) as cb:
         start = time.perf_counter()  # after the manager's warm-up (CUDA graphs)
         add_params = inspect.signature(cb.add_request).parameters
@@ -51,18 +56,42 @@ def transformers_throughput(
             elif result is None and hasattr(cb, "is_running") and not cb.is_running():
                 raise RuntimeError("transformers' continuous batching manager stopped")
         seconds = time.perf_counter() - start
+        # What ran (the manager restores the model's own implementation when it stops).
+        attn_implementation = getattr(model.config, "_attn_implementation", None)
+        if len(results) < len(ids):
+            ended = _stop_now(cb, [i for i in ids if i not in results])
+            early_stop = "done" if ended else "thread still running"
     generated = sum(map(len, results.values()))
     return {
         "version": transformers.__version__,
         "api": "continuous_batching_context_manager",
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "attn_implementation": attn_implementation,
         "generated_tokens": generated,
         "finished_requests": len(results),
         "timed_out": len(results) < len(ids),
+        "early_stop": early_stop,
         "seconds": seconds,
         "tokens_per_s": generated / seconds,
         "token_ids": [results.get(i, []) for i in ids],
     }
+
+
+def _stop_now(cb: Any, unfinished: list[str]) -> bool:
+    """Stop the manager without finishing its requests; whether its thread has ended.
+
+    Leaving the context manager stops it with ``FLUSH_AND_STOP`` (transformers 5.x): every
+    pending request is generated to the end first, so ``timeout_s`` would bound nothing. A
+    hard stop (``hard_stop=True``) fails them instead; a transformers without it has the
+    unfinished requests cancelled.
+    """
+    if "hard_stop" in inspect.signature(cb.stop).parameters:
+        cb.stop(block=True, timeout=_STOP_TIMEOUT_S, hard_stop=True)
+    else:
+        for request_id in unfinished:
+            if hasattr(cb, "cancel_request"):
+                cb.cancel_request(request_id)
+        cb.stop(block=True, timeout=_STOP_TIMEOUT_S)
+    return not (hasattr(cb, "is_running") and cb.is_running())
 
 
 def _generate_batch(model: Any, prompts: list[list[int]], config: Any) -> dict[str, Any]:

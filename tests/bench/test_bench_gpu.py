@@ -83,6 +83,8 @@ def test_every_section_runs_on_a_cpu(tiny_run: dict[str, Any]) -> None:
     )
     assert [sections[n]["section"] for n in gpu.SECTIONS.values()] == [1, 2, 3, 4, 5]
 
+    assert tiny_run["report"]["triton_preflight"]["ok"] is True
+    assert "Triton does not run here" not in tiny_run["report"].get("note", "")
     kernels = sections["kernel_checks"]["result"]
     assert (kernels["num_checks"], kernels["num_failed"]) == (8, 0)  # no bfloat16 on a CPU
 
@@ -147,3 +149,43 @@ def test_main_exits_1_when_a_section_fails(tmp_path: Path) -> None:
     entry = report["sections"]["attention_bandwidth"]
     assert entry["status"] == "failed" and "multiple of num_kv_heads" in entry["error"]
     assert list(report["sections"]) == ["attention_bandwidth"]
+
+
+def test_a_failed_triton_preflight_runs_the_model_sections_on_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A machine where Triton cannot build its launcher (no C compiler): `auto` falls back.
+    from iterserve.bench import gpu_kernels
+
+    def no_triton(device: Any) -> dict[str, Any]:
+        error = "RuntimeError('Failed to find C compiler')"
+        return {"ok": False, "error": error, "seconds": 0.0, "c_compiler": None, "python_h": True}
+
+    monkeypatch.setattr(gpu_kernels, "triton_preflight", no_triton)
+    tiny = [a if a != "triton" else "auto" for a in TINY_ARGS]
+    args = gpu._parser().parse_args([*tiny, "--sections", "5", "--output-dir", str(tmp_path)])
+    assert gpu.main(args) == 0
+    report = json.loads((tmp_path / "gpu-quick.json").read_text())
+    assert report["triton_preflight"]["ok"] is False
+    assert "sections 3-5 use --attention-backend torch" in report["note"]
+    assert report["sections"]["engine_parity"]["result"]["backend"] == "torch"
+
+
+def test_transformers_stops_at_its_timeout_without_finishing_the_requests() -> None:
+    import threading
+
+    import torch
+
+    from iterserve.bench.gpu_models import LlamaShape, llama_config, random_hf_llama
+    from iterserve.bench.gpu_transformers import transformers_throughput
+
+    cpu = torch.device("cpu")
+    hf = random_hf_llama(llama_config(LlamaShape(64, 2, 4, 2, 128, 512), 64), torch.float32, cpu, 0)
+    forwards = []
+    hf.model.register_forward_hook(lambda *_: forwards.append(1))
+    before = threading.active_count()
+    # A zero timeout: leaving the manager's context (a flushing stop) would run all 40 steps.
+    result = transformers_throughput(hf, [[1, 2, 3]] * 4, 40, 0.0, cpu)
+    assert result["timed_out"] is True and result["early_stop"] == "done"
+    assert len(forwards) < 40, len(forwards)
+    assert threading.active_count() == before
