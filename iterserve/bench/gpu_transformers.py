@@ -131,7 +131,12 @@ def _manager_kwargs(model: Any, device: torch.device) -> dict[str, Any]:
     if "continuous_batching_config" in params:
         from transformers import ContinuousBatchingConfig
 
+        # Tokens per cache block: page_size since 5.18 (block_size before, deprecated after).
+        fields = inspect.signature(ContinuousBatchingConfig).parameters
+        block = {key: 16 for key in ("page_size", "block_size") if key in fields}
+        if "page_size" in block:
+            block.pop("block_size", None)
         kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
-            num_blocks=64, max_batch_tokens=256, page_size=16
+            num_blocks=64, max_batch_tokens=256, **block
         )
     return kwargs
