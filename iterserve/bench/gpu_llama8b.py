@@ -226,8 +226,9 @@ def run_offline(shared: SharedLlama) -> dict[str, Any]:
     }
     try:
         theirs = transformers_throughput(
-            shared.hf_model(), prompts, s.output_len, s.hf_timeout_s, device
-        )
+            shared.hf_model(), prompts, s.output_len, s.hf_timeout_s, device,
+            max_batch_tokens=MAX_NUM_BATCHED_TOKENS,
+        )  # fmt: skip
     except Exception as e:  # keep iterserve's figures
         ours.pop("token_ids")
         result["transformers"] = {"error": repr(e), "traceback": traceback.format_exc()}

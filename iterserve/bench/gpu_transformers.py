@@ -19,11 +19,13 @@ def transformers_throughput(
     output_len: int,
     timeout_s: float,
     device: torch.device,
+    max_batch_tokens: int = 8192,
 ) -> dict[str, Any]:
     """transformers' ``ContinuousBatchingManager`` (what ``generate_batch`` runs) on
-    ``prompts``, ``output_len`` greedy tokens each, EOS never stopping them; stops waiting
-    after ``timeout_s`` and counts the requests finished by then. Its warm-up (CUDA graphs)
-    is not timed. Returns the counts, seconds, tokens per second and each request's token
+    ``prompts``, ``output_len`` greedy tokens each, EOS never stopping them, a KV cache sized
+    to the workload and ``max_batch_tokens`` per iteration (see :func:`_manager_kwargs`);
+    stops it after ``timeout_s`` and counts the requests finished by then. Its warm-up (CUDA
+    graphs) is not timed. Returns the counts, seconds, tokens per second and each request's token
     ids (empty for unfinished ones)."""
     import transformers
     from transformers import GenerationConfig
@@ -33,7 +35,7 @@ def transformers_throughput(
     )
     if not hasattr(model, "continuous_batching_context_manager"):
         return _generate_batch(model, prompts, config)
-    manager_kwargs = _manager_kwargs(model, device)
+    manager_kwargs, cache = _manager_kwargs(model, device, prompts, output_len, max_batch_tokens)
     results: dict[str, list[int]] = {}
     early_stop = None  # after a timeout: "done", or "thread still running"
     # A time limit on the stop too: a generation thread that hangs must not hang the run.
@@ -66,6 +68,7 @@ def transformers_throughput(
         "version": transformers.__version__,
         "api": "continuous_batching_context_manager",
         "attn_implementation": attn_implementation,
+        "cache": cache,
         "generated_tokens": generated,
         "finished_requests": len(results),
         "timed_out": len(results) < len(ids),
@@ -120,23 +123,41 @@ def _generate_batch(model: Any, prompts: list[list[int]], config: Any) -> dict[s
     }
 
 
-def _manager_kwargs(model: Any, device: torch.device) -> dict[str, Any]:
-    """On a CPU (tests): no warm-up and a small cache, where this transformers takes them."""
-    if device.type == "cuda":
-        return {}
+def _manager_kwargs(
+    model: Any,
+    device: torch.device,
+    prompts: list[list[int]],
+    output_len: int,
+    max_batch_tokens: int,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The context manager's keywords, where this transformers takes them, and the cache
+    they ask for.
+
+    The KV cache is sized to the workload (every request's prompt and output, plus a tenth),
+    as iterserve's pool is, with iterserve's tokens per iteration: left to itself transformers
+    takes 80 % of the free memory, and its warm-up runs a forward that reads all of it (tens
+    of seconds on an 8B model, outside any time limit). On a CPU (tests): no warm-up either,
+    and blocks of 16 tokens.
+    """
     params = inspect.signature(model.continuous_batching_context_manager).parameters
     kwargs: dict[str, Any] = {}
-    if "warmup" in params:
+    if device.type != "cuda" and "warmup" in params:
         kwargs["warmup"] = False
-    if "continuous_batching_config" in params:
-        from transformers import ContinuousBatchingConfig
+    if "continuous_batching_config" not in params:
+        return kwargs, None
+    from transformers import ContinuousBatchingConfig
 
-        # Tokens per cache block: page_size since 5.18 (block_size before, deprecated after).
-        fields = inspect.signature(ContinuousBatchingConfig).parameters
-        block = {key: 16 for key in ("page_size", "block_size") if key in fields}
-        if "page_size" in block:
-            block.pop("block_size", None)
-        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
-            num_blocks=64, max_batch_tokens=256, **block
-        )
-    return kwargs
+    # Tokens per cache block: page_size since 5.18 (block_size before, deprecated after).
+    fields = inspect.signature(ContinuousBatchingConfig).parameters
+    key = "page_size" if "page_size" in fields else "block_size"
+    block: dict[str, Any] = {}
+    if device.type != "cuda" and key in fields:
+        block[key] = 16
+    block_size = block.get(key) or getattr(ContinuousBatchingConfig(), key, None) or 256
+    needed = sum(-(-(len(p) + output_len) // block_size) for p in prompts)
+    num_blocks = needed + needed // 10 + 4
+    kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
+        num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, **block
+    )
+    cache = dict(num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens)
+    return kwargs, cache
