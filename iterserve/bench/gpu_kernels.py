@@ -89,6 +89,7 @@ def run_kernel_checks(device: torch.device) -> dict[str, Any]:
         WRITE_KV_DTYPES,
         check_paged_attention,
         check_write_kv,
+        check_write_kv_padding,
         gpu_attention_cases,
     )
 
@@ -102,6 +103,8 @@ def run_kernel_checks(device: torch.device) -> dict[str, Any]:
     for dtype in write_dtypes:
         entry = {"kernel": "write_kv", "case": "strided-values", "dtype": str(dtype)[6:]}
         checks.append(_run_check(entry, functools.partial(check_write_kv, dtype, device)))
+    entry = {"kernel": "write_kv", "case": "padding-slots", "dtype": "float32"}
+    checks.append(_run_check(entry, functools.partial(check_write_kv_padding, device)))
     failed = [f"{c['kernel']}/{c['case']}/{c['dtype']}" for c in checks if not c["passed"]]
     result = {"num_checks": len(checks), "num_failed": len(failed), "checks": checks}
     if failed:

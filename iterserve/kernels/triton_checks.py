@@ -172,3 +172,25 @@ def check_write_kv(dtype: torch.dtype, device: torch.device | str = "cpu") -> No
     assert torch.equal(value_cache, expected_v), "value cache differs from the reference"
     num_written = int(key_cache.count_nonzero())
     assert num_written == num_tokens * num_kv_heads * head_dim, f"{num_written} values written"
+
+
+def check_write_kv_padding(device: torch.device | str = "cpu") -> None:
+    """Negative slots (the padding rows of a CUDA-graph decode batch) are skipped: 4 tokens,
+    2 of them padding, written as the reference writes them, exactly 2 slots touched.
+
+    Raises:
+        AssertionError: a cache differs from the reference or a padding row was written.
+    """
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(4, 2, 16, generator=gen).to(device)
+    value = torch.randn(4, 2, 16, generator=gen).to(device)
+    slots = torch.tensor([5, -1, 33, -1], device=device)
+    caches = [torch.zeros(2, 3, 16, 16, device=device) for _ in range(4)]
+    write_kv(key, value, caches[0], caches[1], slots)
+    write_kv_reference(key, value, caches[2], caches[3], slots)
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(got, want), "cache differs from the reference"
+    flat = caches[0].view(2, -1, 16)
+    assert torch.equal(flat[:, 5], key[0]) and torch.equal(flat[:, 33], key[2])
+    num_written = int(torch.count_nonzero(flat.abs().sum(-1)))
+    assert num_written == 2 * 2, f"{num_written} (slot, head) rows written, not 4"
