@@ -177,8 +177,6 @@ def environment(device: Any) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    # Nothing is downloaded: no retries against an unreachable hub (the lent machine is offline).
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
     device = torch.device(args.device)
@@ -265,4 +263,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
+    # Nothing is downloaded: no retries against an unreachable hub (the lent machine is
+    # offline). Set here, not in main(), which tests call in their own process.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _exit(main(_parser().parse_args()))
