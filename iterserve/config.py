@@ -163,6 +163,10 @@ class CacheConfig:
 
 
 MAX_TIER_NAME_LEN = 63  # the CRD's bound
+# Priorities (a request's, a tier's) are within (-2**53, 2**53): exact as JSON numbers and as
+# floats, so that admission's wait estimate ((priority - theirs) * aging_interval_s) cannot
+# overflow (an unbounded one was an OverflowError, a 500, for every later request).
+MAX_PRIORITY_MAGNITUDE = 2**53
 
 
 @dataclass(frozen=True)
@@ -189,8 +193,11 @@ class Tier:
             "characters (no control or format characters)",
         )
         _require(
-            isinstance(self.priority, int) and not isinstance(self.priority, bool),
-            f"tier {self.name!r}: priority must be an integer, got {self.priority!r}",
+            isinstance(self.priority, int)
+            and not isinstance(self.priority, bool)
+            and abs(self.priority) < MAX_PRIORITY_MAGNITUDE,
+            f"tier {self.name!r}: priority must be an integer in (-2**53, 2**53), "
+            f"got {self.priority!r}",
         )
         for name in ("max_queue_wait_ms", "ttft_target_ms"):
             value = getattr(self, name)
