@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from iterserve.config import DEFAULT_TIER_NAME, MAX_PRIORITY_MAGNITUDE, SchedulerConfig
+from iterserve.config import DEFAULT_TIER_NAME, MAX_JSON_INT, SchedulerConfig
 from iterserve.engine.errors import InvalidRequestError
 from iterserve.engine.sampling_params import SamplingParams
 
@@ -49,7 +49,7 @@ class RequestLimits:
         if (
             isinstance(priority, bool)
             or not isinstance(priority, int)
-            or abs(priority) >= MAX_PRIORITY_MAGNITUDE
+            or abs(priority) >= MAX_JSON_INT
         ):
             raise InvalidRequestError(
                 f"priority must be an integer in (-2**53, 2**53) or a tier name, "
