@@ -163,6 +163,10 @@ class CacheConfig:
 
 
 MAX_TIER_NAME_LEN = 63  # the CRD's bound
+# Priorities (a request's, a tier's) are within (-2**53, 2**53): exact as JSON numbers and as
+# floats, so that admission's wait estimate ((priority - theirs) * aging_interval_s) cannot
+# overflow (an unbounded one was an OverflowError, a 500, for every later request).
+MAX_JSON_INT = 2**53
 
 
 @dataclass(frozen=True)
@@ -189,8 +193,11 @@ class Tier:
             "characters (no control or format characters)",
         )
         _require(
-            isinstance(self.priority, int) and not isinstance(self.priority, bool),
-            f"tier {self.name!r}: priority must be an integer, got {self.priority!r}",
+            isinstance(self.priority, int)
+            and not isinstance(self.priority, bool)
+            and abs(self.priority) < MAX_JSON_INT,
+            f"tier {self.name!r}: priority must be an integer in (-2**53, 2**53), "
+            f"got {self.priority!r}",
         )
         for name in ("max_queue_wait_ms", "ttft_target_ms"):
             value = getattr(self, name)
@@ -307,6 +314,20 @@ class SchedulerConfig:
             f"seconds, got {self.aging_interval_s}",
         )
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "long_prefill_token_threshold",
+            "max_waiting",
+            "max_waiting_per_tenant",
+        ):
+            # Exact in JSON and storable in SQLite (telemetry's scheduler_config rows): 2**70
+            # from a live PUT killed the telemetry writer (OverflowError).
+            value = getattr(self, name)
+            _require(
+                value is None or value < MAX_JSON_INT,
+                f"{name} must be below 2**53, got {value}",
+            )
         _require(
             0 <= self.priority_preemption_margin < 2**53,
             f"priority_preemption_margin must be in [0, 2**53) (0 = off), "

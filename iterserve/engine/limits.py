@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from iterserve.config import DEFAULT_TIER_NAME, SchedulerConfig
+from iterserve.config import DEFAULT_TIER_NAME, MAX_JSON_INT, SchedulerConfig
 from iterserve.engine.errors import InvalidRequestError
 from iterserve.engine.sampling_params import SamplingParams
 
@@ -46,9 +46,15 @@ class RequestLimits:
                     f"unknown priority tier {priority!r} (tiers: {names})", "priority"
                 )
             return named.priority
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or abs(priority) >= MAX_JSON_INT
+        ):
             raise InvalidRequestError(
-                f"priority must be an integer or a tier name, got {priority!r}", "priority"
+                f"priority must be an integer in (-2**53, 2**53) or a tier name, "
+                f"got {str(priority)[:40]!r}",
+                "priority",
             )
         return priority
 

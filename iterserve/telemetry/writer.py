@@ -134,7 +134,9 @@ class TelemetryWriter:
             for table, rows in by_table.items():
                 conn.executemany(_insert_sql(table), rows)
             conn.execute("COMMIT")
-        except sqlite3.Error:
+        except (sqlite3.Error, OverflowError, ValueError, TypeError):
+            # Not only sqlite3.Error: a value SQLite cannot bind (an int past 2**63) raised
+            # OverflowError, which ended the writer thread and every later row with it.
             logger.exception("telemetry writer: a batch of %d rows was not written", len(batch))
             if conn.in_transaction:
                 conn.execute("ROLLBACK")

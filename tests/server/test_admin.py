@@ -80,6 +80,9 @@ def test_without_an_admin_token_the_admin_api_is_403_saying_how_to_enable_it(
         ({"priority_preemption_margin": 10**25}, "priority_preemption_margin must be in"),
         ({"priority_preemption_margin": 0.5}, "integer"),
         ({"tiers": [{"name": "a", "priority": 0, "max_queue_wait_ms": -5}]}, "max_queue_wait_ms"),
+        ({"tiers": [{"name": "a", "priority": 10**400}]}, "(-2**53, 2**53)"),
+        ({"max_num_batched_tokens": 2**70}, "below 2**53"),  # killed the telemetry writer
+        ({"max_waiting": 2**63, "max_waiting_per_tenant": None}, "below 2**53"),
         ([1, 2], "JSON object"),
     ],
 )

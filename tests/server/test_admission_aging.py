@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from iterserve.config import SchedulerConfig, Tier
+from iterserve.config import MAX_AGING_INTERVAL_S, SchedulerConfig, Tier
 from iterserve.engine.policy import aged_priority
 from iterserve.server.admission import Admission, Rejected
 
@@ -140,3 +140,18 @@ def test_the_bisected_count_equals_aging_every_queued_request() -> None:
         # the acceptance rates cleared.
         admission._accepted.clear()
         assert admission.expected_wait_s(config, priority, rate) == pytest.approx(wait_s, abs=0.02)
+
+
+def test_the_wait_estimate_holds_at_the_priority_bounds() -> None:
+    # Request priorities are bounded to (-2**53, 2**53) (RequestLimits.resolve_priority): at
+    # the bounds the estimate's float arithmetic does not overflow (10**400 did: a 500).
+    clock = Clock()
+    admission = _admission_draining_one_per_s(clock)
+    config = SchedulerConfig(tiers=TIERS, aging_interval_s=MAX_AGING_INTERVAL_S, max_waiting=100)
+    bound = 2**53 - 1
+    admission.enqueue("low", -bound)
+    admission.enqueue("high", bound)
+    for priority in (-bound, 0, bound):
+        assert admission.expected_wait_s(config, priority, 1.0) >= 0.0
+    with pytest.raises(Rejected):  # a 429 (2 queued ahead at 1 per s > 1 s), not an error
+        admission.check(config, 0)

@@ -100,3 +100,17 @@ def test_a_failed_write_drops_its_batch_and_counts_it(tmp_path: Path) -> None:
         r[0] for r in sqlite3.connect(db).execute("SELECT iteration_id FROM scheduler_iterations")
     ]
     assert ids == [2]
+
+
+def test_a_row_sqlite_cannot_bind_is_dropped_and_the_writer_carries_on(tmp_path: Path) -> None:
+    # An int past 2**63 raises OverflowError (not an sqlite3.Error): it ended the thread.
+    db = str(tmp_path / "t.db")
+    writer = TelemetryWriter(db)
+    writer.submit("scheduler_iterations", (1, utc_iso(1.7e9), 3, 2**70, 2, 50, 1.5))
+    _wait_for(lambda: writer.num_dropped["scheduler_iterations"] == 1)
+    writer.submit("scheduler_iterations", _iteration(2))
+    writer.close()
+    ids = [
+        r[0] for r in sqlite3.connect(db).execute("SELECT iteration_id FROM scheduler_iterations")
+    ]
+    assert ids == [2]
