@@ -217,7 +217,7 @@ def victim_priority(request: Request, now: float, config: SchedulerConfig) -> in
 def tier_priority(priority: int, config: SchedulerConfig) -> int:
     """The priority of the tier a request's integer ``priority`` maps to (the tier with the
     largest priority <= it, else the most urgent): what priority preemption compares, so a
-    client's ``priority: -10**20`` counts as the most urgent tier, not beyond it."""
+    client's ``priority: -10**15`` counts as the most urgent tier, not beyond it."""
     return config.tier_for(priority).priority
 
 

@@ -328,7 +328,7 @@ def test_aging_earns_a_place_in_the_queue_not_a_running_seat(waiting: int, runni
 def test_a_priority_beyond_the_most_urgent_tier_counts_as_that_tier() -> None:
     h = Harness(max_num_seqs=2, priority_preemption_margin=1)
     fill_seats(h, 2, priority=PREMIUM)
-    h.add("eager", 3, max_tokens=4, priority=-(10**20))
+    h.add("eager", 3, max_tokens=4, priority=-(2**53 - 1))  # the most urgent a request may be
     assert h.steps_until_sampled("eager", limit=10) is None
     assert h.scheduler.num_preemptions == 0
 
