@@ -18,6 +18,7 @@ import contextlib
 import logging
 import sqlite3
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -125,6 +126,21 @@ def check_telemetry_db(path: str) -> None:
         raise ConfigError(f"--telemetry-db {path}: {e}") from e
 
 
+def _bad_settings_traceback_filter(app: FastAPI) -> Callable[[logging.LogRecord], bool]:
+    """A filter dropping uvicorn's log of the lifespan traceback when the engine refused the
+    settings: the CLI says it in one line (a traceback there read as a crash)."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        error = getattr(app.state, "start_error", None)
+        return not (
+            error is not None
+            and error.bad_settings
+            and record.getMessage().startswith("Traceback (most recent call last)")
+        )
+
+    return keep
+
+
 def run_server(app: FastAPI, server_config: ServerConfig) -> int:
     """Serve ``app`` (from :func:`~iterserve.server.app.build_app`) with a graceful drain
     until it is stopped; the exit code."""
@@ -138,6 +154,8 @@ def run_server(app: FastAPI, server_config: ServerConfig) -> int:
         lifespan="on",
     )
     server = GracefulServer(config, app, server_config.shutdown_grace_period_s)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(_bad_settings_traceback_filter(app))
     with contextlib.suppress(SystemExit):  # uvicorn's exit(3) when the start-up raised
         server.run()
     start_error = getattr(app.state, "start_error", None)

@@ -121,6 +121,7 @@ def test_a_degree_the_model_does_not_split_into_is_a_one_line_error_and_exit_2()
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("iterserve serve: error: ") and "num_attention_heads" in last, last
+    assert "Traceback" not in proc.stderr, proc.stderr  # uvicorn's lifespan traceback is dropped
 
 
 def test_sigterm_exits_zero_and_leaves_no_process() -> None:
