@@ -155,9 +155,13 @@ def run_server(app: FastAPI, server_config: ServerConfig) -> int:
     )
     server = GracefulServer(config, app, server_config.shutdown_grace_period_s)
     uvicorn_log = logging.getLogger("uvicorn.error")
-    uvicorn_log.addFilter(_bad_settings_traceback_filter(app))
-    with contextlib.suppress(SystemExit):  # uvicorn's exit(3) when the start-up raised
-        server.run()
+    keep = _bad_settings_traceback_filter(app)
+    uvicorn_log.addFilter(keep)
+    try:
+        with contextlib.suppress(SystemExit):  # uvicorn's exit(3) when the start-up raised
+            server.run()
+    finally:
+        uvicorn_log.removeFilter(keep)
     start_error = getattr(app.state, "start_error", None)
     if start_error is not None and start_error.bad_settings:
         # Settings the model does not take (found only once the engine process read the
