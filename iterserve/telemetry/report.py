@@ -110,6 +110,13 @@ def _ms(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.1f}"
 
 
+MAX_NAME_WIDTH = 40  # a longer tenant id is cut in the text table (--json keeps it whole)
+
+
+def _name(name: str) -> str:
+    return name if len(name) <= MAX_NAME_WIDTH else name[: MAX_NAME_WIDTH - 1] + "…"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [header, ["-" * w for w in widths], *rows]
@@ -117,13 +124,14 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """The report as text tables (milliseconds; ``-`` where there is no data)."""
+    """The report as text tables (milliseconds; ``-`` where there is no data; names past
+    :data:`MAX_NAME_WIDTH` characters cut with ``…``)."""
     parts = []
     for title, key, label in (("tenant", "by_tenant", "tenant"), ("tier", "by_tier", "tier")):
         header = [label, "requests", "preemptions"]
         header += [f"{m[:-3]}_{p}_ms" for m in _METRICS for p in ("p50", "p99")]
         rows = [
-            [name, str(s["requests"]), str(s["preemptions"])]
+            [_name(name), str(s["requests"]), str(s["preemptions"])]
             + [_ms(s[m][p]) for m in _METRICS for p in ("p50", "p99")]
             for name, s in report[key].items()
         ]

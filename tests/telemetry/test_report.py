@@ -160,6 +160,21 @@ def test_a_database_without_the_tables_is_named_as_such(
     assert "no table sequences: not a telemetry database" in capsys.readouterr().err
 
 
+def test_a_long_tenant_id_is_cut_in_the_table_not_in_the_json(
+    db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    long = "t" * 256  # the longest id the server keeps
+    conn = connect(db)
+    _insert(conn, "sequences", _sequence(30, long, "standard", 40.0, 3.0, 0.01))
+    conn.close()
+    assert main(["report", "--db", db]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) < 200
+    assert any(line.strip().startswith("t" * 39 + "…") for line in lines)
+    assert main(["report", "--db", db, "--json"]) == 0
+    assert long in json.loads(capsys.readouterr().out)["by_tenant"]
+
+
 @pytest.mark.parametrize("flag", ["--prefill-ceiling", "--limit"])
 @pytest.mark.parametrize("value", ["-1", str(2**63), "x"])
 def test_counts_out_of_range_are_usage_errors(db: str, flag: str, value: str) -> None:
