@@ -34,6 +34,13 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"the request body is larger than {limit} bytes")
 
 
+def _bearer_credentials(value: bytes) -> bytes | None:
+    """The credentials of an ``Authorization: Bearer ...`` header, else None (the scheme is
+    case-insensitive, RFC 9110 section 11.1)."""
+    scheme, _, credentials = value.partition(b" ")
+    return credentials if scheme.lower() == b"bearer" else None
+
+
 class ServerMiddleware:
     """Pure ASGI middleware: request ids, the body-size limit, the drain's count of active
     generation requests, and one structured (JSON) access-log line per request."""
@@ -45,7 +52,7 @@ class ServerMiddleware:
 
     def _auth_error(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
         """Checked before the body is parsed, so a bad key is 401 whatever the body."""
-        given = headers.get(b"authorization", b"")
+        given = _bearer_credentials(headers.get(b"authorization", b""))
         if path.startswith("/admin/"):
             token = self.server_config.admin_token
             if token is None:
@@ -55,11 +62,11 @@ class ServerMiddleware:
                     "(or ITERSERVE_ADMIN_TOKEN) to enable it",
                     type="permission_error",
                 )
-            if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+            if given is None or not hmac.compare_digest(given, token.encode()):
                 return APIError(401, "invalid or missing admin token", type="authentication_error")
         elif path.startswith(API_KEY_PATHS) and self.server_config.api_key is not None:
-            expected = f"Bearer {self.server_config.api_key}".encode()
-            if not hmac.compare_digest(given, expected):
+            expected = self.server_config.api_key.encode()
+            if given is None or not hmac.compare_digest(given, expected):
                 return APIError(
                     401,
                     "invalid or missing API key",

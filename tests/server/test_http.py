@@ -330,6 +330,11 @@ def test_auth_operational_endpoints_and_body_limits(tokenizer: Any) -> None:
             assert (await http.get(path)).status_code == 200
         assert (await http.get("/version")).status_code == 401
         assert (await http.get("/version", headers=AUTH)).json()["version"]
+        lower = {"Authorization": AUTH["Authorization"].replace("Bearer", "bearer")}
+        assert (await http.get("/version", headers=lower)).status_code == 200  # RFC 9110
+        for wrong in ("Basic " + API_KEY, API_KEY, "Bearer", "Bearer " + API_KEY + "x"):
+            r = await http.get("/version", headers={"Authorization": wrong})
+            assert r.status_code == 401, wrong
         r = await http.post("/v1/completions", content=b'{"prompt": ')  # no key, broken body
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert r.json()["error"]["code"] == "invalid_api_key"
