@@ -26,7 +26,13 @@ from iterserve.executor.memory import (
     profile_memory,
 )
 from iterserve.executor.model_runner import TorchModelRunner
-from iterserve.executor.tensor_parallel import Workers, attach, init_group, rank_device
+from iterserve.executor.tensor_parallel import (
+    Workers,
+    attach,
+    init_group,
+    rank_device,
+    use_step_timeout,
+)
 from iterserve.kernels.platform import Platform, TritonPlatform, select_platform
 from iterserve.models.llama import LlamaForCausalLM
 from iterserve.models.loader import resolve_model_dir
@@ -332,6 +338,8 @@ def build_shard(config: EngineConfig, model_dir: Path | str, tp: TPGroup = SINGL
     runner = TorchModelRunner(model, kv_cache, config.model.seed, eos_ids)
     if graphs:
         capture_decode_graphs(runner, config)
+    if tp.size > 1:
+        use_step_timeout()  # start-up's collectives are done: a step is bounded tighter
     return Shard(model, platform, runner, num_blocks, num_host_blocks, eos_ids)
 
 

@@ -15,7 +15,9 @@ fails the driver at once: in the engine process (``fail_fast``) it exits with co
 server's streams all end with an error, ``/health`` fails and the server exits non-zero;
 elsewhere (``LLM(...)``) the step raises :class:`TensorParallelError`, and so does every
 later one. A hung worker is caught
-by the collective timeout (``ITERSERVE_TP_TIMEOUT_S``, default 60 s), and any error in the
+by the collective timeout (``ITERSERVE_TP_TIMEOUT_S``, default 60 s, from the first step on;
+joining the group and loading the shards have ``ITERSERVE_TP_START_TIMEOUT_S``, default
+900 s), and any error in the
 driver's forward is as fatal (the ranks are out of step after it). Workers die with the driver
 (``PR_SET_PDEATHSIG``) and stop on their socket's EOF: no process outlives the driver.
 
@@ -51,6 +53,9 @@ from iterserve.models.parallel import TPGroup
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
+# Joining the group and loading the shards: ranks load at their own pace (a 70B shard from a
+# cold disk takes minutes), so start-up has its own, longer bound.
+DEFAULT_START_TIMEOUT_S = 900.0
 
 
 class TensorParallelError(RuntimeError):
@@ -59,8 +64,27 @@ class TensorParallelError(RuntimeError):
 
 
 def collective_timeout_s() -> float:
-    """Seconds any collective may wait for the other ranks (``ITERSERVE_TP_TIMEOUT_S``)."""
+    """Seconds a step's collective may wait for the other ranks (``ITERSERVE_TP_TIMEOUT_S``)."""
     return float(os.environ.get("ITERSERVE_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+
+def start_timeout_s() -> float:
+    """Seconds joining the group and the start-up collectives (the KV pool agreed after every
+    rank has loaded its shard) may wait (``ITERSERVE_TP_START_TIMEOUT_S``)."""
+    return float(os.environ.get("ITERSERVE_TP_START_TIMEOUT_S", DEFAULT_START_TIMEOUT_S))
+
+
+def use_step_timeout() -> None:
+    """From now on bound this rank's collectives by :func:`collective_timeout_s` (each rank
+    calls it once its shard is built; the group starts with :func:`start_timeout_s`)."""
+    # torch's one call for a live group's timeout (gloo and NCCL); private, so checked.
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        logger.warning(
+            "this torch cannot change a process group's timeout: steps keep the start-up timeout"
+        )
+        return
+    set_timeout(datetime.timedelta(seconds=collective_timeout_s()))
 
 
 # ---------------------------------------------------------------- the per-step message
@@ -177,7 +201,8 @@ def free_port() -> int:
 
 def init_group(rank: int, size: int, init_method: str) -> TPGroup:
     """Join the ``size``-rank process group (blocks until every rank has joined, at most the
-    collective timeout); pins this rank's GPU under CUDA, divides the CPU cores otherwise.
+    start-up timeout, which bounds the collectives until :func:`use_step_timeout`); pins this
+    rank's GPU under CUDA, divides the CPU cores otherwise.
 
     Raises:
         RuntimeError: the other ranks did not join in time.
@@ -194,7 +219,7 @@ def init_group(rank: int, size: int, init_method: str) -> TPGroup:
         init_method=init_method,
         rank=rank,
         world_size=size,
-        timeout=datetime.timedelta(seconds=collective_timeout_s()),
+        timeout=datetime.timedelta(seconds=start_timeout_s()),
     )
     return TPGroup(rank, size)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,12 +127,28 @@ def test_a_hung_worker_times_out_the_step_and_fails_the_replica(
     random_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stopped worker: the driver's collective gives up after ITERSERVE_TP_TIMEOUT_S, the
-    step's requests fail, every later step fails at once and no worker is left."""
+    step's requests fail, every later step fails at once and no worker is left. Start-up is
+    not bound by it: a worker held up longer while it starts (a slow load) joins in time."""
     monkeypatch.setenv("ITERSERVE_TP_TIMEOUT_S", "3")
     config = EngineConfig.from_kwargs(
         model=str(random_llama_dir), dtype="float32", num_kv_blocks=32, tensor_parallel_size=2
     )
+    held: list[float] = []
+
+    def hold_the_worker_at_start() -> None:
+        deadline = time.monotonic() + 30
+        while not (found := _workers()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        found[0].suspend()
+        time.sleep(4.0)  # past the step timeout
+        found[0].resume()
+        held.append(4.0)
+
+    holder = threading.Thread(target=hold_the_worker_at_start)
+    holder.start()
     loaded = build(config)
+    holder.join()
+    assert held == [4.0]
     try:
         cores = len(os.sched_getaffinity(0))
         assert torch.get_num_threads() == max(1, cores // 2)  # the cores split between ranks
