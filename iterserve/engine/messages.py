@@ -297,7 +297,8 @@ class EngineReady:
 @dataclass(frozen=True, slots=True)
 class EngineStartFailed:
     """Sent instead of :class:`EngineReady` when building the engine raised; the process then
-    exits. ``error``: the exception's type and message, one line."""
+    exits. ``error``: the message of a ``ConfigError`` (``bad_settings``), else the
+    exception's type and message."""
 
     error: str
     bad_settings: bool
