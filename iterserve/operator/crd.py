@@ -4,9 +4,10 @@ One source of truth: ``spec``'s OpenAPI schema is :class:`~iterserve.operator.sp
 LLMDeploymentSpec`'s JSON schema made *structural* (what the API server requires of a CRD):
 ``$ref`` inlined, ``X | None`` as ``nullable``, ``int | str`` (the models' Kubernetes
 quantities) as ``x-kubernetes-int-or-string``, no ``title``, exclusive bounds as OpenAPI v3
-booleans, free-form objects marked ``x-kubernetes-preserve-unknown-fields``, and ``default:
-{}`` on sub-objects the models build with ``default_factory`` (so the API server fills their
-fields' defaults into ``{}`` as pydantic does). Descriptions (``kubectl explain``'s text) are
+booleans, free-form objects marked ``x-kubernetes-preserve-unknown-fields``, and on
+sub-objects the models build with ``default_factory`` a default that spells out their fields'
+defaults (as pydantic builds them; the API server validates a default against the node's CEL
+rules without defaulting inside it, so ``default: {}`` is refused). Descriptions (``kubectl explain``'s text) are
 the fields' and the model classes' docstrings, a field's own first, with their line breaks
 folded (:func:`description_text`). The rules across fields are :data:`RULES`,
 CEL twins of :func:`~iterserve.operator.spec.cross_field_errors` with the same messages.
@@ -221,8 +222,10 @@ def _object_body(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     properties = {}
     for name, raw in node["properties"].items():
         prop = _structural(raw, defs)
-        # Optional with no default in the JSON schema: a default_factory. For a sub-model
-        # whose fields all have defaults, `{}` lets the API server fill them in.
+        # Optional with no default in the JSON schema: a default_factory. A sub-model whose
+        # fields all have defaults defaults to all of them, written out: the API server checks
+        # a default against the node's CEL rules as it stands, so `{}` (which its own
+        # defaulting would fill in) fails every rule that reads a field ("no such key").
         if (
             name not in required
             and "default" not in raw
@@ -230,7 +233,9 @@ def _object_body(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             and "properties" in prop
             and not prop.get("required")
         ):
-            prop["default"] = {}
+            prop["default"] = {
+                key: sub["default"] for key, sub in prop["properties"].items() if "default" in sub
+            }
         properties[name] = prop
     # No additionalProperties: false (structural schemas forbid it; pruning drops unknowns).
     return {"properties": properties, **({"required": required} if required else {})}
