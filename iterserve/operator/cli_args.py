@@ -46,6 +46,11 @@ def add_operator_args(p: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--liveness-port", type=int, default=8081, help="/healthz for the kubelet")
     run.add_argument(
+        "--liveness-host",
+        default="0.0.0.0",
+        help="address /healthz listens on (the chart passes the pod's IP)",
+    )
+    run.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default="info",

@@ -111,9 +111,14 @@ def _run(args: argparse.Namespace) -> int:
         namespaces=args.namespace,
         clusterwide=not args.namespace,
         memo=memo,
-        liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz",
+        liveness_endpoint=f"http://{_url_host(args.liveness_host)}:{args.liveness_port}/healthz",
     )
     return 0
+
+
+def _url_host(host: str) -> str:
+    """A host as a URL writes it (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def main(args: argparse.Namespace) -> int:

@@ -237,7 +237,8 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
         elif r.error is not None:
             events.append(("Warning", "ConfigPushFailed", f"pod {r.name}: {r.error}"))
     deployment = await kube.get("apps/v1", "Deployment", ctx.namespace, ctx.name) or {}
-    return Outcome(_status(ctx, spec.replicas, status, deployment, results, desired_hash), events)
+    new_status = _status(ctx, spec.replicas, status, deployment, results, desired_hash, pods)
+    return Outcome(new_status, events)
 
 
 async def _start_from_zero(
@@ -258,6 +259,18 @@ async def _start_from_zero(
         deployment["spec"]["replicas"] = a.minReplicas
 
 
+def unschedulable(pods: list[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(pod name, the scheduler's message) of each pod the scheduler could not place."""
+    stuck = []
+    for pod in pods:
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable":
+                stuck.append((pod["metadata"]["name"], str(c.get("message") or "Unschedulable")))
+    return sorted(stuck)
+
+
 def _status(
     ctx: Context,
     spec_replicas: int,
@@ -265,6 +278,7 @@ def _status(
     deployment: Mapping[str, Any],
     results: list[PodResult],
     desired_hash: str,
+    pods: list[Mapping[str, Any]],
 ) -> dict[str, Any]:
     d = deployment.get("status") or {}
     replicas, ready = int(d.get("replicas") or 0), int(d.get("readyReplicas") or 0)
@@ -286,6 +300,15 @@ def _status(
         message = f"{len(results)} ready pods run settings version {ctx.config_version}"
         applied = ("True", "Applied", message)
     progressing = updated < wanted or ready < wanted
+    progress = ("RollingOut", f"{updated} of {wanted} replicas updated, {ready} ready")
+    if progressing and (stuck := unschedulable(pods)):
+        # The scheduler's own words (e.g. "0/2 nodes are available: 2 Insufficient
+        # nvidia.com/gpu"): what `kubectl get llmd -o yaml` must tell a user who scaled past
+        # the cluster's GPUs.
+        name, message = stuck[0]
+        progress = ("Unschedulable", f"{len(stuck)} pods cannot be scheduled ({name}: {message})")
+    elif not progressing:
+        progress = ("Complete", progress[1])
     return {
         "replicas": replicas,
         "readyReplicas": ready,
@@ -304,14 +327,7 @@ def _status(
                 f"{ready} of {wanted} replicas ready",
                 g,
             ),
-            condition(
-                conditions,
-                "Progressing",
-                "True" if progressing else "False",
-                "RollingOut" if progressing else "Complete",
-                f"{updated} of {wanted} replicas updated, {ready} ready",
-                g,
-            ),
+            condition(conditions, "Progressing", "True" if progressing else "False", *progress, g),
             condition(conditions, "SchedulerConfigApplied", *applied, g),
         ],
     }

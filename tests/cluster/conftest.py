@@ -1,0 +1,83 @@
+"""The cluster tier: one local control plane per test session (``python -m localcluster``,
+DESIGN.md "A local control plane"), driven with the real kubectl and helm as a user types them.
+
+The cluster runs in a process of its own (its pod runner's threads and the pods' processes
+die with it); each test works in namespaces of its own. The components are built by
+``make test`` before pytest starts (``scripts/k8s-build``, cached); a cold cache built here
+would take about 14 minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cluster_utils import LocalCluster
+from k8s_tools import REPO
+
+CHART = REPO / "charts" / "iterserve"
+START_TIMEOUT_S = 120.0
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One local control plane for the whole session (``make cluster``'s, in a temporary
+    directory); stopped, with its network namespace, at the end."""
+    workdir = tmp_path_factory.mktemp("cluster")
+    ready = workdir / "ready.json"
+    log = open(workdir / "cluster.log", "wb")  # noqa: SIM115 (the process writes it)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "localcluster", "--workdir", str(workdir / "state"),
+         "--ready-file", str(ready)],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO / "tools")},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.exists():
+            code = process.poll()
+            if code is not None or time.monotonic() > deadline:
+                tail = (workdir / "cluster.log").read_text(errors="replace")[-4000:]
+                pytest.fail(f"the local cluster did not start (exit {code}):\n{tail}")
+            time.sleep(0.2)
+        info = json.loads(ready.read_text())
+        yield LocalCluster(
+            workdir, Path(info["kubeconfig"]), info["server"], info["namespace"],
+            info["pod_cidr"], process,
+        )  # fmt: skip
+    finally:
+        _stop(process)
+        log.close()
+    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert info["namespace"] not in leftover.split(), "the cluster's network namespace is left"
+
+
+@pytest.fixture(scope="session")
+def operator_release(cluster: LocalCluster) -> str:
+    """The chart installed cluster-wide (release ``iterserve`` in ``iterserve-system``) and its
+    operator pod Ready: it runs as the chart's ServiceAccount, so the chart's RBAC authorizes
+    its every call. Its namespace."""
+    namespace = "iterserve-system"
+    cluster.kubectl("create", "namespace", namespace)
+    cluster.helm(
+        "install", "iterserve", str(CHART), "--namespace", namespace,
+        "--set", "operator.resyncIntervalS=2", "--wait", "--timeout", "90s",
+    )  # fmt: skip
+    return namespace
