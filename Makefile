@@ -1,6 +1,9 @@
 # Two commands do all set-up on a fresh machine (see README.md):
 #   make run    installs everything into .venv and serves the default model on :8000
-#   make test   installs everything (plus dev tools) and runs lint, types, layering and tests
+#   make test   installs everything (plus dev tools), builds the local control plane from
+#               source (cached; about 14 minutes the first time), and runs lint, types,
+#               layering and tests (the cluster tier included: root needed)
+#   make cluster  a local Kubernetes control plane in the foreground (docs/kubernetes.md)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,7 +16,7 @@ TOOLS ?= .tools/bin
 # The suite's 30 slowest tests close its log: where its time goes, run by run.
 PYTEST_ARGS ?= --durations=30
 
-.PHONY: run generate test lint install tools
+.PHONY: run generate test lint install tools k8s cluster
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +33,14 @@ $(TOOLS)/helm $(TOOLS)/kubectl: scripts/fetch-k8s-tools
 
 tools: $(TOOLS)/helm $(TOOLS)/kubectl
 
+# kube-apiserver, kube-controller-manager, kube-scheduler, etcd and kwok from Go modules
+# (tools/k8s), cached under $${ITERSERVE_CACHE_DIR:-~/.cache/iterserve}/k8s.
+k8s:
+	scripts/k8s-build >/dev/null
+
+cluster: install tools k8s
+	PATH=$(abspath $(TOOLS)):$$PATH PYTHONPATH=tools $(PY) -m localcluster $(ARGS)
+
 run: install
 	$(VENV)/bin/iterserve serve $(ARGS)
 
@@ -37,10 +48,10 @@ generate: install
 	$(VENV)/bin/iterserve generate --chat $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check iterserve tests
-	$(VENV)/bin/ruff format --check iterserve tests
+	$(VENV)/bin/ruff check iterserve tests tools
+	$(VENV)/bin/ruff format --check iterserve tests tools
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: lint tools
+test: lint tools k8s
 	ITERSERVE_K8S_TOOLS=$(abspath $(TOOLS)) $(PY) -m pytest $(PYTEST_ARGS)

@@ -44,11 +44,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     ready = workdir / "ready.json"
     log = open(workdir / "cluster.log", "wb")  # noqa: SIM115 (the process writes it)
     process = subprocess.Popen(
-        [sys.executable, "-m", "localcluster", "--workdir", str(workdir / "state"),
-         "--ready-file", str(ready)],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "localcluster",
+            "--workdir",
+            str(workdir / "state"),
+            "--ready-file",
+            str(ready),
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": str(REPO / "tools")},
-    )  # fmt: skip
+    )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not ready.exists():
@@ -59,9 +68,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
             time.sleep(0.2)
         info = json.loads(ready.read_text())
         yield LocalCluster(
-            workdir, Path(info["kubeconfig"]), info["server"], info["namespace"],
-            info["pod_cidr"], process,
-        )  # fmt: skip
+            workdir,
+            Path(info["kubeconfig"]),
+            info["server"],
+            info["namespace"],
+            info["pod_cidr"],
+            process,
+        )
     finally:
         _stop(process)
         log.close()
@@ -77,7 +90,15 @@ def operator_release(cluster: LocalCluster) -> str:
     namespace = "iterserve-system"
     cluster.kubectl("create", "namespace", namespace)
     cluster.helm(
-        "install", "iterserve", str(CHART), "--namespace", namespace,
-        "--set", "operator.resyncIntervalS=2", "--wait", "--timeout", "90s",
-    )  # fmt: skip
+        "install",
+        "iterserve",
+        str(CHART),
+        "--namespace",
+        namespace,
+        "--set",
+        "operator.resyncIntervalS=2",
+        "--wait",
+        "--timeout",
+        "90s",
+    )
     return namespace

@@ -6,8 +6,6 @@ router's EndpointSlices; live patches, scaling, invalid patches and deletion."""
 
 from __future__ import annotations
 
-import base64
-import json
 import re
 import time
 from collections.abc import Iterator
@@ -16,63 +14,18 @@ from typing import Any
 
 import httpx
 import pytest
-from cluster_utils import LocalCluster, wait_until
-
-NAME = "chat"
-
-
-def manifest(namespace: str, replicas: int = 2, gpus: int = 4, **spec: Any) -> str:
-    body = {
-        "apiVersion": "iterserve.io/v1alpha1",
-        "kind": "LLMDeployment",
-        "metadata": {"name": NAME, "namespace": namespace},
-        "spec": {
-            "model": {"name": "llama-3-70b", "source": {"hostPath": "/models/llama-3-70b"}},
-            "image": "ghcr.io/iterserve/iterserve:0.1.0-cuda",
-            "replicas": replicas,
-            "resources": {"gpus": gpus},
-            "router": {"replicas": 1},
-            **spec,
-        },
-    }
-    return json.dumps(body)
-
-
-def condition(llmd: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next(c for c in llmd["status"]["conditions"] if c["type"] == kind)
-
-
-def server_pods(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
-    pods = cluster.get("pods", namespace=namespace) or []
-    return [p for p in pods if p["metadata"]["labels"].get("app.kubernetes.io/component") == "server"]
-
-
-def ready_pods(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [
-        p for p in pods
-        if not p["metadata"].get("deletionTimestamp")
-        and any(c["type"] == "Ready" and c["status"] == "True"
-                for c in p["status"].get("conditions") or [])
-    ]  # fmt: skip
-
-
-def secret(cluster: LocalCluster, namespace: str, name: str, key: str) -> str:
-    data = cluster.get("secret", name, namespace)["data"]
-    return base64.b64decode(data[key]).decode()
-
-
-def pod_url(pod: dict[str, Any]) -> str:
-    return f"http://{pod['status']['podIP']}:8000"
-
-
-def live_settings(pod: dict[str, Any], admin_token: str) -> dict[str, Any]:
-    response = httpx.get(
-        f"{pod_url(pod)}/admin/scheduler_config",
-        headers={"Authorization": f"Bearer {admin_token}"},
-        timeout=5,
-    )
-    response.raise_for_status()
-    return dict(response.json())
+from cluster_utils import (
+    NAME,
+    LocalCluster,
+    condition,
+    live_settings,
+    manifest,
+    pod_url,
+    ready_pods,
+    secret,
+    server_pods,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +38,16 @@ def deployed(cluster: LocalCluster, operator_release: str) -> Iterator[str]:
     def ready() -> dict[str, Any] | None:
         llmd = cluster.get("llmd", NAME, namespace)
         status = (llmd or {}).get("status") or {}
-        if status.get("readyReplicas") == 2 and condition(llmd, "SchedulerConfigApplied")[
-            "status"
-        ] == "True":
+        if (
+            status.get("readyReplicas") == 2
+            and condition(llmd, "SchedulerConfigApplied")["status"] == "True"
+        ):
             return llmd
         return None
 
     wait_until(ready, "READY 2/2 with the settings applied", timeout_s=90)
     yield namespace
+    cluster.kubectl("delete", "namespace", namespace, "--wait=false")  # its GPUs back
 
 
 def test_apply_makes_scheduled_running_ready_replicas(cluster: LocalCluster, deployed: str) -> None:
@@ -125,20 +80,24 @@ def test_apply_makes_scheduled_running_ready_replicas(cluster: LocalCluster, dep
     assert reference["uid"] == llmd["metadata"]["uid"] and reference["blockOwnerDeletion"]
 
 
-def test_router_pod_follows_the_clusters_endpointslices(cluster: LocalCluster, deployed: str) -> None:
+def test_router_pod_follows_the_clusters_endpointslices(
+    cluster: LocalCluster, deployed: str
+) -> None:
     """Requests to the router pod's IP stream from both replicas, which the router found in
     the EndpointSlices the endpointslice controller wrote."""
     slices = cluster.get("endpointslices", namespace=deployed)
     server_slices = [
-        s for s in slices
+        s
+        for s in slices
         if s["metadata"]["labels"]["kubernetes.io/service-name"] == f"{NAME}-server"
-    ]  # fmt: skip
+    ]
     addresses = {a for s in server_slices for e in s["endpoints"] for a in e["addresses"]}
     assert addresses == {p["status"]["podIP"] for p in server_pods(cluster, deployed)}
     (router,) = [
-        p for p in cluster.get("pods", namespace=deployed)
+        p
+        for p in cluster.get("pods", namespace=deployed)
         if p["metadata"]["labels"]["app.kubernetes.io/component"] == "router"
-    ]  # fmt: skip
+    ]
     router_url = f"http://{router['status']['podIP']}:8080"
     api_key = secret(cluster, deployed, f"{NAME}-api-key", "api-key")
     wait_until(
@@ -147,11 +106,16 @@ def test_router_pod_follows_the_clusters_endpointslices(cluster: LocalCluster, d
     )
 
     def stream(i: int) -> list[str]:
-        body = {"model": "llama-3-70b", "prompt": f"request {i} " * 8, "max_tokens": 48,
-                "stream": True}  # fmt: skip
+        body = {
+            "model": "llama-3-70b",
+            "prompt": f"request {i} " * 8,
+            "max_tokens": 48,
+            "stream": True,
+        }
         headers = {"Authorization": f"Bearer {api_key}"}
-        with httpx.stream("POST", f"{router_url}/v1/completions", json=body, headers=headers,
-                          timeout=30) as response:  # fmt: skip
+        with httpx.stream(
+            "POST", f"{router_url}/v1/completions", json=body, headers=headers, timeout=30
+        ) as response:
             assert response.status_code == 200, response.read()
             return [line for line in response.iter_lines() if line.startswith("data: ")]
 
@@ -163,8 +127,9 @@ def test_router_pod_follows_the_clusters_endpointslices(cluster: LocalCluster, d
     metrics = httpx.get(f"{router_url}/metrics", timeout=5).text
     served = {
         m.group(1): float(m.group(2))
-        for m in re.finditer(r'iterserve_router_requests_total\{code="200",replica="([^"]+)"\} (\S+)',
-                             metrics)  # fmt: skip
+        for m in re.finditer(
+            r'iterserve_router_requests_total\{code="200",replica="([^"]+)"\} (\S+)', metrics
+        )
     }
     assert {url for url, n in served.items() if n > 0} == {
         pod_url(p) for p in server_pods(cluster, deployed)
@@ -177,8 +142,17 @@ def test_patch_reaches_every_replica_live_and_invalid_patches_are_refused(
     pods_before = {p["metadata"]["name"]: p for p in server_pods(cluster, deployed)}
     admin_token = secret(cluster, deployed, f"{NAME}-admin", "token")
     started = time.monotonic()
-    cluster.kubectl("patch", "llmd", NAME, "-n", deployed, "--type", "merge",
-                    "-p", '{"spec": {"scheduler": {"maxNumSeqs": 48, "chunkSize": 256}}}')  # fmt: skip
+    cluster.kubectl(
+        "patch",
+        "llmd",
+        NAME,
+        "-n",
+        deployed,
+        "--type",
+        "merge",
+        "-p",
+        '{"spec": {"scheduler": {"maxNumSeqs": 48, "chunkSize": 256}}}',
+    )
 
     def applied() -> bool:
         return all(
@@ -190,8 +164,11 @@ def test_patch_reaches_every_replica_live_and_invalid_patches_are_refused(
     wait_until(applied, "every replica at the new settings", timeout_s=5, period_s=0.1)
     assert time.monotonic() - started < 5.5
     llmd = wait_until(
-        lambda: (o := cluster.get("llmd", NAME, deployed))["status"]["observedGeneration"]
-        == o["metadata"]["generation"] and o,
+        lambda: (
+            (o := cluster.get("llmd", NAME, deployed))["status"]["observedGeneration"]
+            == o["metadata"]["generation"]
+            and o
+        ),
         "the status to catch up",
     )
     version = llmd["metadata"]["generation"]
@@ -204,12 +181,34 @@ def test_patch_reaches_every_replica_live_and_invalid_patches_are_refused(
     assert all(p["status"]["containerStatuses"][0]["restartCount"] == 0 for p in after.values())
 
     # Refused by the API server itself (CEL and OpenAPI), with the message kubectl prints.
-    refused = cluster.run("kubectl", "patch", "llmd", NAME, "-n", deployed, "--type", "merge",
-                          "-p", '{"spec": {"scheduler": {"maxNumBatchedTokens": 16}}}', check=False)  # fmt: skip
+    refused = cluster.run(
+        "kubectl",
+        "patch",
+        "llmd",
+        NAME,
+        "-n",
+        deployed,
+        "--type",
+        "merge",
+        "-p",
+        '{"spec": {"scheduler": {"maxNumBatchedTokens": 16}}}',
+        check=False,
+    )
     assert refused.returncode != 0
     assert "scheduler.maxNumBatchedTokens must be >= scheduler.maxNumSeqs" in refused.stderr
-    negative = cluster.run("kubectl", "patch", "llmd", NAME, "-n", deployed, "--type", "merge",
-                           "-p", '{"spec": {"scheduler": {"maxNumSeqs": -1}}}', check=False)  # fmt: skip
+    negative = cluster.run(
+        "kubectl",
+        "patch",
+        "llmd",
+        NAME,
+        "-n",
+        deployed,
+        "--type",
+        "merge",
+        "-p",
+        '{"spec": {"scheduler": {"maxNumSeqs": -1}}}',
+        check=False,
+    )
     assert negative.returncode != 0
     assert "spec.scheduler.maxNumSeqs" in negative.stderr and "greater than or equal to 1" in (
         negative.stderr
@@ -239,12 +238,17 @@ def test_scale_subresource_and_gpu_capacity(cluster: LocalCluster, deployed: str
     # Back to 2: the scale subresource again, the status follows.
     cluster.kubectl("scale", "llmd", NAME, "-n", deployed, "--replicas", "2")
     wait_until(
-        lambda: condition(o := cluster.get("llmd", NAME, deployed), "Progressing")["reason"]
-        == "Complete" and o["status"]["readyReplicas"] == 2,
+        lambda: (
+            condition(o := cluster.get("llmd", NAME, deployed), "Progressing")["reason"]
+            == "Complete"
+            and o["status"]["readyReplicas"] == 2
+        ),
         "back to 2 ready replicas",
     )
-    assert cluster.kubectl("get", "llmd", NAME, "-n", deployed, "-o",
-                           "jsonpath={.status.replicas}") == "2"  # fmt: skip
+    assert (
+        cluster.kubectl("get", "llmd", NAME, "-n", deployed, "-o", "jsonpath={.status.replicas}")
+        == "2"
+    )
 
 
 def test_delete_collects_every_owned_object(cluster: LocalCluster, operator_release: str) -> None:
@@ -253,12 +257,17 @@ def test_delete_collects_every_owned_object(cluster: LocalCluster, operator_rele
     namespace = cluster.namespace("gc")
     cluster.kubectl("apply", "-f", "-", input=manifest(namespace, replicas=1, gpus=0))
     wait_until(
-        lambda: (cluster.get("llmd", NAME, namespace).get("status") or {}).get("readyReplicas") == 1,
+        lambda: (
+            (cluster.get("llmd", NAME, namespace).get("status") or {}).get("readyReplicas") == 1
+        ),
         "one ready replica",
         timeout_s=90,
     )
     uid = cluster.get("llmd", NAME, namespace)["metadata"]["uid"]
-    kinds = "deployments,replicasets,pods,services,configmaps,secrets,serviceaccounts,roles,rolebindings,poddisruptionbudgets"
+    kinds = (
+        "deployments,replicasets,pods,services,configmaps,secrets,serviceaccounts,roles,"
+        "rolebindings,poddisruptionbudgets"
+    )
 
     def owned() -> list[str]:
         found = []
@@ -269,12 +278,19 @@ def test_delete_collects_every_owned_object(cluster: LocalCluster, operator_rele
         return found
 
     before = owned()
-    assert {"Deployment/chat", "Deployment/chat-router", "ConfigMap/chat-scheduler",
-            "Secret/chat-admin", "Secret/chat-api-key", "Service/chat-server"} <= set(before)  # fmt: skip
+    assert {
+        "Deployment/chat",
+        "Deployment/chat-router",
+        "ConfigMap/chat-scheduler",
+        "Secret/chat-admin",
+        "Secret/chat-api-key",
+        "Service/chat-server",
+    } <= set(before)
     cluster.kubectl("delete", "llmd", NAME, "-n", namespace, "--wait=true", "--timeout=60s")
     assert cluster.get("llmd", NAME, namespace) is None  # the finalizer was removed
-    wait_until(lambda: owned() == [], "the garbage collector to remove every owned object",
-               timeout_s=60)  # fmt: skip
+    wait_until(
+        lambda: owned() == [], "the garbage collector to remove every owned object", timeout_s=60
+    )
 
 
 def test_the_api_server_refuses_what_the_crd_rules_forbid(
@@ -283,8 +299,14 @@ def test_the_api_server_refuses_what_the_crd_rules_forbid(
     """A tensor-parallel degree the GPUs do not divide by: refused at ``kubectl apply`` by
     the CRD's CEL rule, so nothing exists for the operator to act on."""
     namespace = cluster.namespace("invalid")
-    refused = cluster.run("kubectl", "apply", "-f", "-", check=False,
-                          input=manifest(namespace, gpus=4, tensorParallelSize=3))  # fmt: skip
+    refused = cluster.run(
+        "kubectl",
+        "apply",
+        "-f",
+        "-",
+        check=False,
+        input=manifest(namespace, gpus=4, tensorParallelSize=3),
+    )
     assert refused.returncode != 0
     assert "tensorParallelSize must divide resources.gpus" in refused.stderr
     assert cluster.get("llmd", NAME, namespace) is None

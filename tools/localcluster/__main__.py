@@ -20,9 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make cluster", description=__doc__)
     parser.add_argument("--workdir", type=Path, default=Path(".cluster"))
     parser.add_argument(
-        "--ready-file", type=Path, default=None,
+        "--ready-file",
+        type=Path,
+        default=None,
         help="write a JSON line (kubeconfig, API server, slot) here once ready",
-    )  # fmt: skip
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -52,9 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.ready_file is not None:
             args.ready_file.write_text(json.dumps(info) + "\n")
         print(f"local cluster ready: export KUBECONFIG={cluster.kubeconfig}", flush=True)
-        print(f"  API server {info['server']}, pods in {info['pod_cidr']} "
-              f"(network namespace {info['namespace']}); Ctrl-C stops it", flush=True)  # fmt: skip
-        stop.wait()
+        print(
+            f"  API server {info['server']}, pods in {info['pod_cidr']} "
+            f"(network namespace {info['namespace']}); Ctrl-C stops it",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            cluster.control_plane.supervise()
     finally:
         cluster.stop()
     return 0

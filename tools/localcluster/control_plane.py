@@ -90,10 +90,13 @@ class ControlPlane:
             "kube-apiserver",
             ips=(n.host_ip, n.kubernetes_service_ip, "127.0.0.1"),
             dns_names=(
-                "localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                "localhost",
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
                 "kubernetes.default.svc.cluster.local",
             ),
-        )  # fmt: skip
+        )
         pki.write_private(d / "apiserver.crt", serving.cert)
         pki.write_private(d / "apiserver.key", serving.key)
         sa_key, sa_pub = pki.service_account_keys()
@@ -116,7 +119,9 @@ class ControlPlane:
         self.admin_kubeconfig.chmod(0o600)
 
     def _start(self, name: str, *args: str) -> Process:
-        process = Process(name, [str(self.bin_dir / name), *args], self.workdir / "logs" / f"{name}.log")
+        process = Process(
+            name, [str(self.bin_dir / name), *args], self.workdir / "logs" / f"{name}.log"
+        )
         self.processes.append(process)
         return process
 
@@ -131,7 +136,8 @@ class ControlPlane:
         etcd_client, etcd_peer = free_port(), free_port()
         self._start(
             "etcd",
-            "--name=local", f"--data-dir={self.workdir / 'etcd'}",
+            "--name=local",
+            f"--data-dir={self.workdir / 'etcd'}",
             f"--listen-client-urls=http://127.0.0.1:{etcd_client}",
             f"--advertise-client-urls=http://127.0.0.1:{etcd_client}",
             f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
@@ -139,13 +145,15 @@ class ControlPlane:
             f"--initial-cluster=local=http://127.0.0.1:{etcd_peer}",
             "--unsafe-no-fsync",  # a throwaway cluster: no fsync per write on a slow disk
             "--log-level=warn",
-        )  # fmt: skip
+        )
         self._start(
             "kube-apiserver",
             f"--etcd-servers=http://127.0.0.1:{etcd_client}",
-            f"--bind-address={n.host_ip}", f"--advertise-address={n.host_ip}",
+            f"--bind-address={n.host_ip}",
+            f"--advertise-address={n.host_ip}",
             f"--secure-port={API_PORT}",
-            f"--tls-cert-file={d / 'apiserver.crt'}", f"--tls-private-key-file={d / 'apiserver.key'}",
+            f"--tls-cert-file={d / 'apiserver.crt'}",
+            f"--tls-private-key-file={d / 'apiserver.key'}",
             f"--client-ca-file={d / 'ca.crt'}",
             f"--service-account-key-file={d / 'sa.pub'}",
             f"--service-account-signing-key-file={d / 'sa.key'}",
@@ -155,7 +163,7 @@ class ControlPlane:
             "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
             "--profiling=false",
-        )  # fmt: skip
+        )
         self.wait_ready(START_TIMEOUT_S)
         for name in ("controller-manager", "scheduler"):
             kubeconfig = d / f"{name}.kubeconfig"
@@ -163,12 +171,14 @@ class ControlPlane:
                 f"--kubeconfig={kubeconfig}",
                 f"--authentication-kubeconfig={kubeconfig}",
                 f"--authorization-kubeconfig={kubeconfig}",
-                "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={free_port()}",
                 "--leader-elect=false",
-            ]  # fmt: skip
+            ]
             if name == "controller-manager":
                 self._start(
-                    "kube-controller-manager", *common,
+                    "kube-controller-manager",
+                    *common,
                     f"--service-account-private-key-file={d / 'sa.key'}",
                     f"--root-ca-file={d / 'ca.crt'}",
                     "--use-service-account-credentials=true",
@@ -176,7 +186,7 @@ class ControlPlane:
                     f"--cluster-signing-key-file={d / 'ca.key'}",
                     # Autoscaling tests see the HPA act within seconds (default 15 s).
                     "--horizontal-pod-autoscaler-sync-period=2s",
-                )  # fmt: skip
+                )
             else:
                 self._start("kube-scheduler", *common)
         self._start(
@@ -202,7 +212,8 @@ class ControlPlane:
     def _create_nodes(self) -> None:
         from kubernetes import client, config
 
-        api = client.CoreV1Api(config.new_client_from_config(str(self.admin_kubeconfig)))
+        # Plain dicts in, the client's models out (its stubs want models both ways).
+        api: Any = client.CoreV1Api(config.new_client_from_config(str(self.admin_kubeconfig)))
         for name in NODE_NAMES:
             node = {
                 "apiVersion": "v1",
@@ -267,17 +278,17 @@ class ControlPlane:
     def process(self, name: str) -> Process:
         return next(p for p in self.processes if p.name == name)
 
-    def restart(self, *names: str) -> None:
-        """Stop these components (in reverse start order), start them again with the same
-        arguments (in start order), and wait for the API server: a fault test's restart."""
-        chosen = [p for p in self.processes if p.name in names]
-        for p in reversed(chosen):
-            p.stop()
-        for p in chosen:
-            self.processes[self.processes.index(p)] = Process(
-                p.name, p.popen.args, p.log  # type: ignore[arg-type]
-            )
-        self.wait_ready(START_TIMEOUT_S)
+    def supervise(self) -> list[str]:
+        """Start again, with the same arguments, each component that exited (in start order,
+        so etcd before the API server), as a node's kubelet restarts its static pods: a fault
+        test kills the API server and etcd and watches everything recover. Their names."""
+        restarted = []
+        for i, p in enumerate(self.processes):
+            if p.exit_code() is not None:
+                logger.warning("%s exited with %s; starting it again", p.name, p.exit_code())
+                self.processes[i] = Process(p.name, p.argv, p.log)
+                restarted.append(p.name)
+        return restarted
 
     def stop(self) -> None:
         """Every component, the API server before etcd; nothing left running."""

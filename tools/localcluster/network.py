@@ -18,6 +18,7 @@ removed (with every process inside) before reuse. Needs root (CAP_NET_ADMIN).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import os
@@ -49,10 +50,8 @@ def kill_namespace_processes(name: str) -> None:
     """SIGKILL every process inside network namespace ``name``."""
     pids = _ip("netns", "pids", name, check=False).stdout.split()
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
 
 
 def remove_namespace(name: str) -> None:
@@ -200,7 +199,9 @@ class PodNetwork:
             self._in_namespace("link", "set", "lo", "up")
         except subprocess.CalledProcessError as e:
             self.release()
-            raise NetworkError(f"building the pod network failed: ip {e.args[1]}: {e.stderr}")
+            raise NetworkError(
+                f"building the pod network failed: ip {e.args[1]}: {e.stderr}"
+            ) from e
 
     def release(self) -> None:
         """Remove the namespace (and any process left in it) and free the slot."""

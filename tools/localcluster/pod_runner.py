@@ -73,9 +73,9 @@ class RunningPod:
     name: str
     ip: str
     directory: Path
-    argv: list[str]
-    env: dict[str, str]
-    container: dict[str, Any]
+    pod: dict[str, Any]  # as first seen (a pod's spec does not change)
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
     process: Process | None = None
     restart_count: int = 0
     restart_at: float = 0.0
@@ -84,13 +84,19 @@ class RunningPod:
     last_exit: int | None = None
     stopping: bool = False
 
+    @property
+    def container(self) -> dict[str, Any]:
+        return dict(self.pod["spec"]["containers"][0])
+
 
 class PodRunner:
     """Watches pods on the fake nodes and runs them (see the module docstring)."""
 
-    def __init__(self, kubeconfig: Path, server: str, ca_cert: Path, network: PodNetwork,
-                 workdir: Path) -> None:  # fmt: skip
-        self.api = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
+    def __init__(
+        self, kubeconfig: Path, server: str, ca_cert: Path, network: PodNetwork, workdir: Path
+    ) -> None:
+        # Any: plain dicts go in where the client's stubs want its models.
+        self.api: Any = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
         self.server = server
         self.ca_cert = ca_cert.read_bytes()
         self.network = network
@@ -168,19 +174,36 @@ class PodRunner:
                 elif running is None:
                     self._delete_now(meta["namespace"], meta["name"], uid)
                 return
-            if running is not None or (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
+            if running is not None or (pod.get("status") or {}).get("phase") in (
+                "Failed",
+                "Succeeded",
+            ):
                 return
             try:
                 self.pods[uid] = self._prepare(pod)
             except Unsupported as e:
                 logger.warning("pod %s/%s not run: %s", meta["namespace"], meta["name"], e)
-                self._patch_status(meta["namespace"], meta["name"], {
-                    "phase": "Pending",
-                    "conditions": [{"type": "PodScheduled", "status": "True"}],
-                    "containerStatuses": [self._container_status(
-                        spec["containers"][0], {"waiting": {"reason": "UnsupportedByLocalRunner",
-                                                            "message": str(e)}}, False, 0)],
-                })  # fmt: skip
+                self._patch_status(
+                    meta["namespace"],
+                    meta["name"],
+                    {
+                        "phase": "Pending",
+                        "conditions": [{"type": "PodScheduled", "status": "True"}],
+                        "containerStatuses": [
+                            self._container_status(
+                                spec["containers"][0],
+                                {
+                                    "waiting": {
+                                        "reason": "UnsupportedByLocalRunner",
+                                        "message": str(e),
+                                    }
+                                },
+                                False,
+                                0,
+                            )
+                        ],
+                    },
+                )
                 return
             except ApiException as e:  # a Secret or ConfigMap not there yet: next event
                 logger.info("pod %s/%s waits: %s", meta["namespace"], meta["name"], e.reason)
@@ -207,10 +230,13 @@ class PodRunner:
     def _delete_now(self, namespace: str, name: str, uid: str) -> None:
         try:
             self.api.delete_namespaced_pod(
-                name, namespace, grace_period_seconds=0,
-                body=client.V1DeleteOptions(grace_period_seconds=0,
-                                            preconditions=client.V1Preconditions(uid=uid)),
-            )  # fmt: skip
+                name,
+                namespace,
+                grace_period_seconds=0,
+                body=client.V1DeleteOptions(
+                    grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid)
+                ),
+            )
         except ApiException as e:
             if e.status not in (404, 409):
                 logger.warning("deleting pod %s/%s: %s", namespace, name, e.reason)
@@ -227,13 +253,32 @@ class PodRunner:
             raise Unsupported(f"`iterserve {command[1]}`: only serve, operator and router run here")
         where = f"{meta['namespace']}/{meta['name']}"
         if len(spec["containers"]) > 1 or spec.get("initContainers"):
-            logger.info("pod %s: only container %s runs here (no init or other containers)",
-                        where, container["name"])  # fmt: skip
+            logger.info(
+                "pod %s: only container %s runs here (no init or other containers)",
+                where,
+                container["name"],
+            )
         directory = self.workdir / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
         if directory.exists():
             shutil.rmtree(directory)
-        mounts = self._volumes(pod, container, directory / "volumes")
         ip = self.network.add_pod_ip(meta["uid"])
+        running = RunningPod(meta["uid"], meta["namespace"], meta["name"], ip, directory, pod)
+        self._configure(running)
+        return running
+
+    def _configure(self, running: RunningPod, refresh: bool = False) -> None:
+        """The container's argv and env for its next start: volumes laid out (with
+        ``refresh``, ConfigMaps and Secrets read again, as a kubelet does for a restarted
+        container), the environment resolved, the arguments mapped (module docstring).
+
+        Raises:
+            ApiException: a Secret or ConfigMap could not be read.
+        """
+        pod, ip, directory = running.pod, running.ip, running.directory
+        container = running.container
+        where = f"{running.namespace}/{running.name}"
+        command = [*(container.get("command") or []), *(container.get("args") or [])]
+        mounts = self._volumes(pod, container, directory / "volumes", refresh)
         env = self._env(pod, container, ip)
         env = {k: _under_mounts(v, mounts) for k, v in env.items()}
         if command[1] in ("operator", "router"):
@@ -243,10 +288,11 @@ class PodRunner:
         argv = _host_is_pod_ip(argv, ip, where)
         if command[1] == "serve":
             argv = _simulated(argv, where)
-        return RunningPod(meta["uid"], meta["namespace"], meta["name"], ip, directory,
-                          [ITERSERVE, *argv], env, container)  # fmt: skip
+        running.argv, running.env = [ITERSERVE, *argv], env
 
-    def _volumes(self, pod: dict[str, Any], container: dict[str, Any], root: Path) -> dict[str, Path]:
+    def _volumes(
+        self, pod: dict[str, Any], container: dict[str, Any], root: Path, refresh: bool = False
+    ) -> dict[str, Path]:
         """Each volume mount of ``container``: its mount path -> a directory (or file, with
         subPath) under ``root``, filled as the kubelet would."""
         namespace, where = pod["metadata"]["namespace"], pod["metadata"]["name"]
@@ -255,6 +301,8 @@ class PodRunner:
         for mount in container.get("volumeMounts") or []:
             volume = volumes.get(mount["name"], {})
             directory = root / mount["name"]
+            if refresh and directory.exists() and ("configMap" in volume or "secret" in volume):
+                shutil.rmtree(directory)
             if not directory.exists():
                 directory.mkdir(parents=True)
                 self._fill(volume, directory, pod, namespace, where)
@@ -262,8 +310,14 @@ class PodRunner:
             mounts[mount["mountPath"]] = target
         return mounts
 
-    def _fill(self, volume: dict[str, Any], directory: Path, pod: dict[str, Any],
-              namespace: str, where: str) -> None:  # fmt: skip
+    def _fill(
+        self,
+        volume: dict[str, Any],
+        directory: Path,
+        pod: dict[str, Any],
+        namespace: str,
+        where: str,
+    ) -> None:
         if "configMap" in volume:
             data = self.api.read_namespaced_config_map(volume["configMap"]["name"], namespace).data
             _write_items(directory, data or {}, volume["configMap"].get("items"))
@@ -281,17 +335,29 @@ class PodRunner:
                 elif "downwardAPI" in source:
                     (directory / "namespace").write_text(namespace)
         elif "emptyDir" not in volume:
-            logger.info("pod %s/%s: volume %s (%s) is an empty directory here", namespace,
-                        where, volume.get("name"), ", ".join(sorted(set(volume) - {"name"})))  # fmt: skip
+            logger.info(
+                "pod %s/%s: volume %s (%s) is an empty directory here",
+                namespace,
+                where,
+                volume.get("name"),
+                ", ".join(sorted(set(volume) - {"name"})),
+            )
 
     def _token(self, pod: dict[str, Any]) -> str:
         meta = pod["metadata"]
         account = pod["spec"].get("serviceAccountName") or "default"
-        request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
-            audiences=[], expiration_seconds=TOKEN_EXPIRATION_S,
-            bound_object_ref=client.V1BoundObjectReference(
-                api_version="v1", kind="Pod", name=meta["name"], uid=meta["uid"])))  # fmt: skip
-        answer = self.api.create_namespaced_service_account_token(account, meta["namespace"], request)
+        request = client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(
+                audiences=[],
+                expiration_seconds=TOKEN_EXPIRATION_S,
+                bound_object_ref=client.V1BoundObjectReference(
+                    api_version="v1", kind="Pod", name=meta["name"], uid=meta["uid"]
+                ),
+            )
+        )
+        answer = self.api.create_namespaced_service_account_token(
+            account, meta["namespace"], request
+        )
         return str(answer.status.token)
 
     def _service_account_kubeconfig(self, pod: dict[str, Any], directory: Path) -> Path:
@@ -303,11 +369,14 @@ class PodRunner:
     def _env(self, pod: dict[str, Any], container: dict[str, Any], ip: str) -> dict[str, str]:
         meta, namespace = pod["metadata"], pod["metadata"]["namespace"]
         fields = {
-            "metadata.name": meta["name"], "metadata.namespace": namespace,
-            "metadata.uid": meta["uid"], "spec.nodeName": pod["spec"].get("nodeName", ""),
+            "metadata.name": meta["name"],
+            "metadata.namespace": namespace,
+            "metadata.uid": meta["uid"],
+            "spec.nodeName": pod["spec"].get("nodeName", ""),
             "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default"),
-            "status.podIP": ip, "status.hostIP": self.network.node_ip,
-        }  # fmt: skip
+            "status.podIP": ip,
+            "status.hostIP": self.network.node_ip,
+        }
         env = {
             "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
             "HOME": "/tmp",
@@ -343,8 +412,9 @@ class PodRunner:
         )
         pod.started_at = _now()
         pod.ready = None  # reported at the next probe
-        logger.info("pod %s/%s started at %s: %s", pod.namespace, pod.name, pod.ip,
-                    " ".join(pod.argv[1:]))  # fmt: skip
+        logger.info(
+            "pod %s/%s started at %s: %s", pod.namespace, pod.name, pod.ip, " ".join(pod.argv[1:])
+        )
         self._report(pod, ready=False)
 
     def _probe_loop(self) -> None:
@@ -366,12 +436,19 @@ class PodRunner:
                 pod.last_exit = code
                 backoff = min(MAX_BACKOFF_S, 2.0**pod.restart_count)
                 pod.restart_at = time.monotonic() + backoff
-                logger.warning("pod %s/%s exited with %s; restart in %.0f s:\n%s", pod.namespace,
-                               pod.name, code, backoff, pod.process.tail(15))  # fmt: skip
+                logger.warning(
+                    "pod %s/%s exited with %s; restart in %.0f s:\n%s",
+                    pod.namespace,
+                    pod.name,
+                    code,
+                    backoff,
+                    pod.process.tail(15),
+                )
                 self._report(pod, ready=False, terminated=code)
             elif time.monotonic() >= pod.restart_at:
                 pod.restart_at = 0.0
                 pod.restart_count += 1
+                self._configure(pod, refresh=True)
                 with self.lock:
                     if not pod.stopping:
                         self._launch(pod)
@@ -386,8 +463,11 @@ class PodRunner:
             return True
         port = probe["port"]
         if isinstance(port, str):
-            port = next(p["containerPort"] for p in pod.container.get("ports") or []
-                        if p.get("name") == port)  # fmt: skip
+            port = next(
+                p["containerPort"]
+                for p in pod.container.get("ports") or []
+                if p.get("name") == port
+            )
         url = f"http://{pod.ip}:{port}{probe.get('path', '/')}"
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
@@ -397,8 +477,13 @@ class PodRunner:
 
     def _report(self, pod: RunningPod, ready: bool, terminated: int | None = None) -> None:
         if terminated is not None:
-            state = {"terminated": {"exitCode": terminated, "reason": "Error" if terminated else
-                                    "Completed", "finishedAt": _now()}}  # fmt: skip
+            state = {
+                "terminated": {
+                    "exitCode": terminated,
+                    "reason": "Error" if terminated else "Completed",
+                    "finishedAt": _now(),
+                }
+            }
         else:
             state = {"running": {"startedAt": pod.started_at}}
         status = "True" if ready else "False"
@@ -423,8 +508,9 @@ class PodRunner:
             pod.ready = ready
 
     @staticmethod
-    def _container_status(container: dict[str, Any], state: dict[str, Any], ready: bool,
-                          restart_count: int) -> dict[str, Any]:  # fmt: skip
+    def _container_status(
+        container: dict[str, Any], state: dict[str, Any], ready: bool, restart_count: int
+    ) -> dict[str, Any]:
         return {
             "name": container["name"],
             "image": container.get("image", ""),
@@ -468,7 +554,7 @@ def _under_mounts(value: str, mounts: dict[str, Path]) -> str:
     """A path under a mount path, as the pod directory's (the longest mount path wins)."""
     for mount_path in sorted(mounts, key=len, reverse=True):
         if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
-            return str(mounts[mount_path]) + value[len(mount_path.rstrip("/")):]
+            return str(mounts[mount_path]) + value[len(mount_path.rstrip("/")) :]
     return value
 
 
@@ -507,6 +593,10 @@ def _simulated(argv: list[str], where: str) -> list[str]:
     profile = PROFILE_BY_TP.get(tp, PROFILE_BY_TP[1])
     mapped = _without(_without(argv, "--model"), "--tensor-parallel-size")
     profile_tp = next(k for k, v in PROFILE_BY_TP.items() if v == profile)
-    logger.info("pod %s: serve --simulate %s (--model dropped%s)", where, profile,
-                "" if tp == profile_tp else f", --tensor-parallel-size {tp} -> {profile_tp}")  # fmt: skip
+    logger.info(
+        "pod %s: serve --simulate %s (--model dropped%s)",
+        where,
+        profile,
+        "" if tp == profile_tp else f", --tensor-parallel-size {tp} -> {profile_tp}",
+    )
     return [*mapped, "--simulate", profile, "--tensor-parallel-size", str(profile_tp)]

@@ -38,6 +38,7 @@ class Process:
         cwd: Path | None = None,
     ) -> None:
         self.name = name
+        self.argv = list(argv)
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
@@ -48,7 +49,7 @@ class Process:
                 stderr=subprocess.STDOUT,
                 env=dict(env) if env is not None else None,
                 cwd=cwd,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 (no threads touched in between)
+                preexec_fn=_die_with_parent,
             )
 
     @property

@@ -1,0 +1,140 @@
+"""Faults on a real control plane: a replica process killed, the operator killed in the middle
+of a change, the API server and etcd killed together. Each ends with the deployment at the
+spec's settings, with no help from the test beyond the kill."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import httpx
+import pytest
+from cluster_utils import (
+    NAME,
+    LocalCluster,
+    component_pid,
+    condition,
+    live_settings,
+    manifest,
+    pod_pid,
+    ready_pods,
+    secret,
+    server_pods,
+    wait_until,
+)
+
+
+def _deploy(cluster: LocalCluster, prefix: str, replicas: int = 1) -> str:
+    """An LLMDeployment of CPU replicas (gpus 0), READY; its namespace."""
+    namespace = cluster.namespace(prefix)
+    cluster.kubectl("apply", "-f", "-", input=manifest(namespace, replicas=replicas, gpus=0))
+    wait_until(
+        lambda: (
+            (cluster.get("llmd", NAME, namespace).get("status") or {}).get("readyReplicas")
+            == replicas
+        ),
+        f"{replicas} ready replicas",
+        timeout_s=90,
+    )
+    return namespace
+
+
+def _converged(cluster: LocalCluster, namespace: str, max_num_seqs: int, replicas: int) -> bool:
+    """Every ready replica at ``max_num_seqs``, as many as asked, and the status says so."""
+    llmd = cluster.get("llmd", NAME, namespace)
+    status = llmd.get("status") or {}
+    pods = ready_pods(server_pods(cluster, namespace))
+    token = secret(cluster, namespace, f"{NAME}-admin", "token")
+    return (
+        len(pods) == replicas
+        and all(live_settings(p, token)["max_num_seqs"] == max_num_seqs for p in pods)
+        and status.get("observedGeneration") == llmd["metadata"]["generation"]
+        and condition(llmd, "SchedulerConfigApplied")["status"] == "True"
+        and status.get("readyReplicas") == replicas
+    )
+
+
+def _patch(cluster: LocalCluster, namespace: str, spec: str) -> None:
+    cluster.kubectl("patch", "llmd", NAME, "-n", namespace, "--type", "merge", "-p", spec)
+
+
+@pytest.fixture
+def operator_pod(cluster: LocalCluster, operator_release: str) -> dict[str, Any]:
+    (pod,) = ready_pods(cluster.get("pods", namespace=operator_release))
+    return dict(pod)
+
+
+def test_a_killed_replica_restarts_and_catches_up(
+    cluster: LocalCluster, operator_release: str
+) -> None:
+    namespace = _deploy(cluster, "replica-kill")
+    _patch(cluster, namespace, '{"spec": {"scheduler": {"maxNumSeqs": 24}}}')
+    wait_until(lambda: _converged(cluster, namespace, 24, 1), "the live change applied")
+    (pod,) = server_pods(cluster, namespace)
+    os.kill(pod_pid(cluster, namespace, pod["metadata"]["name"]), signal.SIGKILL)
+
+    def restarted() -> dict[str, Any] | None:
+        (now,) = server_pods(cluster, namespace)
+        status = now["status"]["containerStatuses"][0]
+        return now if status["restartCount"] == 1 and status["ready"] else None
+
+    after = wait_until(restarted, "the container restarted and Ready again", timeout_s=60)
+    assert after["metadata"]["uid"] == pod["metadata"]["uid"]  # restarted in place
+    token = secret(cluster, namespace, f"{NAME}-admin", "token")
+    assert live_settings(after, token)["max_num_seqs"] == 24  # from the ConfigMap
+    wait_until(lambda: _converged(cluster, namespace, 24, 1), "the status after the restart")
+
+
+def test_the_operator_killed_mid_change_resumes_and_converges(
+    cluster: LocalCluster, operator_release: str, operator_pod: dict[str, Any]
+) -> None:
+    namespace = _deploy(cluster, "operator-kill")
+    name = operator_pod["metadata"]["name"]
+    restarts = operator_pod["status"]["containerStatuses"][0]["restartCount"]
+    _patch(cluster, namespace, '{"spec": {"replicas": 2, "scheduler": {"maxNumSeqs": 40}}}')
+    os.kill(pod_pid(cluster, operator_release, name), signal.SIGKILL)
+    wait_until(
+        lambda: (
+            ready_pods(cluster.get("pods", namespace=operator_release))[0]["status"][
+                "containerStatuses"
+            ][0]["restartCount"]
+            == restarts + 1
+        ),
+        "the operator restarted",
+        timeout_s=60,
+    )
+    wait_until(
+        lambda: _converged(cluster, namespace, 40, 2),
+        "both replicas at the new settings after the operator's restart",
+        timeout_s=60,
+    )
+
+
+def test_api_server_and_etcd_killed_watches_recover(
+    cluster: LocalCluster, operator_release: str
+) -> None:
+    """Both killed at once (the cluster starts them again, etcd first): afterwards the
+    operator still sees changes (its watch came back) and the router follows a new replica
+    (its EndpointSlice watch came back)."""
+    namespace = _deploy(cluster, "apiserver-kill")
+    (router,) = [
+        p
+        for p in cluster.get("pods", namespace=namespace)
+        if p["metadata"]["labels"]["app.kubernetes.io/component"] == "router"
+    ]
+    router_url = f"http://{router['status']['podIP']}:8080"
+    for component in ("kube-apiserver", "etcd"):
+        os.kill(component_pid(cluster, component), signal.SIGKILL)
+    wait_until(
+        lambda: cluster.run("kubectl", "get", "--raw", "/readyz", check=False).stdout == "ok",
+        "the API server back",
+        timeout_s=60,
+    )
+    _patch(cluster, namespace, '{"spec": {"replicas": 2, "scheduler": {"maxNumSeqs": 20}}}')
+    wait_until(lambda: _converged(cluster, namespace, 20, 2), "the change applied", timeout_s=90)
+    wait_until(
+        lambda: httpx.get(f"{router_url}/load", timeout=5).json()["num_ready_replicas"] == 2,
+        "the router to see the new replica",
+        timeout_s=60,
+    )
