@@ -7,9 +7,9 @@ quantities) as ``x-kubernetes-int-or-string``, no ``title``, exclusive bounds as
 booleans, free-form objects marked ``x-kubernetes-preserve-unknown-fields``, and on
 sub-objects the models build with ``default_factory`` a default that spells out their fields'
 defaults (as pydantic builds them; the API server validates a default against the node's CEL
-rules without defaulting inside it, so ``default: {}`` is refused). Descriptions (``kubectl explain``'s text) are
-the fields' and the model classes' docstrings, a field's own first, with their line breaks
-folded (:func:`description_text`). The rules across fields are :data:`RULES`,
+rules without defaulting inside it, so ``default: {}`` is refused). Descriptions (``kubectl
+explain``'s text) are the fields' and the model classes' docstrings, a field's own first, with
+their line breaks folded (:func:`description_text`). The rules across fields are :data:`RULES`,
 CEL twins of :func:`~iterserve.operator.spec.cross_field_errors` with the same messages.
 
 ``python -m iterserve.operator.crd > crds/llmdeployments.iterserve.io.yaml`` regenerates the
