@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-from k8s_tools import k8s_tool
+from k8s_tools import REPO, k8s_tool
 
 T = TypeVar("T")
+CHART = REPO / "charts" / "iterserve"
+# The cluster-wide release the tests install (tests/cluster/conftest.py).
+RELEASE, RELEASE_NAMESPACE = "iterserve", "iterserve-system"
 
 
 def wait_until(

@@ -19,10 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_utils import LocalCluster
+from cluster_utils import CHART, RELEASE, RELEASE_NAMESPACE, LocalCluster
 from k8s_tools import REPO
 
-CHART = REPO / "charts" / "iterserve"
 START_TIMEOUT_S = 120.0
 
 
@@ -82,23 +81,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     assert info["namespace"] not in leftover.split(), "the cluster's network namespace is left"
 
 
-@pytest.fixture(scope="session")
-def operator_release(cluster: LocalCluster) -> str:
-    """The chart installed cluster-wide (release ``iterserve`` in ``iterserve-system``) and its
-    operator pod Ready: it runs as the chart's ServiceAccount, so the chart's RBAC authorizes
-    its every call. Its namespace."""
-    namespace = "iterserve-system"
-    cluster.kubectl("create", "namespace", namespace)
+def install_cluster_wide(cluster: LocalCluster) -> None:
+    """The chart cluster-wide (release ``iterserve`` in ``iterserve-system``), waiting for its
+    operator pod to be Ready."""
+    if cluster.get("namespace", RELEASE_NAMESPACE) is None:
+        cluster.kubectl("create", "namespace", RELEASE_NAMESPACE)
     cluster.helm(
-        "install",
-        "iterserve",
-        str(CHART),
-        "--namespace",
-        namespace,
-        "--set",
-        "operator.resyncIntervalS=2",
-        "--wait",
-        "--timeout",
-        "90s",
-    )
-    return namespace
+        "install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
+        "--set", "operator.resyncIntervalS=2", "--wait", "--timeout", "90s",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def operator_release(cluster: LocalCluster) -> str:
+    """The chart installed cluster-wide and its operator pod Ready (installed again for a
+    module when an earlier one took it away): it runs as the chart's ServiceAccount, so the
+    chart's RBAC authorizes its every call. Its namespace."""
+    installed = cluster.run("helm", "status", RELEASE, "-n", RELEASE_NAMESPACE, check=False)
+    if installed.returncode != 0:
+        install_cluster_wide(cluster)
+    return RELEASE_NAMESPACE
