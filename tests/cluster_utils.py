@@ -55,6 +55,8 @@ class LocalCluster:
     server: str
     network_namespace: str
     pod_cidr: str
+    host_ip: str  # the pod network's host side (the API server's address)
+    crds_dir: Path  # third-party CRDs the build fetched (KEDA's ScaledObject)
     process: subprocess.Popen[bytes]
 
     def env(self) -> dict[str, str]:

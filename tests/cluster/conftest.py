@@ -72,6 +72,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
             info["server"],
             info["namespace"],
             info["pod_cidr"],
+            info["host_ip"],
+            Path(info["crds_dir"]),
             process,
         )
     finally:

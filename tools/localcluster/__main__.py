@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
             "slot": cluster.network.slot,
             "namespace": cluster.network.namespace,
             "pod_cidr": cluster.network.pod_cidr,
+            "host_ip": cluster.network.host_ip,
+            # KEDA's ScaledObject CRD, from KEDA's Go module (scripts/k8s-build).
+            "crds_dir": str(cluster.control_plane.bin_dir.parent / "crds"),
         }
         if args.ready_file is not None:
             args.ready_file.write_text(json.dumps(info) + "\n")

@@ -161,6 +161,9 @@ class ControlPlane:
             f"--service-cluster-ip-range={n.service_cidr}",
             "--authorization-mode=Node,RBAC",
             "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
+            # Aggregated APIs (a custom-metrics adapter for the HPA) are reached at their
+            # Service's endpoints: no kube-proxy runs, so a Service IP routes nowhere.
+            "--enable-aggregator-routing=true",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
             "--profiling=false",
         )
