@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import kopf
 import yaml
 
 from iterserve.operator.handlers import build_registry
-from iterserve.operator.main import PEERING_NAME
+from iterserve.operator.main import PEERING_NAME, peering_options
 from iterserve.operator.reconcile import OperatorSettings
 
 # The operator's bearer token: every request carrying it is the operator's (kopf's or its
@@ -57,19 +57,25 @@ async def cluster(
     tmp_path: Path,
     *,
     peering: bool = False,
+    peering_object: bool = True,
+    unserved: Collection[str] = (),
     versioned: bool = False,
     resync_interval_s: float = 0.5,
 ) -> AsyncIterator[kmock.KubernetesEmulator]:
     """KMock serving the resources the operator uses, and the operator running against it
-    (cluster-wide, resync every ``resync_interval_s``). ``peering``: with kopf's peering on,
-    as ``iterserve operator run`` runs it (the ClusterKopfPeering ``iterserve`` exists);
-    otherwise standalone. ``versioned``: objects get a new resourceVersion on every change
+    (cluster-wide, resync every ``resync_interval_s``) with the peering arguments of
+    ``iterserve operator run`` (:func:`peering_options`). ``peering``: kopf's peering on, as
+    the chart runs the operator (the ClusterKopfPeering ``iterserve`` exists unless
+    ``peering_object`` is false); otherwise ``--standalone``. ``unserved``: resources
+    (``group/version/plural``) KMock does not serve, as when their CRD is not installed.
+    ``versioned``: objects get a new resourceVersion on every change
     (:class:`VersionedEmulator`)."""
     emulator = VersionedEmulator() if versioned else kmock.KubernetesEmulator()
     async with emulator as k8s, kmock.Server(k8s) as server:
-        k8s.resources["iterserve.io/v1alpha1/llmdeployments"] = kmock.ResourceInfo(
-            kind="LLMDeployment", namespaced=True, subresources={"status"}, verbs=VERBS
-        )
+        if "iterserve.io/v1alpha1/llmdeployments" not in unserved:
+            k8s.resources["iterserve.io/v1alpha1/llmdeployments"] = kmock.ResourceInfo(
+                kind="LLMDeployment", namespaced=True, subresources={"status"}, verbs=VERBS
+            )
         # What kopf's own machinery discovers before it watches (CRDs, namespaces, events),
         # kopf's peering, and KEDA's ScaledObject.
         for resource, kind, namespaced in (
@@ -84,10 +90,11 @@ async def cluster(
             ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False),
             ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True),
         ):
-            k8s.resources[resource] = kmock.ResourceInfo(
-                kind=kind, namespaced=namespaced, verbs=VERBS
-            )
-        if peering:
+            if resource not in unserved:
+                k8s.resources[resource] = kmock.ResourceInfo(
+                    kind=kind, namespaced=namespaced, verbs=VERBS
+                )
+        if peering and peering_object:
             await k8s.post(
                 "/apis/kopf.dev/v1/clusterkopfpeerings",
                 json={
@@ -112,8 +119,7 @@ async def cluster(
         task = asyncio.create_task(
             kopf.operator(
                 registry=build_registry(resync_interval_s=resync_interval_s),
-                standalone=not peering,
-                peering_name=PEERING_NAME if peering else None,
+                **peering_options(standalone=not peering),
                 clusterwide=True,  # KMock 0.8 cannot list /api/v1/namespaces (500)
                 memo=memo,
                 stop_flag=stop,

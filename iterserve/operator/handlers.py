@@ -5,17 +5,22 @@ again, which corrects drift in owned objects and catches up pods that missed a p
 restarted, unreachable at the time). An invalid spec sets ``Ready=False`` and applies nothing
 (:class:`kopf.PermanentError`); an API failure is retried with backoff
 (:class:`kopf.TemporaryError`). Deleting the resource deletes what it owns (owner
-references; garbage collection).
+references; garbage collection). While kopf is paused or has nothing to watch (a peering object
+or a CRD missing), a background check says why at warning level
+(:mod:`iterserve.operator.blockers`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from typing import Any
 
 import kopf
 from kubernetes.aio.client.exceptions import ApiException
 
+from iterserve.operator.blockers import Watch, find_blockers, warn_while_blocked
 from iterserve.operator.kube import Kube
 from iterserve.operator.login import api_client, connection_info
 from iterserve.operator.reconcile import invalid_status, reconcile
@@ -38,9 +43,21 @@ def build_registry(resync_interval_s: float = 10.0) -> kopf.OperatorRegistry:
         # a deleted resource would wait a minute for its finalizer to go).
         settings.background.cancellation_polling = 1.0
         memo.kube = Kube(await api_client(memo.get("kubeconfig")))
+        # kopf pauses silently (debug level) while mandatory peering lacks its CRD or object.
+        peering = settings.peering
+        watch = Watch(
+            namespaces=memo.settings.namespaces,
+            peering=peering.name if peering.mandatory and not peering.standalone else None,
+        )
+        memo.blocker_warnings = asyncio.create_task(
+            warn_while_blocked(lambda: find_blockers(memo.kube, watch)), name="blocker warnings"
+        )
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: kopf.Memo, **_: Any) -> None:
+        memo.blocker_warnings.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await memo.blocker_warnings
         await memo.kube.api.close()
 
     @kopf.on.login(registry=registry)

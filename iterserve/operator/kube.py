@@ -118,6 +118,24 @@ class Kube:
             if e.status != 404:
                 raise
 
+    async def list_custom(
+        self, group: str, version: str, plural: str, namespace: str | None = None
+    ) -> list[Any]:
+        """Objects of a custom resource in ``namespace`` (every namespace when None).
+
+        Raises:
+            ApiException: 404 when the API server does not serve the resource (its CRD is not
+                installed), 403 when the operator may not list it.
+        """
+        api = self._custom()
+        if namespace is None:
+            call = api.list_cluster_custom_object_without_preload_content(group, version, plural)
+        else:
+            call = api.list_namespaced_custom_object_without_preload_content(
+                group, version, namespace, plural
+            )
+        return list((await _raw(call)).get("items") or [])
+
     async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[Any]:
         """Objects of ``kind`` in ``namespace`` carrying all ``labels``."""
         selector = ",".join(f"{k}={v}" for k, v in labels.items())

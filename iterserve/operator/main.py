@@ -93,6 +93,18 @@ def configure_logging(level: str) -> None:
     logging.getLogger().setLevel(level.upper())
 
 
+def peering_options(standalone: bool) -> dict[str, Any]:
+    """kopf's peering arguments: peering through :data:`PEERING_NAME`, or none at all.
+
+    kopf makes peering mandatory whenever it is given a peering name, ``standalone=True``
+    included, and mandatory peering with no peering resource to watch (standalone watches
+    none) pauses the operator for good ("peering CRD is missing"): standalone gets no name.
+    """
+    if standalone:
+        return {"standalone": True}
+    return {"standalone": False, "peering_name": PEERING_NAME}
+
+
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
@@ -101,13 +113,12 @@ def _run(args: argparse.Namespace) -> int:
 
     memo = kopf.Memo(
         kubeconfig=args.kubeconfig,
-        settings=OperatorSettings(args.control_image, args.push_timeout_s),
+        settings=OperatorSettings(args.control_image, args.push_timeout_s, tuple(args.namespace)),
     )
     configure_logging(args.log_level)
     kopf.run(
         registry=build_registry(args.resync_interval_s),
-        standalone=args.standalone,
-        peering_name=PEERING_NAME,
+        **peering_options(args.standalone),
         namespaces=args.namespace,
         clusterwide=not args.namespace,
         memo=memo,

@@ -53,6 +53,7 @@ class OperatorSettings:
 
     control_image: str = DEFAULT_CONTROL_IMAGE
     push_timeout_s: float = 5.0
+    namespaces: tuple[str, ...] = ()  # --namespace (empty: cluster-wide)
 
 
 @dataclass
