@@ -35,18 +35,16 @@ def test_helm_uninstall_leaves_only_the_crds(cluster: LocalCluster, operator_rel
     cluster.kubectl("delete", "llmd", "--all", "--all-namespaces", "--wait=true", "--timeout=90s")
     cluster.helm("uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait")
     selector = f"app.kubernetes.io/instance={RELEASE}"
-    for kinds, namespaced in (
-        ("clusterroles,clusterrolebindings,clusterkopfpeerings", False),
-        ("deployments,replicasets,serviceaccounts,roles,rolebindings,services", True),
-    ):
-        args = ["get", kinds, "-l", selector, "-o", "name"]
-        if namespaced:
-            args += ["--all-namespaces"]
-        assert cluster.kubectl(*args).strip() == "", kinds
-    wait_until(
-        lambda: cluster.get("pods", namespace=RELEASE_NAMESPACE) == [],
-        "the operator pod gone",
-    )
+
+    def leftovers() -> str:
+        cluster_scoped = "clusterroles,clusterrolebindings,clusterkopfpeerings"
+        namespaced = "deployments,replicasets,pods,serviceaccounts,roles,rolebindings,services"
+        return cluster.kubectl("get", cluster_scoped, "-l", selector, "-o", "name") + (
+            cluster.kubectl("get", namespaced, "-l", selector, "-o", "name", "--all-namespaces")
+        )
+
+    # The garbage collector removes the ReplicaSet and its pod in the background.
+    wait_until(lambda: leftovers().strip() == "", "nothing of the release left")
     assert cluster.get("clusterkopfpeering", "iterserve") is None
     assert cluster.get("crd", "llmdeployments.iterserve.io") is not None  # kept, documented
     assert not cluster.kubectl("get", "llmd", "--all-namespaces", "-o", "name").strip()
