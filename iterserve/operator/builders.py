@@ -259,16 +259,20 @@ def _probe(path: str, port: str, period_s: int, failures: int) -> dict[str, Any]
 
 
 def _resources(spec: LLMDeploymentSpec) -> dict[str, Any]:
+    """Requests equal to limits, GPU and CPU pods alike: the scheduler places a pod by what
+    it requests (a GPU pod needs host memory to load its weights), and with ``cpu`` and
+    ``memory`` both given the pod is Guaranteed (evicted last). Only what the spec gives:
+    without them the namespace's defaults apply. Never an empty map (the API server drops it,
+    and the Deployment would read back drifted and be patched on every pass)."""
     r = spec.resources
-    limits: dict[str, Any] = {}
+    amounts: dict[str, Any] = {}
     if r.gpus:
-        limits["nvidia.com/gpu"] = str(r.gpus)  # a quantity
+        amounts["nvidia.com/gpu"] = str(r.gpus)  # a quantity
     if r.cpu is not None:
-        limits["cpu"] = canonical_quantity(str(r.cpu))
+        amounts["cpu"] = canonical_quantity(str(r.cpu))
     if r.memory is not None:
-        limits["memory"] = canonical_quantity(str(r.memory))
-    requests = {k: v for k, v in limits.items() if k != "nvidia.com/gpu"}
-    return {"limits": limits, "requests": requests} if limits else {}
+        amounts["memory"] = canonical_quantity(str(r.memory))
+    return {"limits": amounts, "requests": dict(amounts)} if amounts else {}
 
 
 def server_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:

@@ -239,7 +239,7 @@ def test_server_pod_of_the_example() -> None:
     assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert container["resources"] == {
         "limits": {"nvidia.com/gpu": "4", "cpu": "8", "memory": "64Gi"},
-        "requests": {"cpu": "8", "memory": "64Gi"},
+        "requests": {"nvidia.com/gpu": "4", "cpu": "8", "memory": "64Gi"},
     }
     assert container["env"] == [
         {
@@ -330,12 +330,32 @@ def test_minimal_cpu_server_has_no_gpu_no_shm_and_surges() -> None:
     assert deployment["spec"]["selector"] == {"matchLabels": selector("tiny", "server")}
 
 
-def test_cpu_limits_without_gpus_and_gpu_strategy() -> None:
-    cpu = with_spec(MINIMAL, resources={"gpus": 0, "cpu": "2", "memory": "4Gi"})
-    assert server_container(cpu)["resources"] == {
-        "limits": {"cpu": "2", "memory": "4Gi"},
-        "requests": {"cpu": "2", "memory": "4Gi"},
-    }
+@pytest.mark.parametrize(
+    ("resources", "expected"),
+    [
+        ({"gpus": 0, "cpu": "2", "memory": "4Gi"}, {"cpu": "2", "memory": "4Gi"}),
+        ({"gpus": 4, "cpu": 16, "memory": "200Gi"},
+         {"nvidia.com/gpu": "4", "cpu": "16", "memory": "200Gi"}),
+        ({"gpus": 2, "memory": "64Gi"}, {"nvidia.com/gpu": "2", "memory": "64Gi"}),
+        # Only GPUs: the GPUs requested too, never an empty requests map (the API server
+        # drops it, and the Deployment would read back drifted on every pass).
+        ({"gpus": 1}, {"nvidia.com/gpu": "1"}),
+        ({"gpus": 0, "cpu": "500m"}, {"cpu": "500m"}),
+    ],
+)  # fmt: skip
+def test_requests_equal_limits_with_and_without_gpus(
+    resources: dict[str, Any], expected: dict[str, str]
+) -> None:
+    container = server_container(with_spec(MINIMAL, resources=resources))
+    assert container["resources"] == {"limits": expected, "requests": expected}
+
+
+def test_no_resources_without_gpus_cpu_or_memory() -> None:
+    """A CPU pod the spec gives no amounts: the namespace's defaults apply."""
+    assert "resources" not in server_container(with_spec(MINIMAL, resources={"gpus": 0}))
+
+
+def test_gpu_strategy() -> None:
     gpu = build(EXAMPLE)["Deployment", "chat-70b"]
     assert gpu["spec"]["strategy"] == {
         "type": "RollingUpdate",

@@ -334,6 +334,15 @@ def test_example_by_default_in_the_release_namespace(helm: Path) -> None:
     render(example, "control:test")  # valid for the operator
 
 
+def test_example_is_the_plain_cpu_demo(helm: Path) -> None:
+    """examples/cpu-demo.yaml, which a user applies without Helm, is the chart's example with
+    the chart's defaults (all but the release's namespace and Helm's labels)."""
+    example = _one(_template(helm, "--set", "example.enabled=true"), "LLMDeployment")
+    plain = yaml.safe_load((REPO / "examples" / "cpu-demo.yaml").read_text())
+    assert plain["metadata"] == {"name": example["metadata"]["name"]}
+    assert plain["spec"] == example["spec"]
+
+
 def test_monitors_select_what_the_operator_builds(custom_objects: list[dict[str, Any]]) -> None:
     example = _one(custom_objects, "LLMDeployment")
     built = render(example, "control:test")
