@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from localcluster.control_plane import ClusterError, ControlPlane, build_binaries
-from localcluster.network import NetworkError, PodNetwork
+from localcluster.network import NetworkError, PodNetwork, check_can_build
 
 __all__ = ["Cluster", "ClusterError", "NetworkError"]
 
@@ -42,6 +42,7 @@ class Cluster:
         return self.workdir / "kubeconfig"
 
     def start(self) -> None:
+        check_can_build()  # before a build of minutes
         bin_dir, stages = build_binaries()
         if self.workdir.exists():
             shutil.rmtree(self.workdir)

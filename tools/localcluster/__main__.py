@@ -30,18 +30,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    # While starting, SIGINT and SIGTERM interrupt at once (Cluster.start stops what it had
+    # started); once running, they end the wait below.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     cluster = Cluster(args.workdir.resolve())
     try:
         cluster.start()
+    except KeyboardInterrupt:
+        return 130
     except NetworkError as e:
         print(f"make cluster: {e}", file=sys.stderr)
         return 2
     except ClusterError as e:
         print(f"make cluster: {e}", file=sys.stderr)
         return 1
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         assert cluster.control_plane is not None and cluster.network is not None
         info = {

@@ -28,6 +28,7 @@ logger = logging.getLogger("localcluster")
 ROOT = Path(__file__).resolve().parents[2]
 API_PORT = 6443
 START_TIMEOUT_S = 90.0
+RESTART_BACKOFF_S = 2.0
 
 # The fake nodes (DESIGN.md): kwok keeps their status and leases.
 NODE_NAMES = ("gpu-node-0", "gpu-node-1")
@@ -74,6 +75,7 @@ class ControlPlane:
         self.bin_dir = bin_dir
         self.stages = stages
         self.processes: list[Process] = []
+        self._restarted_at: dict[str, float] = {}
         self.server = f"https://{network.host_ip}:{API_PORT}"
         self.pki_dir = workdir / "pki"
         self.admin_kubeconfig = workdir / "kubeconfig"
@@ -286,11 +288,17 @@ class ControlPlane:
         so etcd before the API server), as a node's kubelet restarts its static pods: a fault
         test kills the API server and etcd and watches everything recover. Their names."""
         restarted = []
+        now = time.monotonic()
         for i, p in enumerate(self.processes):
-            if p.exit_code() is not None:
-                logger.warning("%s exited with %s; starting it again", p.name, p.exit_code())
-                self.processes[i] = Process(p.name, p.argv, p.log)
-                restarted.append(p.name)
+            if p.exit_code() is None:
+                continue
+            # A component that keeps failing is started at most once every RESTART_BACKOFF_S.
+            if now - self._restarted_at.get(p.name, -RESTART_BACKOFF_S) < RESTART_BACKOFF_S:
+                continue
+            logger.warning("%s exited with %s; starting it again", p.name, p.exit_code())
+            self.processes[i] = Process(p.name, p.argv, p.log)
+            self._restarted_at[p.name] = now
+            restarted.append(p.name)
         return restarted
 
     def stop(self) -> None:

@@ -61,6 +61,18 @@ def remove_namespace(name: str) -> None:
         _ip("netns", "delete", name, check=False)
 
 
+def check_can_build() -> None:
+    """Raises NetworkError (saying why) where no pod network can be built: not root, no
+    ``ip`` command. Cheap: called before the control plane's build, not after it."""
+    if os.geteuid() != 0:
+        raise NetworkError(
+            "the local control plane needs root (CAP_NET_ADMIN) for its pod network "
+            "namespace: run it as root"
+        )
+    if shutil.which("ip") is None:
+        raise NetworkError("the `ip` command (iproute2) is not installed")
+
+
 def clean_stale() -> list[str]:
     """Remove the namespaces of slots nobody holds (left by a crash); their names."""
     removed = []
@@ -160,13 +172,7 @@ class PodNetwork:
         Raises:
             NetworkError: not root, ``ip`` missing, or every slot is taken.
         """
-        if os.geteuid() != 0:
-            raise NetworkError(
-                "the local control plane needs root (CAP_NET_ADMIN) for its pod network "
-                "namespace: run it as root"
-            )
-        if shutil.which("ip") is None:
-            raise NetworkError("the `ip` command (iproute2) is not installed")
+        check_can_build()
         LOCK_DIR.mkdir(parents=True, exist_ok=True)
         clean_stale()
         deadline = time.monotonic() + wait_s

@@ -16,7 +16,7 @@ container's command inside the pod network namespace, bound to the pod IP:
   collide); paths under a volume's mount path become the pod directory's.
 
 Each mapping is logged. Status follows the process and the readiness probe (HTTP GET of the
-container's readinessProbe on the pod IP): Running, Ready when the probe answers 200. A
+container's readinessProbe on the pod IP): Running, Ready when the probe answers 2xx or 3xx. A
 process that exits is restarted (restartPolicy Always, backoff 1-10 s, restartCount). A
 deleted pod's process gets SIGTERM, SIGKILL after the grace period, then the pod is removed.
 Not done: startup and liveness probes, preStop hooks, init containers (logged), resource
@@ -446,9 +446,9 @@ class PodRunner:
                 )
                 self._report(pod, ready=False, terminated=code)
             elif time.monotonic() >= pod.restart_at:
+                self._configure(pod, refresh=True)  # raises: tried again next period
                 pod.restart_at = 0.0
                 pod.restart_count += 1
-                self._configure(pod, refresh=True)
                 with self.lock:
                     if not pod.stopping:
                         self._launch(pod)

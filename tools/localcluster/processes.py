@@ -1,7 +1,8 @@
 """Child processes that die with the process that started them.
 
 Every process of a local cluster is started with ``PR_SET_PDEATHSIG`` (SIGKILL when the
-starting thread's process dies, even by SIGKILL) in a session of its own, so a crashed test
+thread that started it ends: the process dying, even by SIGKILL, ends every thread) in a
+session of its own, so a crashed test
 run leaves no etcd, API server or pod behind; a clean stop sends SIGTERM to the whole
 process group first and SIGKILL after a grace period.
 """
@@ -27,7 +28,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class Process:
-    """One started command, its output appended to ``log``."""
+    """One started command, its output appended to ``log``. Start it from a thread that
+    lives as long as it should (the main thread, the pod runner's watch and probe threads):
+    the parent-death signal follows the starting thread."""
 
     def __init__(
         self,
