@@ -190,8 +190,13 @@ def test_default_operator_deployment(default_objects: list[dict[str, Any]]) -> N
     assert container["command"] == ["iterserve"]
     assert container["args"] == [
         "operator", "run", f"--control-image={image}", "--resync-interval-s=10",
-        "--push-timeout-s=5", "--liveness-port=8081", "--log-level=info",
+        "--push-timeout-s=5", "--liveness-port=8081", "--liveness-host=$(POD_IP)",
+        "--log-level=info",
     ]  # fmt: skip
+    # /healthz on the pod's own address (the kubelet probes the pod IP).
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in (
+        container["env"]
+    )
     # The flags parse, and the chart's defaults are the CLI's.
     args = build_parser().parse_args(container["args"])
     defaults = build_parser().parse_args(["operator", "run"])
