@@ -64,7 +64,7 @@ async def find_blockers(kube: Kube, watch: Watch) -> list[str]:
     found: list[str] = []
     for namespace in scopes:
         try:
-            await kube.list_custom(GROUP, VERSION, PLURAL, namespace)
+            await kube.list_custom(GROUP, VERSION, PLURAL, namespace, limit=1)
         except ApiException as e:
             found.append(
                 _crd_missing() if e.status == 404 else _cannot_list(PLURAL, GROUP, namespace, e)
@@ -80,7 +80,7 @@ async def _peering_blockers(kube: Kube, name: str, namespace: str | None) -> lis
     kind = "ClusterKopfPeering" if namespace is None else "KopfPeering"
     plural = f"{kind.lower()}s"
     try:
-        items = await kube.list_custom(PEERING_GROUP, PEERING_VERSION, plural, namespace)
+        found = await kube.list_custom(PEERING_GROUP, PEERING_VERSION, plural, namespace, name=name)
     except ApiException as e:
         if e.status != 404:
             return [_cannot_list(plural, PEERING_GROUP, namespace, e)]
@@ -91,7 +91,7 @@ async def _peering_blockers(kube: Kube, name: str, namespace: str | None) -> lis
             f"(charts/iterserve/templates/peering.yaml; the Helm chart installs both), "
             f"{_STANDALONE_HINT}"
         ]
-    if any((item.get("metadata") or {}).get("name") == name for item in items):
+    if found:
         return []
     where = "" if namespace is None else f" in namespace {namespace}"
     meta = f"{{name: {name}}}" if namespace is None else f"{{name: {name}, namespace: {namespace}}}"

@@ -119,22 +119,37 @@ class Kube:
                 raise
 
     async def list_custom(
-        self, group: str, version: str, plural: str, namespace: str | None = None
+        self,
+        group: str,
+        version: str,
+        plural: str,
+        namespace: str | None = None,
+        *,
+        name: str | None = None,
+        limit: int | None = None,
     ) -> list[Any]:
-        """Objects of a custom resource in ``namespace`` (every namespace when None).
+        """Objects of a custom resource in ``namespace`` (every namespace when None): only
+        the one named ``name`` when given, at most ``limit`` (a real API server honours both;
+        KMock ignores them, so ``name`` is filtered here too).
 
         Raises:
             ApiException: 404 when the API server does not serve the resource (its CRD is not
                 installed), 403 when the operator may not list it.
         """
         api = self._custom()
+        options: dict[str, Any] = {"limit": limit}
+        if name is not None:
+            options["field_selector"] = f"metadata.name={name}"
         if namespace is None:
-            call = api.list_cluster_custom_object_without_preload_content(group, version, plural)
+            call = api.list_cluster_custom_object_without_preload_content(
+                group, version, plural, **options
+            )
         else:
             call = api.list_namespaced_custom_object_without_preload_content(
-                group, version, namespace, plural
+                group, version, namespace, plural, **options
             )
-        return list((await _raw(call)).get("items") or [])
+        items = (await _raw(call)).get("items") or []
+        return [i for i in items if name is None or (i.get("metadata") or {}).get("name") == name]
 
     async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[Any]:
         """Objects of ``kind`` in ``namespace`` carrying all ``labels``."""

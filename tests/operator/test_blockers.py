@@ -53,8 +53,8 @@ PEERING_CRD_MISSING = (
 )
 
 
-def _peering(kind: str, namespace: str | None = None) -> dict[str, Any]:
-    meta = {"name": PEERING_NAME} | ({"namespace": namespace} if namespace else {})
+def _peering(kind: str, namespace: str | None = None, name: str = PEERING_NAME) -> dict[str, Any]:
+    meta = {"name": name} | ({"namespace": namespace} if namespace else {})
     return {"apiVersion": "kopf.dev/v1", "kind": kind, "metadata": meta}
 
 
@@ -101,15 +101,17 @@ ALL = {LLMD, CLUSTER_PEERINGS, PEERINGS}
     [
         (ALL, [_peering("ClusterKopfPeering")], CLUSTER_WIDE, []),
         (ALL, [], CLUSTER_WIDE, [OBJECT_MISSING]),
-        # A KopfPeering (namespaced) is not the cluster-wide operator's.
+        # A KopfPeering (namespaced) is not the cluster-wide operator's, nor is another
+        # kopf operator's peering object.
         (ALL, [_peering("KopfPeering", "a")], CLUSTER_WIDE, [OBJECT_MISSING]),
+        (ALL, [_peering("ClusterKopfPeering", name="default")], CLUSTER_WIDE, [OBJECT_MISSING]),
         ({LLMD}, [], CLUSTER_WIDE, [PEERING_CRD_MISSING]),
         (set(), [], CLUSTER_WIDE, [CRD_MISSING, PEERING_CRD_MISSING]),
         # Standalone: no peering to check.
         ({LLMD}, [], Watch(), []),
         (set(), [], Watch(), [CRD_MISSING]),
     ],
-    ids=["ok", "no-peering-object", "only-namespaced-peering", "no-peering-crd",
+    ids=["ok", "no-peering-object", "only-namespaced-peering", "other-peering", "no-peering-crd",
          "no-crds", "standalone", "standalone-no-crd"],
 )  # fmt: skip
 def test_find_blockers_cluster_wide(
@@ -161,7 +163,7 @@ def test_find_blockers_names_a_forbidden_list() -> None:
             pass
 
         async def list_custom(
-            self, group: str, version: str, plural: str, namespace: str | None = None
+            self, group: str, version: str, plural: str, namespace: str | None = None, **_: Any
         ) -> list[Any]:
             raise ApiException(status=403, reason="Forbidden")
 
