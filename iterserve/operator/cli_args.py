@@ -64,5 +64,12 @@ def add_operator_args(p: argparse.ArgumentParser) -> None:
     )
     render.add_argument("file", help="an LLMDeployment YAML file")
     render.add_argument(
+        "-n",
+        "--namespace",
+        default=None,
+        help="the namespace of documents that name none (default: default), as kubectl "
+        "apply -n; a document in another namespace is an error",
+    )
+    render.add_argument(
         "--control-image", default=DEFAULT_CONTROL_IMAGE, help="the router's default image"
     )

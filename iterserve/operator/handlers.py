@@ -28,6 +28,11 @@ from iterserve.operator.spec import GROUP, PLURAL, VERSION, SpecError
 
 RESOURCE = (GROUP, VERSION, PLURAL)
 RETRY_DELAY_S = 5.0
+# How long a peering record counts as alive (kopf's default: 60 s). A crashed operator's record
+# outlives it, and its replacement pauses until the record expires (a "conflicting operator
+# with the same priority"): measured on the local control plane, a SIGKILLed operator held
+# every change ~55 s. kopf refreshes its own record every lifetime - 5..10 s.
+PEERING_LIFETIME_S = 15
 
 
 def build_registry(resync_interval_s: float = 10.0) -> kopf.OperatorRegistry:
@@ -42,6 +47,7 @@ def build_registry(resync_interval_s: float = 10.0) -> kopf.OperatorRegistry:
         # On deletion kopf stops the resync timer, then looks again this often (default 60 s:
         # a deleted resource would wait a minute for its finalizer to go).
         settings.background.cancellation_polling = 1.0
+        settings.peering.lifetime = PEERING_LIFETIME_S
         memo.kube = Kube(await api_client(memo.get("kubeconfig")))
         # kopf pauses silently (debug level) while mandatory peering lacks its CRD or object.
         peering = settings.peering

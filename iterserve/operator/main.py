@@ -18,11 +18,13 @@ API_VERSION = "iterserve.io/v1alpha1"
 PEERING_NAME = "iterserve"
 
 
-def render(document: Any, control_image: str) -> list[dict[str, Any]]:
-    """The objects for one LLMDeployment document, in DESIGN.md's order.
+def render(document: Any, control_image: str, namespace: str | None = None) -> list[dict[str, Any]]:
+    """The objects for one LLMDeployment document, in DESIGN.md's order, in the document's
+    namespace, else ``namespace``, else ``default`` (as ``kubectl apply -n``).
 
     Raises:
-        SpecError: not an LLMDeployment, or an invalid spec.
+        SpecError: not an LLMDeployment, an invalid spec, or a document whose namespace is
+            not ``namespace``.
     """
     if not isinstance(document, dict) or document.get("kind") != KIND:
         raise SpecError(f"expected kind: {KIND}")
@@ -39,8 +41,12 @@ def render(document: Any, control_image: str) -> list[dict[str, Any]]:
     if not isinstance(document.get("spec"), dict):
         raise SpecError("spec: expected a mapping")
     spec = parse_spec(document["spec"])
-    ctx = Context(meta["name"], meta.get("namespace") or "default", generation, control_image)
-    return build_all(ctx, spec)
+    if namespace and meta.get("namespace") not in (None, "", namespace):
+        raise SpecError(
+            f"{meta['name']} is in namespace {meta['namespace']}, not --namespace {namespace}"
+        )
+    where = meta.get("namespace") or namespace or "default"
+    return build_all(Context(meta["name"], where, generation, control_image), spec)
 
 
 def _render(args: argparse.Namespace) -> int:
@@ -56,9 +62,9 @@ def _render(args: argparse.Namespace) -> int:
     seen: set[tuple[Any, Any]] = set()
     for document in documents:
         try:
-            rendered = render(document, args.control_image)
+            rendered = render(document, args.control_image, args.namespace)
             meta = document["metadata"]
-            key = (meta.get("namespace") or "default", meta["name"])
+            key = (rendered[0]["metadata"]["namespace"], meta["name"])
             if key in seen:
                 raise SpecError(f"two LLMDeployments named {key[1]} in namespace {key[0]}")
             seen.add(key)

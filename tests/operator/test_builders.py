@@ -827,6 +827,26 @@ def test_render_prints_every_object_in_order(
     assert kinds == [*KINDS_IN_ORDER, "ScaledObject"]
 
 
+def test_render_namespace_as_kubectl_apply_n(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``-n NS`` places a document that names no namespace (the examples/ files) in NS, as
+    ``kubectl apply -n NS`` does; a document in another namespace is an error."""
+    unplaced = tmp_path / "unplaced.yaml"
+    meta = {k: v for k, v in EXAMPLE["metadata"].items() if k != "namespace"}
+    unplaced.write_text(yaml.safe_dump({**EXAMPLE, "metadata": meta}))
+    assert cli_main(["operator", "render", "-n", "team-a", str(unplaced)]) == 0
+    documents = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert {d["metadata"]["namespace"] for d in documents} == {"team-a"}
+    assert cli_main(["operator", "render", str(unplaced)]) == 0
+    documents = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert {d["metadata"]["namespace"] for d in documents} == {"default"}
+    placed = tmp_path / "placed.yaml"
+    placed.write_text(yaml.safe_dump(EXAMPLE))
+    assert cli_main(["operator", "render", "--namespace", "team-a", str(placed)]) == 1
+    assert "not --namespace team-a" in capsys.readouterr().err
+
+
 def _invalid_documents() -> list[tuple[str, str, str]]:
     """(id, file text, a phrase of the reason)."""
     tokens = with_spec(EXAMPLE, scheduler={"maxNumSeqs": 256, "maxNumBatchedTokens": 128})
