@@ -140,3 +140,25 @@ def test_api_server_and_etcd_killed_watches_recover(
         "the router to see the new replica",
         timeout_s=60,
     )
+
+
+def test_a_pod_waiting_for_its_secret_starts_once_it_exists(
+    cluster: LocalCluster, operator_release: str
+) -> None:
+    """``spec.pod.env`` naming a Secret nobody created yet: the pod waits
+    (CreateContainerConfigError, as a kubelet reports it), and starts once the Secret exists."""
+    namespace = cluster.namespace("late-secret")
+    env = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "late", "key": "token"}}}]
+    cluster.kubectl("apply", "-f", "-", input=manifest(namespace, replicas=1, gpus=0,
+                                                        pod={"env": env}))  # fmt: skip
+
+    def waiting_reason() -> str | None:
+        pods = server_pods(cluster, namespace)
+        statuses = pods[0]["status"].get("containerStatuses") if pods else None
+        return (statuses or [{}])[0].get("state", {}).get("waiting", {}).get("reason")
+
+    assert wait_until(waiting_reason, "the pod to wait") == "CreateContainerConfigError"
+    cluster.kubectl("create", "secret", "generic", "late", "-n", namespace,
+                    "--from-literal=token=t0ken")  # fmt: skip
+    wait_until(lambda: len(ready_pods(server_pods(cluster, namespace))) == 1, "the pod Ready")
+    cluster.kubectl("delete", "namespace", namespace, "--wait=false")

@@ -102,6 +102,9 @@ class PodRunner:
         self.network = network
         self.workdir = workdir
         self.pods: dict[str, RunningPod] = {}
+        # Pods that could not start for a Secret or ConfigMap the API did not give (as a
+        # kubelet's CreateContainerConfigError): tried again every probe period.
+        self.waiting: dict[str, dict[str, Any]] = {}
         self.lock = threading.RLock()
         self.stopped = threading.Event()
         self.threads = [
@@ -172,6 +175,7 @@ class PodRunner:
                         target=self._terminate, args=(running, float(grace)), daemon=True
                     ).start()
                 elif running is None:
+                    self.waiting.pop(uid, None)
                     self._delete_now(meta["namespace"], meta["name"], uid)
                 return
             if running is not None or (pod.get("status") or {}).get("phase") in (
@@ -205,18 +209,29 @@ class PodRunner:
                     },
                 )
                 return
-            except ApiException as e:  # a Secret or ConfigMap not there yet: next event
-                logger.info("pod %s/%s waits: %s", meta["namespace"], meta["name"], e.reason)
+            except ApiException as e:  # a Secret or ConfigMap not there (yet): retried
+                if uid not in self.waiting:
+                    logger.warning("pod %s/%s waits: %s %s", meta["namespace"], meta["name"],
+                                   e.status, e.reason)  # fmt: skip
+                    waiting = {"reason": "CreateContainerConfigError", "message": str(e.reason)}
+                    self._patch_status(meta["namespace"], meta["name"], {
+                        "phase": "Pending",
+                        "containerStatuses": [self._container_status(
+                            spec["containers"][0], {"waiting": waiting}, False, 0)],
+                    })  # fmt: skip
+                self.waiting[uid] = pod
                 return
+            self.waiting.pop(uid, None)
             self._launch(self.pods[uid])
 
     def _forget(self, uid: str) -> None:
+        self.waiting.pop(uid, None)
         pod = self.pods.pop(uid, None)
         if pod is not None:
             pod.stopping = True
             if pod.process is not None:
                 pod.process.stop(grace_s=2.0)
-            self.network.remove_pod_ip(uid)
+        self.network.remove_pod_ip(uid)
 
     def _terminate(self, pod: RunningPod, grace_s: float) -> None:
         if pod.process is not None:
@@ -421,6 +436,12 @@ class PodRunner:
         while not self.stopped.wait(PROBE_PERIOD_S):
             with self.lock:
                 pods = [p for p in self.pods.values() if not p.stopping]
+                waiting = list(self.waiting.values())
+            for pod_dict in waiting:
+                try:
+                    self._on_pod(pod_dict)
+                except Exception as e:  # the API server restarting: next period
+                    logger.debug("pod %s: %s", pod_dict["metadata"]["name"], e)
             for pod in pods:
                 try:
                     self._check(pod)
