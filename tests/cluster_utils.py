@@ -215,3 +215,13 @@ def live_settings(pod: dict[str, Any], admin_token: str) -> dict[str, Any]:
     )
     response.raise_for_status()
     return dict(response.json())
+
+
+def patch_spec(
+    cluster: LocalCluster, namespace: str, spec: dict[str, Any]
+) -> subprocess.CompletedProcess[str]:
+    """``kubectl patch llmd NAME --type merge -p {"spec": spec}`` (not checked: a refusal is
+    a test's expectation too)."""
+    body = json.dumps({"spec": spec})
+    return cluster.run("kubectl", "patch", "llmd", NAME, "-n", namespace, "--type", "merge",
+                       "-p", body, check=False)  # fmt: skip

@@ -17,6 +17,7 @@ from cluster_utils import (
     condition,
     live_settings,
     manifest,
+    patch_spec,
     pod_pid,
     ready_pods,
     secret,
@@ -55,10 +56,6 @@ def _converged(cluster: LocalCluster, namespace: str, max_num_seqs: int, replica
     )
 
 
-def _patch(cluster: LocalCluster, namespace: str, spec: str) -> None:
-    cluster.kubectl("patch", "llmd", NAME, "-n", namespace, "--type", "merge", "-p", spec)
-
-
 @pytest.fixture
 def operator_pod(cluster: LocalCluster, operator_release: str) -> dict[str, Any]:
     (pod,) = ready_pods(cluster.get("pods", namespace=operator_release))
@@ -69,7 +66,7 @@ def test_a_killed_replica_restarts_and_catches_up(
     cluster: LocalCluster, operator_release: str
 ) -> None:
     namespace = _deploy(cluster, "replica-kill")
-    _patch(cluster, namespace, '{"spec": {"scheduler": {"maxNumSeqs": 24}}}')
+    assert patch_spec(cluster, namespace, {"scheduler": {"maxNumSeqs": 24}}).returncode == 0
     wait_until(lambda: _converged(cluster, namespace, 24, 1), "the live change applied")
     (pod,) = server_pods(cluster, namespace)
     os.kill(pod_pid(cluster, namespace, pod["metadata"]["name"]), signal.SIGKILL)
@@ -92,7 +89,10 @@ def test_the_operator_killed_mid_change_resumes_and_converges(
     namespace = _deploy(cluster, "operator-kill")
     name = operator_pod["metadata"]["name"]
     restarts = operator_pod["status"]["containerStatuses"][0]["restartCount"]
-    _patch(cluster, namespace, '{"spec": {"replicas": 2, "scheduler": {"maxNumSeqs": 40}}}')
+    assert (
+        patch_spec(cluster, namespace, {"replicas": 2, "scheduler": {"maxNumSeqs": 40}}).returncode
+        == 0
+    )
     os.kill(pod_pid(cluster, operator_release, name), signal.SIGKILL)
     wait_until(
         lambda: (
@@ -133,7 +133,10 @@ def test_api_server_and_etcd_killed_watches_recover(
         "the API server back",
         timeout_s=60,
     )
-    _patch(cluster, namespace, '{"spec": {"replicas": 2, "scheduler": {"maxNumSeqs": 20}}}')
+    assert (
+        patch_spec(cluster, namespace, {"replicas": 2, "scheduler": {"maxNumSeqs": 20}}).returncode
+        == 0
+    )
     wait_until(lambda: _converged(cluster, namespace, 20, 2), "the change applied", timeout_s=90)
     wait_until(
         lambda: httpx.get(f"{router_url}/load", timeout=5).json()["num_ready_replicas"] == 2,

@@ -20,6 +20,7 @@ from cluster_utils import (
     condition,
     live_settings,
     manifest,
+    patch_spec,
     pod_url,
     ready_pods,
     secret,
@@ -181,34 +182,10 @@ def test_patch_reaches_every_replica_live_and_invalid_patches_are_refused(
     assert all(p["status"]["containerStatuses"][0]["restartCount"] == 0 for p in after.values())
 
     # Refused by the API server itself (CEL and OpenAPI), with the message kubectl prints.
-    refused = cluster.run(
-        "kubectl",
-        "patch",
-        "llmd",
-        NAME,
-        "-n",
-        deployed,
-        "--type",
-        "merge",
-        "-p",
-        '{"spec": {"scheduler": {"maxNumBatchedTokens": 16}}}',
-        check=False,
-    )
+    refused = patch_spec(cluster, deployed, {"scheduler": {"maxNumBatchedTokens": 16}})
     assert refused.returncode != 0
     assert "scheduler.maxNumBatchedTokens must be >= scheduler.maxNumSeqs" in refused.stderr
-    negative = cluster.run(
-        "kubectl",
-        "patch",
-        "llmd",
-        NAME,
-        "-n",
-        deployed,
-        "--type",
-        "merge",
-        "-p",
-        '{"spec": {"scheduler": {"maxNumSeqs": -1}}}',
-        check=False,
-    )
+    negative = patch_spec(cluster, deployed, {"scheduler": {"maxNumSeqs": -1}})
     assert negative.returncode != 0
     assert "spec.scheduler.maxNumSeqs" in negative.stderr and "greater than or equal to 1" in (
         negative.stderr
