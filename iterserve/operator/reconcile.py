@@ -261,15 +261,26 @@ async def _start_from_zero(
 
 
 def unschedulable(pods: list[Mapping[str, Any]]) -> list[tuple[str, str]]:
-    """(pod name, the scheduler's message) of each pod the scheduler could not place."""
+    """(pod name, the scheduler's message) of each pod the scheduler could not place (pods
+    are what the API holds: anything may be malformed, and is then skipped)."""
     stuck = []
     for pod in pods:
-        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        meta, status = _mapping(pod, "metadata"), _mapping(pod, "status")
+        if meta.get("deletionTimestamp") or not isinstance(meta.get("name"), str):
             continue
-        for c in (pod.get("status") or {}).get("conditions") or []:
-            if c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable":
-                stuck.append((pod["metadata"]["name"], str(c.get("message") or "Unschedulable")))
+        conditions = status.get("conditions")
+        for c in conditions if isinstance(conditions, list) else []:
+            if isinstance(c, Mapping) and (c.get("type"), c.get("reason")) == (
+                "PodScheduled",
+                "Unschedulable",
+            ):
+                stuck.append((meta["name"], str(c.get("message") or "Unschedulable")))
     return sorted(stuck)
+
+
+def _mapping(obj: Any, key: str) -> Mapping[str, Any]:
+    value = obj.get(key) if isinstance(obj, Mapping) else None
+    return value if isinstance(value, Mapping) else {}
 
 
 def _status(
@@ -298,7 +309,8 @@ def _status(
         message = f"pods not at the desired settings: {', '.join(pending)}"
         applied = ("False", "Pending", message + (f" ({errors})" if errors else ""))
     else:
-        message = f"{len(results)} ready pods run settings version {ctx.config_version}"
+        pods = "1 ready pod runs" if len(results) == 1 else f"{len(results)} ready pods run"
+        message = f"{pods} settings version {ctx.config_version}"
         applied = ("True", "Applied", message)
     progressing = updated < wanted or ready < wanted
     progress = ("RollingOut", f"{updated} of {wanted} replicas updated, {ready} ready")
@@ -307,7 +319,8 @@ def _status(
         # nvidia.com/gpu"): what `kubectl get llmd -o yaml` must tell a user who scaled past
         # the cluster's GPUs.
         name, message = stuck[0]
-        progress = ("Unschedulable", f"{len(stuck)} pods cannot be scheduled ({name}: {message})")
+        pods = "1 pod cannot" if len(stuck) == 1 else f"{len(stuck)} pods cannot"
+        progress = ("Unschedulable", f"{pods} be scheduled ({name}: {message})")
     elif not progressing:
         progress = ("Complete", progress[1])
     return {

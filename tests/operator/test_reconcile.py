@@ -17,7 +17,7 @@ from kubernetes.aio.client.exceptions import ApiException
 
 from iterserve.operator import handlers
 from iterserve.operator.kube import Kube
-from iterserve.operator.reconcile import OperatorSettings, reconcile
+from iterserve.operator.reconcile import OperatorSettings, reconcile, unschedulable
 from iterserve.operator.spec import SpecError
 
 NS = "demo"
@@ -218,3 +218,36 @@ def test_scale_to_zero_is_left_at_zero() -> None:
     kube.objects["Deployment", "tiny"]["spec"]["replicas"] = 0  # KEDA scaled it to zero
     _reconcile(kube, body)
     assert kube.objects["Deployment", "tiny"]["spec"]["replicas"] == 0
+
+
+def _unschedulable_pod(name: str, message: str) -> dict[str, Any]:
+    condition = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
+    condition["message"] = message
+    return {"metadata": {"name": name}, "status": {"conditions": [condition]}}
+
+
+def test_pods_the_scheduler_cannot_place_are_named_in_progressing() -> None:
+    """Scaled past the cluster's GPUs: Progressing says Unschedulable with the scheduler's own
+    message (the cluster tier checks it on a real scheduler); odd objects are skipped."""
+    message = "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+    pods = [
+        _unschedulable_pod("tiny-b", message),
+        _unschedulable_pod("tiny-a", message),
+        {**_unschedulable_pod("x", ""), "metadata": {"name": "tiny-c", "deletionTimestamp": "t"}},
+        {"metadata": {"name": "tiny-e"}, "status": {"conditions": "odd"}},
+        {"metadata": {"name": "tiny-d"}, "status": {"conditions": ["odd", {"type": "Ready"}]}},
+    ]
+    assert unschedulable(pods) == [("tiny-a", message), ("tiny-b", message)]
+
+    class Pending(MemoryKube):
+        async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[Any]:
+            return pods
+
+    kube = Pending()
+    _reconcile(kube)
+    kube.objects["Deployment", "tiny"]["status"] = {"replicas": 3, "readyReplicas": 1}
+    kube.objects["Deployment", "tiny"]["spec"]["replicas"] = 3
+    status = _reconcile(kube).status
+    (progressing,) = [c for c in status["conditions"] if c["type"] == "Progressing"]
+    assert (progressing["status"], progressing["reason"]) == ("True", "Unschedulable")
+    assert progressing["message"] == f"2 pods cannot be scheduled (tiny-a: {message})"
