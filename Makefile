@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine (see README.md):
 #   make run    installs everything into .venv and serves the default model on :8000
 #   make test   installs everything (plus dev tools), builds the local control plane from
-#               source (cached; about 14 minutes the first time), and runs lint, types,
+#               source (cached; 7-14 minutes the first time), and runs lint, types,
 #               layering and tests (the cluster tier included: root needed)
 #   make cluster  a local Kubernetes control plane in the foreground (docs/kubernetes.md)
 PYTHON ?= python3

@@ -105,6 +105,7 @@ class PodRunner:
         # Pods that could not start for a Secret or ConfigMap the API did not give (as a
         # kubelet's CreateContainerConfigError): tried again every probe period.
         self.waiting: dict[str, dict[str, Any]] = {}
+        self.unsupported: set[str] = set()  # pods this runner cannot run (warned once)
         self.lock = threading.RLock()
         self.stopped = threading.Event()
         self.threads = [
@@ -186,6 +187,9 @@ class PodRunner:
             try:
                 self.pods[uid] = self._prepare(pod)
             except Unsupported as e:
+                if uid in self.unsupported:
+                    return  # said once per pod
+                self.unsupported.add(uid)
                 logger.warning("pod %s/%s not run: %s", meta["namespace"], meta["name"], e)
                 self._patch_status(
                     meta["namespace"],
@@ -226,6 +230,7 @@ class PodRunner:
 
     def _forget(self, uid: str) -> None:
         self.waiting.pop(uid, None)
+        self.unsupported.discard(uid)
         pod = self.pods.pop(uid, None)
         if pod is not None:
             pod.stopping = True
