@@ -35,10 +35,11 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """One local control plane for the whole session (``make cluster``'s, in a temporary
-    directory); stopped, with its network namespace, at the end."""
+    """One local control plane for the cluster tier (``make cluster``'s, in a temporary
+    directory); stopped, with its network namespace, after the tier's last test, so that
+    the rest of the suite does not share the machine with it."""
     workdir = tmp_path_factory.mktemp("cluster")
     ready = workdir / "ready.json"
     log = open(workdir / "cluster.log", "wb")  # noqa: SIM115 (the process writes it)
