@@ -309,8 +309,8 @@ def _status(
         message = f"pods not at the desired settings: {', '.join(pending)}"
         applied = ("False", "Pending", message + (f" ({errors})" if errors else ""))
     else:
-        pods = "1 ready pod runs" if len(results) == 1 else f"{len(results)} ready pods run"
-        message = f"{pods} settings version {ctx.config_version}"
+        running = "1 ready pod runs" if len(results) == 1 else f"{len(results)} ready pods run"
+        message = f"{running} settings version {ctx.config_version}"
         applied = ("True", "Applied", message)
     progressing = updated < wanted or ready < wanted
     progress = ("RollingOut", f"{updated} of {wanted} replicas updated, {ready} ready")
@@ -319,8 +319,8 @@ def _status(
         # nvidia.com/gpu"): what `kubectl get llmd -o yaml` must tell a user who scaled past
         # the cluster's GPUs.
         name, message = stuck[0]
-        pods = "1 pod cannot" if len(stuck) == 1 else f"{len(stuck)} pods cannot"
-        progress = ("Unschedulable", f"{pods} be scheduled ({name}: {message})")
+        count = "1 pod cannot" if len(stuck) == 1 else f"{len(stuck)} pods cannot"
+        progress = ("Unschedulable", f"{count} be scheduled ({name}: {message})")
     elif not progressing:
         progress = ("Complete", progress[1])
     return {
