@@ -148,20 +148,40 @@ def test_api_server_and_etcd_killed_watches_recover(
 def test_a_pod_waiting_for_its_secret_starts_once_it_exists(
     cluster: LocalCluster, operator_release: str
 ) -> None:
-    """``spec.pod.env`` naming a Secret nobody created yet: the pod waits
-    (CreateContainerConfigError, as a kubelet reports it), and starts once the Secret exists."""
+    """``spec.pod.env`` naming a key its Secret lacks: the pod waits
+    (CreateContainerConfigError, as a kubelet reports it) while every other pod runs, and
+    starts once the key exists; an ``optional`` reference to a missing Secret is left out."""
     namespace = cluster.namespace("late-secret")
-    env = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "late", "key": "token"}}}]
-    cluster.kubectl("apply", "-f", "-", input=manifest(namespace, replicas=1, gpus=0,
-                                                        pod={"env": env}))  # fmt: skip
+    cluster.kubectl("create", "secret", "generic", "late", "-n", namespace,
+                    "--from-literal=other=1")  # fmt: skip
+    env = [
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "late", "key": "token"}}},
+        {"name": "EXTRA", "valueFrom": {"secretKeyRef": {"name": "absent", "key": "x",
+                                                         "optional": True}}},
+    ]  # fmt: skip
+    body = manifest(namespace, replicas=1, gpus=0, pod={"env": env})
+    cluster.kubectl("apply", "-f", "-", input=body)
 
-    def waiting_reason() -> str | None:
+    def waiting() -> dict[str, Any] | None:
         pods = server_pods(cluster, namespace)
         statuses = pods[0]["status"].get("containerStatuses") if pods else None
-        return (statuses or [{}])[0].get("state", {}).get("waiting", {}).get("reason")
+        return (statuses or [{}])[0].get("state", {}).get("waiting")
 
-    assert wait_until(waiting_reason, "the pod to wait") == "CreateContainerConfigError"
-    cluster.kubectl("create", "secret", "generic", "late", "-n", namespace,
-                    "--from-literal=token=t0ken")  # fmt: skip
+    state = wait_until(waiting, "the pod to wait")
+    assert state["reason"] == "CreateContainerConfigError"
+    assert "couldn't find key token in secret" in state["message"]
+    # The runner goes on with every other pod: the router of the same deployment runs (not
+    # Ready: a router is ready once a replica is).
+    wait_until(
+        lambda: any(
+            p["metadata"]["labels"]["app.kubernetes.io/component"] == "router"
+            and p["status"].get("phase") == "Running"
+            and p["status"]["containerStatuses"][0]["state"].get("running")
+            for p in cluster.get("pods", namespace=namespace)
+        ),
+        "the router running while the server waits",
+    )
+    cluster.kubectl("patch", "secret", "late", "-n", namespace, "-p",
+                    '{"stringData": {"token": "t0ken"}}')  # fmt: skip
     wait_until(lambda: len(ready_pods(server_pods(cluster, namespace))) == 1, "the pod Ready")
     cluster.kubectl("delete", "namespace", namespace, "--wait=false")

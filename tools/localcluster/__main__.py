@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     # While starting, SIGINT and SIGTERM interrupt at once (Cluster.start stops what it had
     # started); once running, they end the wait below.
+    # (SIGINT too: a shell starts background jobs with it ignored.)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cluster = Cluster(args.workdir.resolve())
     try:
         cluster.start()

@@ -44,7 +44,7 @@ from kubernetes.client.exceptions import ApiException
 
 from localcluster import pki
 from localcluster.control_plane import NODE_NAMES
-from localcluster.network import PodNetwork
+from localcluster.network import NetworkError, PodNetwork
 from localcluster.processes import Process, stop_all
 
 logger = logging.getLogger("localcluster.pods")
@@ -62,6 +62,11 @@ def _now() -> str:
 
 class Unsupported(Exception):
     """A pod this runner cannot run (not an iterserve command)."""
+
+
+class ContainerConfigError(Exception):
+    """What a pod needs is not there (yet): a Secret, a ConfigMap, one of their keys, a free
+    pod IP. The pod waits, as a kubelet's CreateContainerConfigError, and is tried again."""
 
 
 @dataclass
@@ -106,6 +111,7 @@ class PodRunner:
         # kubelet's CreateContainerConfigError): tried again every probe period.
         self.waiting: dict[str, dict[str, Any]] = {}
         self.unsupported: set[str] = set()  # pods this runner cannot run (warned once)
+        self.said: set[tuple[str, Any]] = set()  # (pod, volume) mappings logged once
         self.lock = threading.RLock()
         self.stopped = threading.Event()
         self.threads = [
@@ -139,7 +145,7 @@ class PodRunner:
                     seen.add(pod.metadata.uid)
                     self._on_pod(self.api.api_client.sanitize_for_serialization(pod))
                 with self.lock:
-                    for uid in [u for u in self.pods if u not in seen]:
+                    for uid in [u for u in (*self.pods, *self.waiting) if u not in seen]:
                         self._forget(uid)
                 stream = watch.Watch().stream(
                     self.api.list_pod_for_all_namespaces,
@@ -176,7 +182,7 @@ class PodRunner:
                         target=self._terminate, args=(running, float(grace)), daemon=True
                     ).start()
                 elif running is None:
-                    self.waiting.pop(uid, None)
+                    self._forget(uid)
                     self._delete_now(meta["namespace"], meta["name"], uid)
                 return
             if running is not None or (pod.get("status") or {}).get("phase") in (
@@ -213,11 +219,12 @@ class PodRunner:
                     },
                 )
                 return
-            except ApiException as e:  # a Secret or ConfigMap not there (yet): retried
+            except (ApiException, ContainerConfigError, NetworkError) as e:  # retried
+                self.network.remove_pod_ip(uid)
+                reason = f"{e.status} {e.reason}" if isinstance(e, ApiException) else str(e)
                 if uid not in self.waiting:
-                    logger.warning("pod %s/%s waits: %s %s", meta["namespace"], meta["name"],
-                                   e.status, e.reason)  # fmt: skip
-                    waiting = {"reason": "CreateContainerConfigError", "message": str(e.reason)}
+                    logger.warning("pod %s/%s waits: %s", meta["namespace"], meta["name"], reason)
+                    waiting = {"reason": "CreateContainerConfigError", "message": reason}
                     self._patch_status(meta["namespace"], meta["name"], {
                         "phase": "Pending",
                         "containerStatuses": [self._container_status(
@@ -354,7 +361,8 @@ class PodRunner:
                     (directory / "ca.crt").write_bytes(self.ca_cert)
                 elif "downwardAPI" in source:
                     (directory / "namespace").write_text(namespace)
-        elif "emptyDir" not in volume:
+        elif "emptyDir" not in volume and (where, volume.get("name")) not in self.said:
+            self.said.add((where, volume.get("name")))
             logger.info(
                 "pod %s/%s: volume %s (%s) is an empty directory here",
                 namespace,
@@ -407,17 +415,42 @@ class PodRunner:
             source = item.get("valueFrom")
             if source is None:
                 env[item["name"]] = _expand(item.get("value", ""), env)
-            elif "secretKeyRef" in source:
-                ref = source["secretKeyRef"]
-                data = self.api.read_namespaced_secret(ref["name"], namespace).data or {}
-                env[item["name"]] = base64.b64decode(data[ref["key"]]).decode()
-            elif "configMapKeyRef" in source:
-                ref = source["configMapKeyRef"]
-                data = self.api.read_namespaced_config_map(ref["name"], namespace).data or {}
-                env[item["name"]] = data[ref["key"]]
+            elif "secretKeyRef" in source or "configMapKeyRef" in source:
+                value = self._key_ref(source, namespace)
+                if value is not None:
+                    env[item["name"]] = value
             elif "fieldRef" in source:
                 env[item["name"]] = fields.get(source["fieldRef"]["fieldPath"], "")
         return env
+
+    def _key_ref(self, source: dict[str, Any], namespace: str) -> str | None:
+        """The value of an env entry's ``secretKeyRef`` or ``configMapKeyRef``; None when it is
+        ``optional`` and missing (the variable is left out, as a kubelet does).
+
+        Raises:
+            ContainerConfigError: the object or its key is missing and not optional.
+        """
+        secret = "secretKeyRef" in source
+        ref = source["secretKeyRef" if secret else "configMapKeyRef"]
+        kind = "secret" if secret else "configmap"
+        try:
+            read = (
+                self.api.read_namespaced_secret if secret else self.api.read_namespaced_config_map
+            )
+            data = read(ref["name"], namespace).data or {}
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            data = None
+        if data is not None and ref["key"] in data:
+            value = data[ref["key"]]
+            return base64.b64decode(value).decode() if secret else str(value)
+        if ref.get("optional"):
+            return None
+        missing = f'{kind} "{ref["name"]}" not found' if data is None else (
+            f"couldn't find key {ref['key']} in {kind} {namespace}/{ref['name']}"
+        )  # fmt: skip
+        raise ContainerConfigError(missing)
 
     # ---------------------------------------------------------------- running
 
