@@ -17,6 +17,7 @@ import contextlib
 import logging
 from typing import Any
 
+import aiohttp
 import kopf
 from kubernetes.aio.client.exceptions import ApiException
 
@@ -102,6 +103,10 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, perman
         return
     except ApiException as e:
         raise kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", RETRY_DELAY_S) from e
+    except (aiohttp.ClientError, TimeoutError) as e:
+        # The API server unreachable (restarting, a connection reset): soon again, not after
+        # kopf's default backoff of 60 s for an unexpected error.
+        raise kopf.TemporaryError(f"Kubernetes API unreachable: {e}", RETRY_DELAY_S) from e
     patch.status.update(outcome.status)
     for kind, reason, message in outcome.events:
         (kopf.info if kind == "Normal" else kopf.warn)(body, reason=reason, message=message)

@@ -215,7 +215,7 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
                 await kube.delete(api_version, kind, ctx.namespace, ctx.name)
                 events.append(("Normal", "Deleted", f"{kind} {ctx.name}"))
     await _start_from_zero(kube, ctx, spec, built)
-    for obj in built:
+    for obj in sorted(built, key=_apply_rank):
         try:
             done = await apply(kube, adopt(obj, body))
         except ApiException as e:
@@ -240,6 +240,16 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
     deployment = await kube.get("apps/v1", "Deployment", ctx.namespace, ctx.name) or {}
     new_status = _status(ctx, spec.replicas, status, deployment, results, desired_hash, pods)
     return Outcome(new_status, events)
+
+
+# Applied before the rest: the router Deployment's pods need their ServiceAccount (else the
+# ReplicaSet controller reports FailedCreate once) and its permissions. Render's order
+# (DESIGN.md's) is kept otherwise; sorted() is stable.
+_FIRST = ("ServiceAccount", "Role", "RoleBinding")
+
+
+def _apply_rank(obj: Mapping[str, Any]) -> int:
+    return 0 if obj["kind"] in _FIRST else 1
 
 
 async def _start_from_zero(

@@ -11,6 +11,7 @@ import copy
 import json
 from typing import Any
 
+import aiohttp
 import kopf
 import pytest
 from kubernetes.aio.client.exceptions import ApiException
@@ -91,6 +92,25 @@ def test_other_api_errors_are_retried() -> None:
 
     with pytest.raises(ApiException):
         _reconcile(Failing())
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ApiException(status=503, reason="unavailable"), aiohttp.ClientConnectionError("reset")],
+    ids=["api-error", "connection-error"],
+)
+def test_a_failing_api_is_tried_again_in_seconds(error: Exception) -> None:
+    """An API error or an unreachable API server (restarting): a TemporaryError with the
+    operator's short delay, not kopf's 60 s backoff for unexpected errors."""
+
+    class Failing(MemoryKube):
+        async def create(self, body: dict[str, Any]) -> Any:
+            raise error
+
+    memo = kopf.Memo(kube=Failing(), settings=OperatorSettings())
+    with pytest.raises(kopf.TemporaryError) as raised:
+        asyncio.run(handlers._reconcile(BODY, kopf.Patch(), memo, permanent=False))  # type: ignore[arg-type]
+    assert raised.value.delay == handlers.RETRY_DELAY_S
 
 
 def test_an_invalid_spec_creates_nothing() -> None:
@@ -251,3 +271,19 @@ def test_pods_the_scheduler_cannot_place_are_named_in_progressing() -> None:
     (progressing,) = [c for c in status["conditions"] if c["type"] == "Progressing"]
     assert (progressing["status"], progressing["reason"]) == ("True", "Unschedulable")
     assert progressing["message"] == f"2 pods cannot be scheduled (tiny-a: {message})"
+
+
+def test_the_routers_service_account_exists_before_its_deployment() -> None:
+    """Created in that order (a Deployment whose ServiceAccount is missing gets a
+    FailedCreate event from the ReplicaSet controller, seen on a real cluster)."""
+    created: list[str] = []
+
+    class Recording(MemoryKube):
+        async def create(self, body: dict[str, Any]) -> Any:
+            created.append(f"{body['kind']}/{body['metadata']['name']}")
+            return await super().create(body)
+
+    _reconcile(Recording())
+    position = {name: i for i, name in enumerate(created)}
+    assert position["ServiceAccount/tiny-router"] < position["Deployment/tiny-router"]
+    assert position["RoleBinding/tiny-router"] < position["Deployment/tiny-router"]
