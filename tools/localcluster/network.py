@@ -77,17 +77,17 @@ def clean_stale() -> list[str]:
     """Remove the namespaces of slots nobody holds (left by a crash); their names."""
     removed = []
     for slot in range(NUM_SLOTS):
-        name = f"iterserve-{slot}"
-        if not namespace_exists(name):
+        stale = PodNetwork(slot)  # names only: nothing is built
+        if not namespace_exists(stale.namespace):
             continue
         with open(LOCK_DIR / f"slot-{slot}.lock", "a+") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # a live cluster's
-            remove_namespace(name)
-            _ip("link", "delete", f"isv{slot}h", check=False)
-            removed.append(name)
+            remove_namespace(stale.namespace)
+            _ip("link", "delete", stale.host_veth, check=False)
+            removed.append(stale.namespace)
     return removed
 
 
