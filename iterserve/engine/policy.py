@@ -73,9 +73,9 @@ def waiting_key(now: float, config: SchedulerConfig) -> Callable[[Request], tupl
 class AdmissionOrder:
     """The waiting queue in admission order, for one ``schedule()`` call: effective
     priority, then the tenant with the least service (:class:`VirtualTokenCounter`), then
-    arrival (DESIGN.md, "Tenants"). The counters are read each time a tenant's turn comes
-    up, so a tenant charged for a request admitted in this iteration yields to the others
-    within the same iteration.
+    arrival (docs/engine.md, "Fair share between tenants"). The counters are read each time a
+    tenant's turn comes up, so a tenant charged for a request admitted in this iteration yields
+    to the others within the same iteration.
 
     Use: :meth:`peek` the next candidate, then :meth:`skip` it (it stays waiting) or
     :meth:`take` it (admitted, or ended); or peek again after making room for it. Without
@@ -176,7 +176,7 @@ def priority_victims(
 ) -> list[Request]:
     """The running requests that ``candidate`` (waiting, not admissible for lack of seats or
     KV blocks) may preempt, in the order to preempt them: least urgent first, then the most
-    recently admitted (DESIGN.md, "Priority preemption at admission").
+    recently admitted (docs/engine.md, "Priority preemption at admission").
 
     The candidate counts with its tier's priority (:func:`tier_priority`), not its aged one:
     aging orders the queue (an aged request takes the next free seat ahead of newer arrivals)

@@ -6,7 +6,7 @@ import enum
 
 from iterserve.engine.sampling_params import SamplingParams
 
-# The tenant of a request that names none (DESIGN.md, "HTTP API").
+# The tenant of a request that names none (docs/server.md, "Tenants").
 DEFAULT_TENANT = "default"
 
 

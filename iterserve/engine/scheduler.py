@@ -15,7 +15,7 @@ recompute (blocks freed, tokens kept, recomputed on re-admission) or by swap (bl
 to the host pool), as ``policy.choose_preemption_mode`` decides. With
 ``priority_preemption_margin`` > 0, a waiting request that finds every seat or block taken
 preempts running requests at least that much less urgent (``policy.priority_victims``) and is
-admitted in the same iteration (DESIGN.md, "Priority preemption at admission"). With
+admitted in the same iteration (docs/engine.md, "Priority preemption at admission"). With
 ``batching=static`` a new batch is admitted only when every request of the previous one has
 finished.
 """

@@ -2,7 +2,7 @@
 
 No cluster and no kopf here: the handlers (:mod:`iterserve.operator.handlers`) add owner
 references and apply what these return, and ``iterserve operator render`` prints it.
-Names derive from the resource's name ``N`` (DESIGN.md): ConfigMap ``N-scheduler``, server
+Names derive from the resource's name ``N`` (docs/kubernetes.md): ConfigMap ``N-scheduler``, server
 Deployment ``N`` behind the headless Service ``N-server``, router Deployment, Service,
 ServiceAccount, Role and RoleBinding ``N-router``, PodDisruptionBudget ``N``, HPA or KEDA
 ScaledObject ``N``; the Secrets ``N-admin`` (key ``token``) and ``N-api-key`` (key
@@ -622,7 +622,7 @@ def autoscaler(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any] | None:
 
 
 def build_all(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
-    """Every owned object in DESIGN.md's order: ConfigMap, Services, Deployments, RBAC, PDB,
+    """Every owned object in render order: ConfigMap, Services, Deployments, RBAC, PDB,
     autoscaler (Secrets are referenced, not built).
 
     Raises:

@@ -19,8 +19,9 @@ PEERING_NAME = "iterserve"
 
 
 def render(document: Any, control_image: str, namespace: str | None = None) -> list[dict[str, Any]]:
-    """The objects for one LLMDeployment document, in DESIGN.md's order, in the document's
-    namespace, else ``namespace``, else ``default`` (as ``kubectl apply -n``).
+    """The objects for one LLMDeployment document, in render order (ConfigMap, Services,
+    Deployments, RBAC, PDB, autoscaler), in the document's namespace, else ``namespace``, else
+    ``default`` (as ``kubectl apply -n``).
 
     Raises:
         SpecError: not an LLMDeployment, an invalid spec, or a document whose namespace is

@@ -1,6 +1,6 @@
 """Live scheduler settings to the server pods: ``GET /load``, ``PUT /admin/scheduler_config``.
 
-A pod is reached at ``http://{status.podIP}:{its container port named http}`` (DESIGN.md).
+A pod is reached at ``http://{status.podIP}:{its container port named http}``.
 Every ready pod is asked at once, each with bounded timeouts, so one slow or dead pod costs
 the others nothing. A pod counts as applied when the ``config_hash`` of its ``/load`` equals
 the desired settings' hash; only pods that differ get the PUT, with ``config_version`` =

@@ -2,10 +2,10 @@
 every ready pod, the status computed. The kopf handlers (:mod:`iterserve.operator.handlers`)
 call :func:`reconcile` on create, update, resume and a timer; it is idempotent.
 
-Versions (DESIGN.md): the settings' version is the resource's ``metadata.generation`` at the
-last change of ``spec.scheduler`` or ``spec.slaTiers`` (detected by the settings' hash kept in
-``status.schedulerConfigHash``); a pod counts as applied when its ``/load`` ``config_hash``
-equals the desired hash, whatever its version says.
+Versions (docs/kubernetes.md, "A live scheduler change"): the settings' version is the resource's
+``metadata.generation`` at the last change of ``spec.scheduler`` or ``spec.slaTiers`` (detected by
+the settings' hash kept in ``status.schedulerConfigHash``); a pod counts as applied when its
+``/load`` ``config_hash`` equals the desired hash, whatever its version says.
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
 
 # Applied before the rest: the router Deployment's pods need their ServiceAccount (else the
 # ReplicaSet controller reports FailedCreate once) and its permissions. Render's order
-# (DESIGN.md's) is kept otherwise; sorted() is stable.
+# (ConfigMap, Services, Deployments, RBAC, PDB, autoscaler) is kept otherwise; sorted() is stable.
 _FIRST = ("ServiceAccount", "Role", "RoleBinding")
 
 

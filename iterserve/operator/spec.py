@@ -1,4 +1,4 @@
-"""The ``LLMDeployment`` spec (DESIGN.md, "Custom resource"), as pydantic models.
+"""The ``LLMDeployment`` spec (docs/kubernetes.md, its fields), as pydantic models.
 
 One source of truth: the CRD's OpenAPI schema is generated from these models
 (:mod:`iterserve.operator.crd`), and the operator parses every resource it reconciles with

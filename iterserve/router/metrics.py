@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics (DESIGN.md: ``iterserve_router_*``), on prometheus-client."""
+"""The router's Prometheus metrics (``iterserve_router_*``, docs/router.md), prometheus-client."""
 
 from __future__ import annotations
 

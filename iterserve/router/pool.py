@@ -229,7 +229,7 @@ class ReplicaPool:
     # ----------------------------------------------------------------- aggregates
 
     def aggregated_load(self) -> dict[str, Any]:
-        """The router's ``/load`` (DESIGN.md): block-weighted KV usage, summed queues."""
+        """The router's ``/load`` (docs/router.md): block-weighted KV usage, summed queues."""
         ready = self.ready()
         reports = [b.state.report for b in ready if b.state.report is not None]
         blocks = sum(r.num_total_blocks for r in reports)

@@ -4,7 +4,7 @@ The router calls these with what it knows of each replica (its last load report,
 requests the router sent it since, whether it is ready); the simulator's replay calls the
 same ones, so a what-if replay routes as the router would.
 
-Score of a ready replica (lower wins; DESIGN.md)::
+Score of a ready replica (lower wins; docs/router.md)::
 
     score = w_kv * kv_cache_usage
           + w_waiting   * num_waiting / norm
@@ -127,7 +127,7 @@ def prefix_key(
     prompt: str | None = None, messages: Sequence[Mapping[str, Any]] | None = None
 ) -> bytes:
     """The bytes a request's prefix is hashed by: the first 512 bytes of the prompt text; for
-    chat, of the system message and the first user message (DESIGN.md)."""
+    chat, of the system message and the first user message (docs/router.md)."""
     if messages is not None:
         parts = []
         for role in ("system", "user"):

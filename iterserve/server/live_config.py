@@ -1,8 +1,8 @@
 """The live scheduler settings of a server: a view, a versioned merge, a hash.
 
-``GET/PUT /admin/scheduler_config`` (DESIGN.md, "HTTP API"): a PUT carries any subset of
-:data:`~iterserve.config.LIVE_SCHEDULER_KEYS` and optionally ``config_version``; it is merged
-with the current settings and validated as a whole by the same dataclasses that check the
+``GET/PUT /admin/scheduler_config`` (docs/server.md, "Live scheduler settings"): a PUT carries any
+subset of :data:`~iterserve.config.LIVE_SCHEDULER_KEYS` and optionally ``config_version``; it is
+merged with the current settings and validated as a whole by the same dataclasses that check the
 command line, so a live change can never produce a configuration the CLI would refuse.
 """
 

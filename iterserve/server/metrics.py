@@ -1,4 +1,4 @@
-"""Prometheus metrics of a server replica (DESIGN.md, "Metrics"), on prometheus-client.
+"""Prometheus metrics of a server replica (docs/server.md, "Metrics"), on prometheus-client.
 
 Engine-side numbers (queue gauges, KV usage, token counters, preemptions, prefix-cache
 lookups, iteration histograms) come from the per-iteration telemetry the engine process sends

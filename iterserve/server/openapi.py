@@ -105,7 +105,7 @@ class Status(BaseModel):
 
 
 class LoadResponse(BaseModel):
-    """``GET /load``, the router's signal (DESIGN.md); ``num_*`` count sequences."""
+    """``GET /load``, the router's signal (docs/server.md, "/load"); ``num_*`` count sequences."""
 
     # A key added to the route's answer is sent (and shows in the schema as allowed) even
     # before it is declared here: a response_model would otherwise drop it.

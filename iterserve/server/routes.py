@@ -1,4 +1,4 @@
-"""The HTTP endpoints of a replica (DESIGN.md, "HTTP API of a server replica").
+"""The HTTP endpoints of a replica (docs/server.md, "Endpoints").
 
 Handlers only validate, admit and answer: generation goes through
 :class:`~iterserve.server.serving.OpenAIServing`, live settings through

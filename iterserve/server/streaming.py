@@ -1,5 +1,5 @@
-"""SSE responses whose client must keep reading (DESIGN.md: "a watchdog frees a request whose
-client stopped reading past a timeout").
+"""SSE responses whose client must keep reading: a request whose client stopped reading past a
+timeout is aborted and its KV blocks freed (docs/server.md, "Requests").
 
 A stream's chunks wait in two places once its client reads slower than the engine writes: the
 socket (the kernel's buffers, then uvicorn's transport up to its 64 KiB high-water mark, where

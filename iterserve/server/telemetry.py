@@ -1,5 +1,5 @@
 """The HTTP process's telemetry rows (``--telemetry-db``): ``sequences`` when a request ends,
-``scheduler_config`` for each applied version (DESIGN.md, "Telemetry data model").
+``scheduler_config`` for each applied version (docs/server.md, "Telemetry records").
 
 Rows go through a :class:`~iterserve.telemetry.writer.TelemetryWriter`, so a request's end
 costs a tuple and a ``put_nowait``. Times measured on the server's monotonic clock become UTC

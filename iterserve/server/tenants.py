@@ -1,4 +1,4 @@
-"""A request's tenant (DESIGN.md, "HTTP API"): the ``X-Tenant-Id`` header, else the OpenAI
+"""A request's tenant (docs/server.md, "Tenants"): the ``X-Tenant-Id`` header, else the OpenAI
 ``user`` field, else ``default``."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ OTHER_TENANT = "other"  # the label value of tenants past the label limit
 
 class TenantLabels:
     """The ``tenant`` label value of a tenant in the per-tenant metrics, of bounded
-    cardinality (DESIGN.md, "Metrics").
+    cardinality (docs/server.md, "Metrics").
 
     The first ``limit`` tenants seen keep their name, later ones are :data:`OTHER_TENANT`;
     a tenant once named keeps its name for the life of the process (no churn: a series never

@@ -8,7 +8,7 @@ which would cost a simulated replica ~200 MB and seconds of start-up. So:
   transformers does (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``). Text is the
   real tokenizer's.
 - :class:`CharTokenizer` is for when there is no tokenizer file: about 4 characters per
-  token (DESIGN.md). A prompt of ``n`` characters is ``ceil(n / 4)`` tokens, each id a hash
+  token. A prompt of ``n`` characters is ``ceil(n / 4)`` tokens, each id a hash
   of its 4 characters (so equal prefixes give equal ids and prefix caching behaves); an id
   decodes to a 4-character pseudo-word (``" kqa"``). Ids 0-2 are the special tokens
   ``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>`` (the EOS).

@@ -1,3 +1,3 @@
-"""Telemetry records in SQLite (DESIGN.md, "Telemetry data model"): the schema, a writer thread
+"""Telemetry records in SQLite (docs/server.md, "Telemetry records"): the schema, a writer thread
 that never blocks its producer, and ``iterserve report``. Standard library only (``sqlite3``),
 so the engine process, the HTTP process and the control image all import it."""

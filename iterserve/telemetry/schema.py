@@ -1,4 +1,4 @@
-"""The telemetry tables (DESIGN.md, "Telemetry data model") and how a writer opens the file.
+"""The telemetry tables (docs/server.md, "Telemetry records") and how a writer opens the file.
 
 Two processes write one file: the engine process ``scheduler_iterations``, the HTTP process
 ``sequences`` and ``scheduler_config``. SQLite's write-ahead log lets readers (``iterserve
@@ -49,7 +49,7 @@ CONFIG_COLUMNS = (
     "kv_watermark",
     "updated_at",
     "tiers",  # JSON: [{name, priority, max_queue_wait_ms, ttft_target_ms}, ...]
-    "settings",  # JSON: every live setting of the version (DESIGN.md's live keys), by name
+    "settings",  # JSON: every live setting of the version (LIVE_SCHEDULER_KEYS), by name
 )
 COLUMNS = {
     "sequences": SEQUENCE_COLUMNS,

@@ -1,5 +1,6 @@
-"""The cluster tier: one local control plane per test session (``python -m localcluster``,
-DESIGN.md "A local control plane"), driven with the real kubectl and helm as a user types them.
+"""The cluster tier: one local control plane per test session (``python -m localcluster``;
+docs/kubernetes.md, "Try it on a local control plane"), driven with the real kubectl and helm
+as a user types them.
 
 The cluster runs in a process of its own (its pod runner's threads and the pods' processes
 die with it); each test works in namespaces of its own. The components are built by

@@ -1,4 +1,4 @@
-"""Priority preemption at admission (DESIGN.md, "Priority preemption at admission"): a waiting
+"""Priority preemption at admission (docs/engine.md, "Priority preemption at admission"): a waiting
 request at least ``priority_preemption_margin`` more urgent than running ones that finds every
 seat or KV block taken preempts them (fake runner, fake clock).
 

@@ -1,6 +1,6 @@
 """The objects the operator builds for an ``LLMDeployment``, without a cluster.
 
-Exact expectations for the DESIGN.md example (``examples/chat-70b.yaml``: 4 GPUs, tensor
+Exact expectations for the reference example (``examples/chat-70b.yaml``: 4 GPUs, tensor
 parallel 4, weights on a PVC) and a minimal CPU spec (no GPUs, weights on a hostPath); every
 object checked against the Kubernetes 1.33 OpenAPI schema (``kubernetes-validate``, strict);
 the server container's arguments and the ConfigMap's settings file read back through the same

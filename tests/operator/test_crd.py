@@ -1,5 +1,5 @@
 """The generated CRD: current on disk, structural, a valid CustomResourceDefinition, and its
-OpenAPI schema and CEL rules agreeing with the spec models on the DESIGN.md example and on
+OpenAPI schema and CEL rules agreeing with the spec models on the reference example and on
 one broken variant per rule.
 
 The API server is played by three helpers: defaulting as it does it (before validation),

@@ -3,7 +3,7 @@
 ``make cluster`` (``python -m localcluster``) builds the components from source (cached),
 creates the pod network, starts etcd, kube-apiserver, kube-controller-manager,
 kube-scheduler and kwok with two fake GPU nodes, and runs the pod runner (the kubelet for
-iterserve's pods): DESIGN.md, "A local control plane"; docs/kubernetes.md, "Try it on a local
+iterserve's pods): docs/kubernetes.md, "Try it on a local
 control plane". :class:`Cluster` is the whole of it, started and stopped in order.
 """
 

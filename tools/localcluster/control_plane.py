@@ -30,7 +30,7 @@ API_PORT = 6443
 START_TIMEOUT_S = 90.0
 RESTART_BACKOFF_S = 2.0
 
-# The fake nodes (DESIGN.md): kwok keeps their status and leases.
+# The fake nodes (docs/kubernetes.md): kwok keeps their status and leases.
 NODE_NAMES = ("gpu-node-0", "gpu-node-1")
 NODE_CAPACITY = {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": "8"}
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"

@@ -10,9 +10,9 @@ never collide) and builds, in RFC 2544's benchmarking range (198.18.0.0/15, neve
 
     Services: 198.19.<slot>.0/24 (no kube-proxy: nothing answers on them)
 
-Slot 0 is DESIGN.md's layout (API server on 198.18.0.1, pods from 198.18.1.0/24). The
-namespace has no default route: its processes reach the host side and each other, nothing
-else. A slot whose lock is free but whose namespace exists was left by a crash: it is
+Slot 0 is the documented layout (docs/kubernetes.md, "Addresses": API server on 198.18.0.1, pods
+from 198.18.1.0/24). The namespace has no default route: its processes reach the host side and each
+other, nothing else. A slot whose lock is free but whose namespace exists was left by a crash: it is
 removed (with every process inside) before reuse. Needs root (CAP_NET_ADMIN).
 """
 
