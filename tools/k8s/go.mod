@@ -1,6 +1,6 @@
-// The local control plane's components (docs/kubernetes.md, "Try it on a local control plane"),
-// built from source by scripts/k8s-build at the versions pinned here. k8s.io/kubernetes cannot be
-// required without pointing each of its staging modules at the matching v0.x release.
+// The local control plane's components (DESIGN.md, "A local control plane"), built from source
+// by scripts/k8s-build at the versions pinned here. k8s.io/kubernetes cannot be required without
+// pointing each of its staging modules at the matching v0.x release.
 module github.com/iterserve/iterserve/tools/k8s
 
 go 1.26.0
