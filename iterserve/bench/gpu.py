@@ -1,4 +1,4 @@
-"""``iterserve bench gpu``: the prepared check of a lent GPU (issue 16), in one run.
+"""``iterserve bench gpu``: the prepared check of a lent GPU, in one run.
 
 Run on the GPU machine from the repository root (nothing installed there but torch, triton and
 transformers; no model files, no downloads)::

@@ -188,7 +188,7 @@ def run_attention_timing(
     shapes: list[AttentionShape], device: torch.device, copy_bytes: int
 ) -> dict[str, Any]:
     """Achieved bandwidth of each decode shape and its ratio to the copy bandwidth; the
-    issue's target is >= 0.8 at batch 64, context 2,048 (recorded, not asserted)."""
+    target is >= 0.8 at batch 64, context 2,048 (recorded, not asserted)."""
     copy_bw = copy_bandwidth(device, copy_bytes)
     rows = []
     for shape in shapes:

@@ -37,7 +37,7 @@ ROW_NAMES = {
     4: "HF generate, static batches",
     5: "HF continuous batching",
 }
-# Targets of the issue (ratios of output tokens/s).
+# Targets (row, baseline row, minimum ratio of output tokens/s; docs/benchmarks.md, "Offline").
 TARGETS = [(1, 3, 2.5), (1, 4, 10.0), (1, 5, 5.0)]
 
 

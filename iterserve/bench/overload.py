@@ -1,4 +1,4 @@
-"""``iterserve bench overload``: open-loop load at 2x the measured capacity (issue 15).
+"""``iterserve bench overload``: open-loop load at 2x the measured capacity.
 
 Three phases against one server, its RSS (process tree) and ``/load`` sampled throughout:
 

@@ -1,4 +1,4 @@
-"""``iterserve bench router``: what the router costs and what its policies buy (issue 12).
+"""``iterserve bench router``: what the router costs and what its policies buy.
 
 Three parts in one run, over simulated replicas (``serve --simulate cpu-smollm2``) and routers
 started as subprocesses (replicas on ``--base-port`` and up, the router on the next port):

@@ -1,4 +1,4 @@
-"""``iterserve bench soak``: a long run of mixed traffic under live config changes (issue 15).
+"""``iterserve bench soak``: a long run of mixed traffic under live config changes.
 
 Open-loop Poisson arrivals at ``--request-rate`` for ``--duration`` seconds: tiers (premium 20%,
 standard 50%, best-effort 30%), prompts of 16-1024 tokens (log-normal, median 200), outputs of

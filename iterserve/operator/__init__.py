@@ -1,4 +1,3 @@
-"""kopf operator for ``LLMDeployment`` resources (no torch, no engine).
-
-Implemented in a later issue.
+"""kopf operator for ``LLMDeployment`` resources (no torch, no engine): the spec, the pure
+builders of the objects it owns, the handlers and the live pushes (docs/kubernetes.md).
 """

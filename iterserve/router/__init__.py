@@ -1,1 +1,1 @@
-"""Least-KV-pressure router (no torch, no engine). Implemented in a later issue."""
+"""Least-KV-pressure router (no torch, no engine; docs/router.md)."""

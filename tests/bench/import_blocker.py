@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 
-# Top-level modules the lent machine has besides the standard library (issue 16).
+# Top-level modules the lent GPU machine has besides the standard library (docs/benchmarks.md).
 ALLOWED = frozenset(
     {
         "iterserve",

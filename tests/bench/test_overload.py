@@ -1,5 +1,5 @@
 """``iterserve bench overload --smoke`` against a simulated replica it starts: every check of
-the overload phase passes and the JSON has the issue's figures; the checks fail on the
+the overload phase passes and the JSON has the documented figures; the checks fail on the
 outcomes they exist to catch."""
 
 from __future__ import annotations

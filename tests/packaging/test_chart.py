@@ -613,7 +613,7 @@ def test_values_at_the_edge_of_the_grammars_render(helm: Path, tmp_path: Path) -
 
 
 def test_releases_in_two_namespaces_own_disjoint_objects(helm: Path) -> None:
-    """One operator per team (the issue's command): every object the two releases render, the
+    """One operator per team (docs/kubernetes.md): every object the two releases render, the
     cluster-scoped ClusterRole and ClusterRoleBinding included, is a different one, so Helm's
     ownership check lets both install. Cluster-wide, only the ClusterKopfPeering is shared (by
     design: two cluster-wide operators must see each other and pause)."""

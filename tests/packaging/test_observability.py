@@ -70,8 +70,8 @@ def render(
 
 @pytest.fixture(scope="module")
 def rendered(helm: Path) -> dict[str, list[dict[str, Any]]]:
-    # The issue's command: helm template charts/iterserve --set dashboard.enabled=true
-    # --set alerts.enabled=true
+    # As docs/observability.md installs it: helm template charts/iterserve
+    # --set dashboard.enabled=true --set alerts.enabled=true
     return render(helm, "dashboard.enabled=true", "alerts.enabled=true")
 
 
@@ -371,9 +371,9 @@ def test_the_dashboard_is_a_current_grafana_dashboard_with_the_issues_panels(
         for target in panel["targets"]:
             assert '$namespace"' in target["expr"] and "$llmdeployment" in target["expr"], target
             metrics |= {s.name for s in selectors(grafana_to_promql(target["expr"]))}
-    # The issue's list: throughput, TTFT/TPOT/ITL, queues and queue time, KV, preemptions,
-    # rejections, iterations, config version, router picks, retries, codes, ready replicas;
-    # the tenants issue's per-tenant queue time and rejections.
+    # The panels docs/observability.md lists: throughput, TTFT/TPOT/ITL, queues and queue
+    # time, KV, preemptions, rejections, iterations, config version, router picks, retries,
+    # codes, ready replicas; per-tenant queue time and rejections.
     assert {
         "iterserve_request_success_total", "iterserve_generation_tokens_total",
         "iterserve_time_to_first_token_seconds_bucket",

@@ -1,4 +1,4 @@
-"""The router at its edges (found by trying to break it): the end of the shutdown's grace
+"""The router at its edges: the end of the shutdown's grace
 period and a second SIGTERM end open requests with an error rather than cutting them, paths
 reach the replica as the client encoded them, the control app's errors are in OpenAI's shape,
 and a replica's event stream is relayed as a stream whatever the body's ``stream`` said."""
@@ -223,7 +223,7 @@ def test_paths_headers_streams_and_errors(monkeypatch: pytest.MonkeyPatch) -> No
                     assert time.perf_counter() - start < 0.8  # before the second event
                     rest = b"".join([c async for c in chunks])
                 assert rest.endswith(b"data: [DONE]\n\n")
-                # A replica's header outside latin-1 comes back as its bytes (was a 500).
+                # A replica's header outside latin-1 comes back as its bytes.
                 r = await http.get("/v1/utf8-header")
                 assert r.status_code == 200
                 assert (b"x-request-id", "café-€".encode()) in r.headers.raw
@@ -249,8 +249,8 @@ def test_paths_headers_streams_and_errors(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_a_replica_failing_its_requests_after_each_readmission_backs_off_longer() -> None:
     """A replica whose /load answers while its generations fail: each good probe re-admits it
-    and its next request fails; the backoff doubles each time (it was 0.5 s every time: a
-    request sent there, to hang until its first-byte timeout, every half second)."""
+    and its next request fails; the backoff doubles each time (a fixed one would send a
+    request there, to hang until its first-byte timeout, once per interval)."""
     from iterserve.router.pool import ReplicaPool
 
     async def fetch(url: str, headers: dict[str, str]) -> tuple[int, bytes]:

@@ -1,6 +1,6 @@
-"""Admission's expected queue wait follows the scheduler's order, aging included (found by
-``bench overload``: at 2x capacity premium requests were admitted with "nothing ahead" and
-then waited 6-9 s behind standard and best-effort requests that had aged to premium)."""
+"""Admission's expected queue wait follows the scheduler's order, aging included: a premium
+request is not told "nothing ahead" while standard and best-effort requests that have aged to
+premium wait ahead of it."""
 
 from __future__ import annotations
 
@@ -65,9 +65,9 @@ def test_requests_that_age_past_it_during_the_wait_count_too() -> None:
 
 
 def test_more_urgent_arrivals_overtake_a_lower_tier_until_it_ages() -> None:
-    """Found by ``bench overload`` on the real model: best-effort work promised the wait of
-    the queue ahead of it was overtaken by every premium arrival until it aged to premium,
-    waited 10 s against an 8 s limit, and then took the seats of new premium requests."""
+    """Best-effort work is overtaken by every more urgent arrival until it ages to premium: its
+    expected wait counts those arrivals, so its tier's limit refuses it up front rather than
+    promising the wait of the queue ahead of it and letting it age into new premium seats."""
     clock = Clock()
     admission = Admission(clock)
     tiers = (
@@ -144,7 +144,7 @@ def test_the_bisected_count_equals_aging_every_queued_request() -> None:
 
 def test_the_wait_estimate_holds_at_the_priority_bounds() -> None:
     # Request priorities are bounded to (-2**53, 2**53) (RequestLimits.resolve_priority): at
-    # the bounds the estimate's float arithmetic does not overflow (10**400 did: a 500).
+    # the bounds the estimate's float arithmetic does not overflow.
     clock = Clock()
     admission = _admission_draining_one_per_s(clock)
     config = SchedulerConfig(tiers=TIERS, aging_interval_s=MAX_AGING_INTERVAL_S, max_waiting=100)

@@ -178,7 +178,7 @@ def test_fuzz_over_the_fake_engine(fake_schema: Any, method: str, path: str) -> 
     fuzz(fake_schema, method, path, max_examples=FAKE_EXAMPLES, max_tokens=8, max_n=4)
 
 
-# ----------------------------------------------------------------- found by the fuzzer
+# ----------------------------------------------- inputs the schema allows at the edges
 
 
 @pytest.mark.parametrize("token_id", [-1, 2**64])

@@ -262,7 +262,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     (CMPL, "wrong prompt type", {"prompt": {"a": 1}}, 400, "prompt"),
     (CMPL, "token id out of vocab", {"prompt": [10**9]}, 400, "prompt"),
     (CMPL, "unknown tier", {"prompt": "hi", "priority": "gold"}, 400, "priority"),
-    # unbounded, it overflowed admission's float wait estimate: a 500 for later requests
+    # bounded to (-2**53, 2**53), so that admission's float wait estimate cannot overflow
     (CMPL, "huge priority", {"prompt": "hi", "priority": 10**400}, 400, "priority"),
     (CMPL, "huge negative priority", {"prompt": "hi", "priority": -(2**53)}, 400, "priority"),
     (CMPL, "bad seed", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
