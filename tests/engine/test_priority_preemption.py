@@ -221,8 +221,8 @@ def test_a_request_swapped_in_this_iteration_is_no_victim_and_others_are_recompu
 
 
 # ----------------------------------------------------------------- no preemption for nothing
-# (breaker findings: each preempted a victim and still did not admit the arrival, which then
-# blocked the queue's head; the victim waited behind it with its KV gone)
+# (a preemption that does not admit the arrival loses the victim's KV for nothing, and the
+# arrival then blocks the queue's head with the victim waiting behind it)
 
 
 def _kv_harness(num_kv_blocks: int, **kwargs: Any) -> Harness:
