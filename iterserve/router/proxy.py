@@ -1,15 +1,15 @@
 """The router's proxy: ``/v1/*``, ``/tokenize`` and ``/detokenize`` sent on to a replica,
 answers relayed back.
 
-Per request (:meth:`Proxy.__call__`): refuse what must not go on (shutdown, method, key,
-path), read the body (for the prefix key), then per attempt: :meth:`~Proxy.pick` a ready
-replica not tried yet (:mod:`iterserve.router.scoring`), :meth:`~Proxy.forward` the request
-with the replicas' key and :meth:`~Proxy.relay` the answer: SSE chunk by chunk as the replica
-writes them, or whole. A client that goes away closes the upstream request, so the replica
-aborts it and frees its KV blocks. A failure before the first byte is retried on another
-replica as :class:`~iterserve.router.retry.RetryPolicy` says; when none does better the last
-replica's answer (a 429 with its ``Retry-After``, a 5xx) is passed through, else a 502, or a
-503 with ``Retry-After`` when no replica is ready. Every attempt counts in the replica's
+Per request (:meth:`Proxy.__call__`): refuse what must not go on (shutdown, method, key, path),
+read the body (for the prefix key), then per attempt: :meth:`~Proxy.pick` a ready replica not
+tried yet (:mod:`iterserve.router.scoring`), :meth:`~Proxy.forward` the request with the
+replicas' key and relay the answer (:class:`~iterserve.router.relay.Relay`): SSE chunk by chunk
+as the replica writes them, or whole. A client that goes away closes the upstream request, so
+the replica aborts it and frees its KV blocks. A failure before the first byte is retried on
+another replica as :class:`~iterserve.router.retry.RetryPolicy` says; when none does better the
+last replica's answer (a 429 with its ``Retry-After``, a 5xx) is passed through, else a 502, or
+a 503 with ``Retry-After`` when no replica is ready. Every attempt counts in the replica's
 in-flight numbers (:meth:`~iterserve.router.pool.ReplicaPool.begin_attempt`).
 
 Plain ASGI over an aiohttp client: a relayed chunk costs one read and one ``send``, no
@@ -23,8 +23,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
-from typing import Protocol
+from collections.abc import AsyncIterator
 
 import aiohttp
 import yarl
@@ -34,11 +33,9 @@ from iterserve.router.asgi import (
     BodyTooLarge,
     ClientGone,
     ProxiedRequest,
-    RawHeaders,
     Receive,
     Scope,
     Send,
-    back_headers,
     forward_headers,
     read_body,
     retry_later,
@@ -50,13 +47,8 @@ from iterserve.router.asgi import (
 from iterserve.router.config import RouterConfig
 from iterserve.router.metrics import RouterMetrics
 from iterserve.router.pool import Backend, ReplicaPool
-from iterserve.router.retry import (
-    AttemptFailed,
-    Attempts,
-    RetryPolicy,
-    RetryReason,
-    UpstreamAnswer,
-)
+from iterserve.router.relay import Relay, close_when
+from iterserve.router.retry import AttemptFailed, Attempts, RetryPolicy, UpstreamAnswer
 from iterserve.router.scoring import NoReplicaError, Picker, prefix_key
 
 logger = logging.getLogger("iterserve.router")
@@ -64,30 +56,6 @@ logger = logging.getLogger("iterserve.router")
 # Idle upstream connections are dropped before uvicorn's replicas close theirs (5 s), so a
 # request never goes out on a connection the replica is closing.
 KEEPALIVE_S = 4.0
-# The last event of a stream whose replica went away, and of one still open when the
-# router's shutdown grace period is over.
-_CUT_EVENT = APIError(502, "the replica serving this stream went away", "bad_gateway").event()
-_SHUTDOWN_EVENT = APIError(503, "the router is shutting down", "service_unavailable_error").event()
-
-
-class UpstreamBody(Protocol):
-    def iter_any(self) -> AsyncIterator[bytes]: ...
-
-
-class UpstreamResponse(Protocol):
-    """What the relay reads of a replica's response (an ``aiohttp.ClientResponse``)."""
-
-    status: int
-
-    @property
-    def headers(self) -> Mapping[str, str]: ...  # case-insensitive names
-
-    @property
-    def content(self) -> UpstreamBody: ...
-
-    async def read(self) -> bytes: ...
-
-    def close(self) -> None: ...
 
 
 class Proxy:
@@ -114,6 +82,7 @@ class Proxy:
         self.active: set[ProxiedRequest] = set()
         self.aborting = False
         self.http: aiohttp.ClientSession | None = None
+        self.relay = Relay(pool, metrics)
 
     @contextlib.asynccontextmanager
     async def connected(self) -> AsyncIterator[aiohttp.ClientSession]:
@@ -272,7 +241,7 @@ class Proxy:
                     await send_error(send, shutting_down())
                 return
             # From here the response is ours to close; a disconnect closes it too.
-            closer = asyncio.ensure_future(_close_when(request.gone, response))
+            closer = asyncio.ensure_future(close_when(request.gone, response))
             try:
                 await self.relay(request, send, backend, response)
             finally:
@@ -334,81 +303,6 @@ class Proxy:
         finally:
             gone.cancel()
 
-    async def relay(
-        self, request: ProxiedRequest, send: Send, backend: Backend, response: UpstreamResponse
-    ) -> None:
-        """``response`` to the client: an event stream chunk by chunk (whatever the request
-        body's ``stream`` looked like to the router), anything else whole.
-
-        Raises:
-            AttemptFailed: ``status_429`` or ``status_5xx``, with the answer read whole.
-        """
-        code = response.status
-        self.metrics.requests.labels(replica=backend.name, code=str(code)).inc()
-        back = back_headers(response.headers, backend.name)
-        if code >= 500 or code == 429:
-            try:
-                body = await response.read()
-            except aiohttp.ClientError:
-                body = b""
-            reason: RetryReason = "status_5xx" if code >= 500 else "status_429"
-            raise AttemptFailed(reason, UpstreamAnswer(code, back, body))
-        self.pool.record_success_request(backend)
-        if response.headers.get("content-type", "").startswith("text/event-stream"):
-            await self._relay_stream(request, send, backend, response, back)
-        else:
-            await self._relay_whole(request, send, backend, response, back)
-
-    async def _relay_whole(
-        self,
-        request: ProxiedRequest,
-        send: Send,
-        backend: Backend,
-        response: UpstreamResponse,
-        back: RawHeaders,
-    ) -> None:
-        try:
-            body = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as e:  # cut off after the headers
-            if request.gone.is_set():
-                if request.aborted:
-                    await send_error(send, shutting_down())
-                return
-            self.pool.record_failure(backend, f"body: {type(e).__name__}", request=True)
-            await send_error(
-                send, retry_later(502, "the replica's answer was cut off", "bad_gateway")
-            )
-            return
-        if not request.gone.is_set():
-            await send_whole(send, response.status, back, body)
-
-    async def _relay_stream(
-        self,
-        request: ProxiedRequest,
-        send: Send,
-        backend: Backend,
-        response: UpstreamResponse,
-        back: RawHeaders,
-    ) -> None:
-        """Chunks as they come; a stream the replica cuts ends with an error event, one the
-        client left just stops, one the shutdown ends gets the shutdown's error event."""
-        await send({"type": "http.response.start", "status": response.status, "headers": back})
-        try:
-            async for chunk in response.content.iter_any():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (aiohttp.ClientError, TimeoutError) as e:  # the replica died or hung mid-stream
-            if request.aborted:  # the router's shutdown closed it
-                last = _SHUTDOWN_EVENT
-            elif request.gone.is_set():
-                return  # we closed it: the client left
-            else:
-                logger.warning("stream from %s cut off: %s: %s", backend.name, type(e).__name__, e)
-                self.metrics.requests.labels(replica=backend.name, code="stream_cut").inc()
-                self.pool.record_failure(backend, "stream cut off", request=True)
-                last = _CUT_EVENT
-            await send({"type": "http.response.body", "body": last, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
 
 def answer_after(attempts: Attempts) -> UpstreamAnswer | APIError:
     """What a request gets when no attempt answered it: the last replica's own answer (a 429
@@ -438,10 +332,3 @@ def _prefix_key(body: bytes) -> bytes | None:
     else:
         key = None
     return key or None
-
-
-async def _close_when(gone: asyncio.Event, response: UpstreamResponse) -> None:
-    """Close ``response`` once the client has gone: the replica sees the disconnect and
-    aborts (a read waiting on it ends with a connection error)."""
-    await gone.wait()
-    response.close()

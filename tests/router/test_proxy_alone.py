@@ -17,7 +17,8 @@ from iterserve.router.asgi import ProxiedRequest
 from iterserve.router.config import RouterConfig
 from iterserve.router.metrics import RouterMetrics
 from iterserve.router.pool import Backend, ReplicaPool
-from iterserve.router.proxy import _CUT_EVENT, _SHUTDOWN_EVENT, Proxy
+from iterserve.router.proxy import Proxy
+from iterserve.router.relay import CUT_EVENT, SHUTDOWN_EVENT
 from iterserve.router.retry import AttemptFailed
 from iterserve.router.scoring import Picker
 
@@ -215,8 +216,8 @@ def test_a_stream_the_replica_cuts_ends_with_an_error_event() -> None:
     proxy, client = _proxy(), Client()
     cut = aiohttp.ClientPayloadError("Response payload is not completed")
     _relay(proxy, FakeResponse(chunks=(b"data: 1\n\n",), end=cut), client, _request())
-    assert client.body == b"data: 1\n\n" + _CUT_EVENT
-    assert json.loads(_CUT_EVENT[len(b"data: ") :])["error"]["type"] == "bad_gateway"
+    assert client.body == b"data: 1\n\n" + CUT_EVENT
+    assert json.loads(CUT_EVENT[len(b"data: ") :])["error"]["type"] == "bad_gateway"
     assert client.ended
     assert proxy.pool.backends[A].request_failures == 1
     assert proxy.metrics.requests.labels(replica=A, code="stream_cut")._value.get() == 1
@@ -266,7 +267,7 @@ def test_the_shutdown_ends_an_open_stream_with_its_error_event() -> None:
     proxy.active.add(request)
     client = Client(on_chunk=lambda: proxy.abort_active())
     _forward(proxy, request, client)
-    assert client.body == b"data: 1\n\n" + _SHUTDOWN_EVENT
+    assert client.body == b"data: 1\n\n" + SHUTDOWN_EVENT
     assert client.ended
     assert proxy.pool.backends[A].request_failures == 0
 
@@ -289,30 +290,43 @@ def _route(proxy: Proxy, request: ProxiedRequest) -> Client:
     return client
 
 
+def _in_pick_order(proxy: Proxy) -> list[str]:
+    """The replicas in the order ``round_robin`` tries them (the pool's order)."""
+    return [state.name for state in proxy.pool.states()]
+
+
 def test_a_failed_attempt_is_retried_on_the_other_replica() -> None:
     proxy = _proxy((A, B), backend_api_key="inner")
+    first, second = _in_pick_order(proxy)
     ok = FakeResponse(headers={"content-type": "application/json"}, chunks=(b"{}",))
-    http = FakeHTTP({A: aiohttp.ClientConnectionError("refused"), B: ok})
+    http = FakeHTTP({first: aiohttp.ClientConnectionError("refused"), second: ok})
     proxy.http = http
     client = _route(proxy, _request(authorization="Bearer outer", x_request_id="r1"))
     assert client.status == 200 and client.body == b"{}"
-    assert [url for _, url, _ in http.sent] == [A + "/v1/completions", B + "/v1/completions"]
+    assert [url for _, url, _ in http.sent] == [
+        f"{first}/v1/completions",
+        f"{second}/v1/completions",
+    ]
     headers = http.sent[1][2]["headers"]
     assert headers["authorization"] == "Bearer inner"  # the replicas' key, not the client's
     assert headers["x-request-id"] == "r1"
-    assert proxy.pool.backends[A].request_failures == 1
+    assert proxy.pool.backends[first].request_failures == 1
+    assert proxy.pool.backends[second].request_failures == 0
     assert proxy.metrics.retries.labels(reason="connect")._value.get() == 1
+    assert all(b.in_flight == 0 for b in proxy.pool.backends.values())
 
 
 def test_a_429_then_a_failure_passes_the_429_through_without_blaming_the_full_replica() -> None:
     proxy = _proxy((A, B))
+    full_one, failing = _in_pick_order(proxy)
     full = FakeResponse(429, {"retry-after": "7"}, (b"full",))
-    proxy.http = FakeHTTP({A: full, B: TimeoutError()})
+    proxy.http = FakeHTTP({full_one: full, failing: TimeoutError()})
     client = _route(proxy, _request())
     assert client.status == 429 and client.body == b"full"
     assert (b"retry-after", b"7") in client.messages[0]["headers"]
-    assert proxy.pool.backends[A].request_failures == 0
-    assert proxy.pool.backends[B].request_failures == 1
+    assert (b"x-routed-to", full_one.encode()) in client.messages[0]["headers"]
+    assert proxy.pool.backends[full_one].request_failures == 0
+    assert proxy.pool.backends[failing].request_failures == 1
 
 
 def test_no_ready_replica_is_a_503_to_retry_later() -> None:
