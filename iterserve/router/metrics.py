@@ -10,6 +10,8 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
+from iterserve.router.retry import RETRY_REASONS
+
 # No ``*_created`` series (as the server's).
 disable_created_metrics()
 
@@ -44,7 +46,7 @@ class RouterMetrics:
             registry=r,
         )
         self.ready_replicas = Gauge(p + "ready_replicas", "Replicas receiving traffic", registry=r)
-        for reason in ("connect", "timeout", "status_5xx", "status_429"):
+        for reason in RETRY_REASONS:
             self.retries.labels(reason=reason)
         # The 503 series exists at 0 from the start: Prometheus' rate() sees no increase in a
         # series' first sample, so the first "no ready replica" would not count in the rate

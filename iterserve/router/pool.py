@@ -1,5 +1,8 @@
 """The router's replicas: their load reports, in-flight counts, ejection and probing back.
 
+Every proxied attempt is bracketed by :meth:`ReplicaPool.begin_attempt` and
+:meth:`~ReplicaPool.end_attempt`: the pool alone changes a replica's in-flight numbers.
+
 Each replica is polled every ``poll_interval_s`` with a bounded timeout (iterserve: ``/load``;
 vLLM and SGLang: ``/metrics``; see :mod:`iterserve.router.backends`). A replica is *ready*
 while its last poll succeeded and it is not ejected. ``eject_after`` consecutive failures
@@ -27,7 +30,7 @@ from iterserve.router.backends import (
     parse_iterserve_load,
     parse_prometheus_load,
 )
-from iterserve.router.scoring import ReplicaState
+from iterserve.router.scoring import LoadReport, ReplicaState
 
 logger = logging.getLogger("iterserve.router")
 
@@ -50,6 +53,15 @@ class Backend:
     @property
     def name(self) -> str:
         return self.state.name
+
+
+@dataclass(frozen=True)
+class OpenAttempt:
+    """A proxied request being sent to ``backend`` (:meth:`ReplicaPool.begin_attempt`), and
+    the replica's report current when it began."""
+
+    backend: Backend
+    report: LoadReport | None
 
 
 # GET a URL with headers: (status, body). Polls go through one (aiohttp's in the router).
@@ -110,6 +122,25 @@ class ReplicaPool:
 
     def ready(self) -> list[Backend]:
         return [b for b in self.backends.values() if b.state.ready]
+
+    # ----------------------------------------------------------------- in flight
+
+    def begin_attempt(self, b: Backend) -> OpenAttempt:
+        """A proxied request is being sent to ``b``: it counts in ``b.in_flight`` until
+        :meth:`end_attempt`, and in ``b``'s score (``in_flight_since_report``) until then or
+        until the replica's next report, which counts it itself."""
+        b.in_flight += 1
+        b.state.in_flight_since_report += 1
+        return OpenAttempt(b, b.state.report)
+
+    def end_attempt(self, attempt: OpenAttempt) -> None:
+        """The request of ``attempt`` is over (answered, failed or abandoned). If no report
+        came meanwhile it no longer loads the replica and no report will take it off; after a
+        report, the poll has already reset the count from what is open."""
+        b = attempt.backend
+        b.in_flight -= 1
+        if b.state.report is attempt.report:
+            b.state.in_flight_since_report = max(0, b.state.in_flight_since_report - 1)
 
     # ----------------------------------------------------------------- polling
 

@@ -3,7 +3,6 @@ drain's count of active generation requests, arrival times, and the JSON access 
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -15,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iterserve.config import ServerConfig
-from iterserve.server.protocol import APIError
+from iterserve.openai_http import APIError, bearer_matches, invalid_api_key
 from iterserve.server.state import ServerState
 
 access_logger = logging.getLogger("iterserve.access")
@@ -34,13 +33,6 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"the request body is larger than {limit} bytes")
 
 
-def _bearer_credentials(value: bytes) -> bytes | None:
-    """The credentials of an ``Authorization: Bearer ...`` header, else None (the scheme is
-    case-insensitive, RFC 9110 section 11.1)."""
-    scheme, _, credentials = value.partition(b" ")
-    return credentials if scheme.lower() == b"bearer" else None
-
-
 class ServerMiddleware:
     """Pure ASGI middleware: request ids, the body-size limit, the drain's count of active
     generation requests, and one structured (JSON) access-log line per request."""
@@ -52,7 +44,7 @@ class ServerMiddleware:
 
     def _auth_error(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
         """Checked before the body is parsed, so a bad key is 401 whatever the body."""
-        given = _bearer_credentials(headers.get(b"authorization", b""))
+        authorization = headers.get(b"authorization", b"")
         if path.startswith("/admin/"):
             token = self.server_config.admin_token
             if token is None:
@@ -62,17 +54,12 @@ class ServerMiddleware:
                     "(or ITERSERVE_ADMIN_TOKEN) to enable it",
                     type="permission_error",
                 )
-            if given is None or not hmac.compare_digest(given, token.encode()):
+            if not bearer_matches(authorization, token):
                 return APIError(401, "invalid or missing admin token", type="authentication_error")
-        elif path.startswith(API_KEY_PATHS) and self.server_config.api_key is not None:
-            expected = self.server_config.api_key.encode()
-            if given is None or not hmac.compare_digest(given, expected):
-                return APIError(
-                    401,
-                    "invalid or missing API key",
-                    type="authentication_error",
-                    code="invalid_api_key",
-                )
+            return None
+        key = self.server_config.api_key
+        if key is not None and path.startswith(API_KEY_PATHS):
+            return None if bearer_matches(authorization, key) else invalid_api_key()
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -1,4 +1,5 @@
-"""OpenAI request and response bodies (pydantic) and the OpenAI error shape.
+"""OpenAI request and response bodies (pydantic); the error shape (``APIError``,
+``ErrorResponse``) is :mod:`iterserve.openai_http`'s, shared with the router.
 
 pydantic checks JSON types strictly (``true`` is no 1 and no 1.0, ``"0.5"`` no number,
 ``"yes"`` no ``true``; an integer is a number); value ranges are checked once, by
@@ -24,49 +25,13 @@ from pydantic import (
 )
 from typing_extensions import TypedDict
 
+from iterserve.openai_http import APIError as APIError
+from iterserve.openai_http import ErrorDetail as ErrorDetail
+from iterserve.openai_http import ErrorResponse as ErrorResponse
+
 # OpenAI's limits: completions `logprobs` <= 5, chat `top_logprobs` <= 20.
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape.
-
-    Args:
-        status: HTTP status code.
-        message: what went wrong and, where possible, how to fix it.
-        type: OpenAI's error type (``invalid_request_error``, ...).
-        param: the offending request field, if any.
-        code: a machine-readable code (``model_not_found``, ``queue_full``, ...).
-        headers: extra response headers (``Retry-After``).
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 def not_supported(feature: str, param: str | None = None) -> APIError:
@@ -380,19 +345,6 @@ class CompletionChunk(BaseModel):
 
 
 # ----------------------------------------------------------------- other response bodies
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    """Every error answer (:meth:`APIError.body`), and the error event that ends a stream."""
-
-    error: ErrorDetail
 
 
 class ModelCard(BaseModel):

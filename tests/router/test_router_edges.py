@@ -238,7 +238,7 @@ def test_paths_headers_streams_and_errors(monkeypatch: pytest.MonkeyPatch) -> No
                 assert r.status_code == 500
                 assert r.json()["error"]["type"] == "internal_server_error"
                 await until(lambda: pool_of(app).backends[fake_url].in_flight == 0, "zero")
-                assert app.num_active == 0 and not app.active.requests
+                assert app.num_active == 0 and not app.proxy.active
         finally:
             fake.should_exit = True
             await task

@@ -1,0 +1,145 @@
+"""The router's settings: one frozen dataclass, whose fields are ``iterserve router``'s flags
+(:mod:`iterserve.router.cli_args` derives them: the defaults live here only).
+
+Standard library and :mod:`iterserve.router.scoring` only: building the CLI parser loads
+nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Literal
+
+from iterserve import envs
+from iterserve.router.scoring import POLICIES
+
+BackendType = Literal["auto", "iterserve", "vllm", "sglang"]
+
+# Flags that must be positive and finite.
+_POSITIVE = (
+    "poll_interval_ms", "poll_timeout_ms", "stale_after_ms", "connect_timeout_s",
+    "first_byte_timeout_s", "read_timeout_s", "max_request_body_bytes",
+    "shutdown_grace_period_s",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything ``iterserve router`` is told (field ``x_y`` is flag ``--x-y``).
+
+    Field metadata: ``help``; ``metavar``; ``choices``; ``negative_flag`` (a flag
+    ``--no-x-y`` turns the field off, and the field has no flag of its own).
+
+    Raises:
+        ValueError: inconsistent settings (message naming the flag).
+    """
+
+    backend: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "a replica's base URL, e.g. http://10.0.0.5:8000 (repeatable)",
+            "metavar": "URL",
+        },
+    )
+    backend_type: BackendType = field(
+        default="auto",
+        metadata={
+            "help": "how replicas report load: iterserve /load, or vLLM / SGLang "
+            "/metrics (auto: detected per replica)"
+        },
+    )
+    k8s_service: str | None = field(
+        default=None, metadata={"help": "discover replicas from this Service"}
+    )
+    namespace: str = field(default="default", metadata={"help": "the Service's namespace"})
+    k8s_port_name: str = field(default="http", metadata={"help": "the EndpointSlice port to use"})
+    policy: str = field(
+        default="least_kv", metadata={"help": "how replicas are picked", "choices": POLICIES}
+    )
+    session_header: str = field(
+        default="x-session-id", metadata={"help": "policy session: the sticky header"}
+    )
+    prefix_affinity: bool = field(
+        default=True,
+        metadata={
+            "help": "least_kv without prefix affinity (on by default)",
+            "negative_flag": True,
+        },
+    )
+    poll_interval_ms: float = field(default=50.0, metadata={"help": "load polls per replica"})
+    poll_timeout_ms: float = field(default=400.0, metadata={"help": "(below --stale-after-ms)"})
+    stale_after_ms: float = field(
+        default=500.0, metadata={"help": "older reports score as saturated"}
+    )
+    eject_after: int = field(default=3, metadata={"help": "consecutive failures that eject"})
+    connect_timeout_s: float = field(default=2.0, metadata={"help": "to a replica"})
+    first_byte_timeout_s: float = field(
+        default=300.0,
+        metadata={"help": "until a replica's response headers (non-streamed answers come whole)"},
+    )
+    read_timeout_s: float = field(default=600.0, metadata={"help": "between stream chunks"})
+    max_request_body_bytes: int = field(default=4 << 20, metadata={"help": "larger bodies get 413"})
+    shutdown_grace_period_s: float = field(
+        default=30.0,
+        metadata={"help": "after SIGTERM: /ready 503, open requests served for up to this long"},
+    )
+    host: str = field(default="0.0.0.0", metadata={"help": "address to listen on"})
+    port: int = field(default=8080, metadata={"help": "TCP port"})
+    api_key: str | None = field(
+        default=None, metadata={"help": "Bearer key clients must send (env ITERSERVE_API_KEY)"}
+    )
+    backend_api_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "the key the replicas expect; clients' own keys are not forwarded "
+            "(env ITERSERVE_BACKEND_API_KEY)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not self.backend and not self.k8s_service:
+            raise ValueError("give --backend URL (repeatable) or --k8s-service NAME")
+        if self.backend and self.k8s_service:
+            raise ValueError("give either --backend or --k8s-service, not both")
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"{_flag(name)} must be a positive number, got {value}")
+        if self.poll_timeout_ms >= self.stale_after_ms:
+            raise ValueError("--poll-timeout-ms must be below --stale-after-ms")
+        for url in self.backend:
+            _check_url(url)
+        if self.eject_after < 1:
+            raise ValueError("--eject-after must be >= 1")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouterConfig:
+        """The settings from parsed flags; an unset ``--api-key`` / ``--backend-api-key``
+        falls back to ``ITERSERVE_API_KEY`` / ``ITERSERVE_BACKEND_API_KEY``.
+
+        Raises:
+            ValueError: as the constructor.
+        """
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        values["backend"] = tuple(values["backend"])
+        values["api_key"] = values["api_key"] or envs.ITERSERVE_API_KEY
+        values["backend_api_key"] = values["backend_api_key"] or envs.ITERSERVE_BACKEND_API_KEY
+        return cls(**values)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_url(url: str) -> None:
+    parsed = urllib.parse.urlparse(url)
+    try:
+        port = parsed.port
+    except ValueError as e:
+        raise ValueError(f"--backend {url!r}: {e}") from e
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or port == 0:
+        raise ValueError(f"--backend must look like http://host:port, got {url!r}")
