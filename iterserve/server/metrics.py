@@ -42,7 +42,15 @@ class ServerMetrics:
     """
 
     def __init__(self, tenant_label_limit: int = 20) -> None:
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self.tenant_labels = TenantLabels(tenant_label_limit)
+        self._tenant_series: set[str] = set()  # label values whose series exist
+        self._add_gauges(self.registry)
+        self._add_counters(self.registry)
+        self._add_histograms(self.registry)
+        self._create_series()
+
+    def _add_gauges(self, r: CollectorRegistry) -> None:
         p = "iterserve_"
         self.num_running = Gauge(p + "num_requests_running", "Requests running", registry=r)
         self.num_waiting = Gauge(p + "num_requests_waiting", "Requests waiting", registry=r)
@@ -74,6 +82,9 @@ class ServerMetrics:
             ["tier"],
             registry=r,
         )
+
+    def _add_counters(self, r: CollectorRegistry) -> None:
+        p = "iterserve_"
         self.prompt_tokens = Counter(
             p + "prompt_tokens", "Prompt tokens computed (prefill)", registry=r
         )
@@ -93,6 +104,21 @@ class ServerMetrics:
         self.prefix_hits = Counter(
             p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
         )
+        self.tenant_rejected = Counter(
+            p + "tenant_requests_rejected",
+            "Requests refused by admission (429/503)",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.telemetry_dropped = Counter(
+            p + "telemetry_records_dropped",
+            "Telemetry rows dropped (the writer's queue was full, or a write failed)",
+            ["table"],
+            registry=r,
+        )
+
+    def _add_histograms(self, r: CollectorRegistry) -> None:
+        p = "iterserve_"
 
         def histogram(name: str, doc: str, labels: Iterable[str] = (), buckets: Any = None) -> Any:
             return Histogram(
@@ -109,24 +135,13 @@ class ServerMetrics:
         self.tenant_queue_time = histogram(
             "tenant_request_queue_time_seconds", "Arrival to first admission", ["tenant"]
         )
-        self.tenant_rejected = Counter(
-            p + "tenant_requests_rejected",
-            "Requests refused by admission (429/503)",
-            ["tenant", "reason"],
-            registry=r,
-        )
-        self.tenant_labels = TenantLabels(tenant_label_limit)
-        self._tenant_series: set[str] = set()  # label values whose series exist
         self.iteration_latency = histogram("iteration_latency_seconds", "One engine iteration")
         self.iteration_tokens = histogram(
             "iteration_tokens", "Tokens of one iteration", ["phase"], _TOKEN_BUCKETS
         )
-        self.telemetry_dropped = Counter(
-            p + "telemetry_records_dropped",
-            "Telemetry rows dropped (the writer's queue was full, or a write failed)",
-            ["table"],
-            registry=r,
-        )
+
+    def _create_series(self) -> None:
+        """The labelled series that exist before their first event, at zero."""
         for mode in ("recompute", "swap"):
             for cause in ("kv", "priority"):
                 self.preemptions.labels(mode=mode, reason=cause)

@@ -143,7 +143,9 @@ def test_speed_scales_wall_time_and_metrics_keep_profile_time(profile_file: Path
                 if line.startswith(f"iterserve_iteration_latency_seconds_{name} "):
                     values[name] = float(line.split()[1])
         mean = values["sum"] / values["count"]
-        assert FIXED_S <= mean <= 1.5 * FIXED_S  # profile seconds, not wall seconds
+        # Profile seconds, not wall seconds (those would be a tenth); a busy machine delays
+        # the scaled clock's thread, and each wall millisecond late reads as ten.
+        assert FIXED_S <= mean <= 3 * FIXED_S
 
 
 def test_tensor_parallel_degree_must_match_the_profile(profile_file: Path, capsys: Any) -> None:

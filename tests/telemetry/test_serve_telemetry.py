@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,25 @@ def _rows(db: Path, query: str) -> list[dict[str, Any]]:
         conn.close()
 
 
-def _poll(db: Path, query: str, count: int, timeout_s: float = 20.0) -> list[dict[str, Any]]:
+def _poll(
+    db: Path,
+    query: str,
+    count: int,
+    timeout_s: float = 20.0,
+    until: Callable[[list[dict[str, Any]]], bool] = lambda rows: True,
+) -> list[dict[str, Any]]:
+    """The rows of ``query`` once there are ``count`` of them and ``until(rows)`` holds: the
+    writer commits in batches, so a test waits for what its assertions need, not for the
+    first row."""
     deadline = time.monotonic() + timeout_s
-    while len(rows := _rows(db, query)) < count:
+    while len(rows := _rows(db, query)) < count or not until(rows):
         assert time.monotonic() < deadline, f"{len(rows)} rows of {query!r}, wanted {count}"
         time.sleep(0.05)
     return rows
+
+
+def _decode_tokens(rows: list[dict[str, Any]]) -> int:
+    return sum(row["num_decode_tokens"] for row in rows)
 
 
 def test_resolve_tenant() -> None:
@@ -79,7 +93,13 @@ def test_serve_writes_the_tables(tmp_path: Path, capsys: Any) -> None:
             version = r.json()["config_version"]
             seqs = _poll(db, "SELECT * FROM sequences ORDER BY rowid", 3)
             configs = _poll(db, "SELECT * FROM scheduler_config ORDER BY rowid", 2)
-            iterations = _poll(db, "SELECT * FROM scheduler_iterations ORDER BY rowid", 1)
+            # 4 decodes x 2 requests (the chat's single token needs none).
+            iterations = _poll(
+                db,
+                "SELECT * FROM scheduler_iterations ORDER BY rowid",
+                1,
+                until=lambda rows: _decode_tokens(rows) >= 8,
+            )
             metrics = client.get("/metrics").text
     assert [s["tenant_id"] for s in seqs] == ["team-a", "alice", "default"]
     assert [s["priority_tier"] for s in seqs] == ["standard", "premium", "standard"]
@@ -103,7 +123,7 @@ def test_serve_writes_the_tables(tmp_path: Path, capsys: Any) -> None:
     assert {"aging_interval_s", "priority_preemption_margin", "max_waiting"} <= set(settings)
     ids = [i["iteration_id"] for i in iterations]
     assert ids == list(range(1, len(ids) + 1))
-    assert sum(i["num_decode_tokens"] for i in iterations) >= 8  # 4 decodes x 2 requests
+    assert _decode_tokens(iterations) >= 8
     assert sum(i["num_prefill_tokens"] for i in iterations) > 0
     assert all(i["batch_size"] >= 1 and i["iteration_latency_ms"] > 0 for i in iterations)
     assert 'iterserve_telemetry_records_dropped_total{table="scheduler_iterations"} 0.0' in metrics
