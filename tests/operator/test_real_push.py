@@ -1,6 +1,10 @@
 """The operator's live push (:func:`iterserve.operator.push.sync_pods`, what every reconcile
-runs) on two real ``iterserve serve`` replicas of the default model while they stream: no
-stream fails or loses a token, and both replicas end on the desired settings."""
+runs) on two real ``iterserve serve`` replicas while they stream: no stream fails or loses a
+token, and both replicas end on the desired settings.
+
+The replicas are simulated (the real server, scheduler and KV manager over the cpu-smollm2
+latency profile): what the push meets is the HTTP admin API and the engine's settings swap
+between iterations. The real model under a live change is tests/server/test_real_model.py's."""
 
 from __future__ import annotations
 
@@ -10,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-import pytest
 from server_utils import run_server, stream_completion
 
 from iterserve.operator.push import PodTarget, sync_pods
@@ -33,9 +36,8 @@ SPEC: dict[str, Any] = {
 }
 
 
-@pytest.mark.model
 def test_a_live_push_under_streaming_load_loses_nothing() -> None:
-    flags = ("--dtype", "bfloat16", "--num-kv-blocks", "128", "--admin-token", TOKEN)
+    flags = ("--simulate", "cpu-smollm2", "--num-kv-blocks", "128", "--admin-token", TOKEN)
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
         starting = [pool.submit(stack.enter_context, run_server(*flags)) for _ in range(2)]
         servers = [s.result() for s in starting]
