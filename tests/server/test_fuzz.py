@@ -76,13 +76,15 @@ def credentials(case: schemathesis.Case) -> dict[str, str]:
 def bound(case: schemathesis.Case, max_tokens: int, max_n: int) -> None:
     """Keep generation cheap and inside the limits JSON Schema cannot state (they relate two
     fields, or the model's context): integer ``max_tokens`` / ``max_completion_tokens`` / ``n``
-    capped (chat without either gets ``max_tokens``: its default is the rest of the context),
+    capped (a body without either gets ``max_tokens``),
     ``min_tokens`` at most ``max_tokens``, ``best_of`` equal to ``n``, ``seed`` at most
-    ``2**63 - n``, prompts x n within the per-request sequences. Other types are left alone,
-    so negative cases stay negative."""
+    ``2**63 - n``, prompts x n within the per-request sequences, texts short. Positive cases
+    only: negative ones stay negative (and are refused before anything runs)."""
     body = case.body
     if not isinstance(body, dict) or not case.path.startswith("/v1/"):
         return
+    if case.meta is not None and not case.meta.generation.mode.is_positive:
+        return  # refused before it runs; a cap could make it valid
     for name in ("max_tokens", "max_completion_tokens", "n", "min_tokens", "best_of", "seed"):
         value = body.get(name)
         if isinstance(value, float) and value.is_integer():  # a JSON integer: 2.0 is 2
@@ -92,7 +94,7 @@ def bound(case: schemathesis.Case, max_tokens: int, max_n: int) -> None:
             body[name] = min(body[name], max_tokens)
     if type(body.get("n")) is int:
         body["n"] = min(body["n"], max_n)
-    if case.path == "/v1/chat/completions" and body.get("max_completion_tokens") is None:
+    if body.get("max_completion_tokens") is None:  # else the defaults: 16, or the context
         body.setdefault("max_tokens", max_tokens)
     n = body["n"] if type(body.get("n")) is int else 1
     if type(body.get("min_tokens")) is int:
