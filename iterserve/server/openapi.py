@@ -35,6 +35,7 @@ from iterserve.config import (
 from iterserve.server.middleware import API_KEY_PATHS
 from iterserve.server.protocol import (
     TIER_NAME_SCHEMA,
+    TIER_NAME_SCHEMA_NAME,
     TOKEN_ID_SCHEMA_NAME,
     ChatCompletionChunk,
     CompletionChunk,
@@ -226,7 +227,7 @@ def _runtime_schemas(state: ServerState | None) -> dict[str, Any]:
         tier_name["enum"] = [t.name for t in state.settings.config.tiers]
     token_id["description"] = "a token id: 0 <= id < the model's vocabulary size"
     tier_name["description"] = "the name of one of the server's tiers (they change live)"
-    return {TOKEN_ID_SCHEMA_NAME: token_id, "TierName": tier_name}
+    return {TOKEN_ID_SCHEMA_NAME: token_id, TIER_NAME_SCHEMA_NAME: tier_name}
 
 
 def json_content(schema_name: str, description: str = "OK") -> dict[str, Any]:

@@ -30,15 +30,24 @@ from pydantic import (
 from typing_extensions import TypedDict
 
 from iterserve.config import MAX_JSON_INT, MAX_TIER_NAME_LEN
-from iterserve.engine.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_K
+from iterserve.engine.sampling_params import (
+    MAX_ABS_PENALTY,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+)
 
 # OpenAI's limits: completions `logprobs` <= 5, chat `top_logprobs` <= 20.
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 
-# The component schema of a token id (``/openapi.json`` sets its maximum, the model's
-# vocabulary size - 1, when it is built).
+# Component schemas only the running server can fill in (``/openapi.json`` does when it is
+# built): a token id's maximum (the vocabulary size - 1), the names of the live tiers.
 TOKEN_ID_SCHEMA_NAME = "TokenId"
+TIER_NAME_SCHEMA_NAME = "TierName"
 
 
 def _integral(value: Any) -> Any:
@@ -140,7 +149,7 @@ class _SamplingFields(BaseModel):
 
     model: str | None = None
     n: JsonInt = checked(1, minimum=1, maximum=MAX_N)
-    temperature: StrictFloat | None = checked(minimum=0, maximum=100)
+    temperature: StrictFloat | None = checked(minimum=0, maximum=MAX_TEMPERATURE)
     top_p: StrictFloat | None = checked(exclusiveMinimum=0, maximum=1)
     stop: Annotated[
         str | list[str] | None,
@@ -155,15 +164,17 @@ class _SamplingFields(BaseModel):
         ),
     ] = None
     seed: JsonInt | None = checked(minimum=-(2**63), maximum=2**63 - 1)
-    presence_penalty: StrictFloat = checked(0.0, minimum=-2, maximum=2)
-    frequency_penalty: StrictFloat = checked(0.0, minimum=-2, maximum=2)
+    presence_penalty: StrictFloat = checked(0.0, minimum=-MAX_ABS_PENALTY, maximum=MAX_ABS_PENALTY)
+    frequency_penalty: StrictFloat = checked(0.0, minimum=-MAX_ABS_PENALTY, maximum=MAX_ABS_PENALTY)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extensions (vLLM names).
     top_k: JsonInt | None = checked(minimum=-1, maximum=MAX_TOP_K)
     min_p: StrictFloat | None = checked(minimum=0, maximum=1)
-    repetition_penalty: StrictFloat | None = checked(minimum=0.01, maximum=10)
+    repetition_penalty: StrictFloat | None = checked(
+        minimum=MIN_REPETITION_PENALTY, maximum=MAX_REPETITION_PENALTY
+    )
     min_tokens: JsonInt = checked(0, minimum=0)
     ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] | None = None
@@ -179,7 +190,7 @@ class _SamplingFields(BaseModel):
                         "exclusiveMinimum": -MAX_JSON_INT,
                         "exclusiveMaximum": MAX_JSON_INT,
                     },
-                    {"$ref": "#/components/schemas/TierName"},
+                    {"$ref": f"#/components/schemas/{TIER_NAME_SCHEMA_NAME}"},
                     {"type": "null"},
                 ],
                 "description": "an integer (lower is more urgent) or a tier's name",
