@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 import unicodedata
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -301,13 +303,6 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         object.__setattr__(self, "tiers", parse_tiers(self.tiers))
-        names = [t.name for t in self.tiers]
-        _require(len(set(names)) == len(names), f"tier names must be unique, got {names}")
-        priorities = [t.priority for t in self.tiers]
-        _require(
-            len(set(priorities)) == len(priorities),
-            f"tier priorities must be unique, got {priorities}",
-        )
         _require(
             MIN_AGING_INTERVAL_S <= self.aging_interval_s <= MAX_AGING_INTERVAL_S,
             f"aging_interval_s must be in [{MIN_AGING_INTERVAL_S}, {MAX_AGING_INTERVAL_S:g}] "
@@ -321,8 +316,7 @@ class SchedulerConfig:
             "max_waiting",
             "max_waiting_per_tenant",
         ):
-            # Exact in JSON and storable in SQLite (telemetry's scheduler_config rows): 2**70
-            # from a live PUT killed the telemetry writer (OverflowError).
+            # Exact in JSON and storable in SQLite (telemetry's scheduler_config rows).
             value = getattr(self, name)
             _require(
                 value is None or value < MAX_JSON_INT,
@@ -335,30 +329,20 @@ class SchedulerConfig:
         )
         _require(self.max_waiting >= 1, f"max_waiting must be >= 1, got {self.max_waiting}")
         _require(
-            self.max_waiting_per_tenant is None
-            or 1 <= self.max_waiting_per_tenant <= self.max_waiting,
+            self.max_waiting_per_tenant is None or self.max_waiting_per_tenant >= 1,
             f"max_waiting_per_tenant must be in [1, max_waiting={self.max_waiting}] "
             f"(null = no cap), got {self.max_waiting_per_tenant}",
         )
         _require(
-            self.max_num_batched_tokens >= self.max_num_seqs,
-            f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-            f"max_num_seqs ({self.max_num_seqs}): every running request needs a decode token",
-        )
-        _require(
-            0 <= self.long_prefill_token_threshold <= self.max_num_batched_tokens,
-            f"long_prefill_token_threshold must be in [0, max_num_batched_tokens="
-            f"{self.max_num_batched_tokens}], got {self.long_prefill_token_threshold}",
-        )
-        _require(
-            self.enable_chunked_prefill or self.long_prefill_token_threshold == 0,
-            "long_prefill_token_threshold splits prompts, so it needs chunked prefill "
-            "(without it a prompt is prefilled whole)",
+            self.long_prefill_token_threshold >= 0,
+            f"long_prefill_token_threshold must be >= 0 (0 = the iteration's budget), "
+            f"got {self.long_prefill_token_threshold}",
         )
         _require(
             0.0 <= self.kv_watermark < 1.0,
             f"kv_watermark must be in [0, 1), got {self.kv_watermark}",
         )
+        check_rules(field_values(self))
 
     def tier_for(self, priority: int) -> Tier:
         """The tier with the largest priority <= ``priority`` (the most urgent tier if none)."""
@@ -525,6 +509,150 @@ class SimulationConfig:
         )
 
 
+# ----------------------------------------------------------------- rules across settings
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule relating several settings, written once in Python and once in CEL.
+
+    The server checks it with :meth:`holds` (:func:`check_rules`); the operator checks it on
+    an ``LLMDeployment`` spec and puts it into the CRD as a CEL rule (Kubernetes' validation
+    language), with its fields renamed to the spec's paths (:meth:`renamed`).
+
+    Attributes:
+        fields: the settings it reads, in the order :attr:`check` takes their values.
+        check: the predicate, True when the values are valid together; an optional field
+            (``X | None``) may be None, a ``tiers`` value is a sequence of objects with
+            ``name`` and ``priority``.
+        cel: the same predicate in CEL, each field written ``{field}``; a None field is
+            absent in CEL (test it with ``has({field})``), a float field is a CEL double.
+        message: why values break it, each field written ``{field}``.
+    """
+
+    fields: tuple[str, ...]
+    check: Callable[..., bool]
+    cel: str
+    message: str
+
+    def holds(self, values: Mapping[str, Any]) -> bool:
+        """Whether ``values`` (field -> value; every field of the rule) satisfy it."""
+        return bool(self.check(*(values[name] for name in self.fields)))
+
+    def explain(self, values: Mapping[str, Any] | None = None) -> str:
+        """:attr:`message` with the fields named, then their ``values`` if given."""
+        text = fill(self.message, {name: name for name in self.fields})
+        if values is None:
+            return text
+        shown = ", ".join(f"{name}={_shown(values[name])}" for name in self.fields)
+        return f"{text} (got {shown})"
+
+    def renamed(self, names: Mapping[str, str]) -> Rule:
+        """The same rule with its fields called ``names[field]`` (in CEL and message too)."""
+        placeholders = {name: "{" + names[name] + "}" for name in self.fields}
+        return Rule(
+            fields=tuple(names[name] for name in self.fields),
+            check=self.check,
+            cel=fill(self.cel, placeholders),
+            message=fill(self.message, placeholders),
+        )
+
+
+_PLACEHOLDER = re.compile(r"\{([\w.]+)\}")
+
+
+def fill(template: str, names: Mapping[str, str]) -> str:
+    """``template`` with every ``{field}`` replaced by ``names[field]``.
+
+    Raises:
+        KeyError: a placeholder ``names`` does not name.
+    """
+    return _PLACEHOLDER.sub(lambda match: names[match[1]], template)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple) and value and all(isinstance(t, Tier) for t in value):
+        return repr([(t.name, t.priority) for t in value])  # what the tier rules read
+    return repr(value)
+
+
+# The rules across settings: checked by SchedulerConfig (its own fields), EngineConfig (all
+# of them), a live PUT's merge, and the operator on an LLMDeployment spec (in Python and in
+# the CRD's CEL). Each field alone is checked by its config class first.
+CROSS_FIELD_RULES: tuple[Rule, ...] = (
+    Rule(
+        fields=("max_num_batched_tokens", "max_num_seqs"),
+        check=lambda batched, seqs: batched >= seqs,
+        cel="{max_num_batched_tokens} >= {max_num_seqs}",
+        message="{max_num_batched_tokens} must be >= {max_num_seqs}: every running request "
+        "needs a decode token",
+    ),
+    Rule(
+        fields=("long_prefill_token_threshold", "max_num_batched_tokens"),
+        check=lambda threshold, batched: threshold <= batched,
+        cel="{long_prefill_token_threshold} <= {max_num_batched_tokens}",
+        message="{long_prefill_token_threshold} must be <= {max_num_batched_tokens}",
+    ),
+    Rule(
+        fields=("enable_chunked_prefill", "long_prefill_token_threshold"),
+        check=lambda chunked, threshold: chunked or threshold == 0,
+        cel="{enable_chunked_prefill} || {long_prefill_token_threshold} == 0",
+        message="{long_prefill_token_threshold} splits prompts, so it needs chunked prefill "
+        "({enable_chunked_prefill}): without it a prompt is prefilled whole",
+    ),
+    Rule(
+        fields=("max_waiting_per_tenant", "max_waiting"),
+        check=lambda cap, waiting: cap is None or cap <= waiting,
+        cel="!has({max_waiting_per_tenant}) || {max_waiting_per_tenant} <= {max_waiting}",
+        message="{max_waiting_per_tenant} must be <= {max_waiting}",
+    ),
+    Rule(
+        fields=("tiers",),
+        check=lambda tiers: len({t.name for t in tiers}) == len(tiers),
+        cel="{tiers}.all(t, {tiers}.exists_one(u, u.name == t.name))",
+        message="tier names must be unique in {tiers}",
+    ),
+    Rule(
+        fields=("tiers",),
+        check=lambda tiers: len({t.priority for t in tiers}) == len(tiers),
+        cel="{tiers}.all(t, {tiers}.exists_one(u, u.priority == t.priority))",
+        message="tier priorities must be unique in {tiers}",
+    ),
+    Rule(
+        fields=("preemption_mode", "swap_space"),
+        check=lambda mode, swap_space: mode != "swap" or swap_space > 0,
+        cel="{preemption_mode} != 'swap' || {swap_space} > 0.0",
+        message="{preemption_mode} swap needs swap space: {swap_space} > 0",
+    ),
+    Rule(
+        fields=("enable_chunked_prefill", "max_model_len", "max_num_batched_tokens"),
+        check=lambda chunked, max_model_len, batched: (
+            chunked or max_model_len is None or batched >= max_model_len
+        ),
+        cel="{enable_chunked_prefill} || !has({max_model_len})"
+        " || {max_num_batched_tokens} >= {max_model_len}",
+        message="without chunked prefill ({enable_chunked_prefill}) a prompt is prefilled "
+        "whole, so {max_num_batched_tokens} must be >= {max_model_len}",
+    ),
+)
+
+
+def field_values(config: Any) -> dict[str, Any]:
+    """A config dataclass's fields as a mapping (values as they are, not copied)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def check_rules(values: Mapping[str, Any]) -> None:
+    """Check every rule of :data:`CROSS_FIELD_RULES` whose fields ``values`` all has.
+
+    Raises:
+        ConfigError: the first rule broken, its fields named with their values.
+    """
+    for rule in CROSS_FIELD_RULES:
+        if all(name in values for name in rule.fields) and not rule.holds(values):
+            raise ConfigError(rule.explain(values))
+
+
 # Scheduler settings that a running server may change (PUT /admin/scheduler_config).
 LIVE_SCHEDULER_KEYS: tuple[str, ...] = (
     "max_num_seqs",
@@ -558,18 +686,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        _require(
-            self.scheduler.preemption_mode != "swap" or self.cache.swap_space > 0,
-            "preemption_mode 'swap' needs swap space: pass --swap-space GiB",
-        )
-        max_model_len = self.model.max_model_len
-        if max_model_len is not None and not self.scheduler.enable_chunked_prefill:
-            _require(
-                self.scheduler.max_num_batched_tokens >= max_model_len,
-                f"without chunked prefill a prompt is prefilled whole, so max_num_batched_tokens "
-                f"({self.scheduler.max_num_batched_tokens}) must be >= max_model_len "
-                f"({max_model_len})",
-            )
+        parts = (self.model, self.cache, self.scheduler, self.parallel)
+        check_rules({name: value for part in parts for name, value in field_values(part).items()})
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -12,6 +12,9 @@ MAX_LOGPROBS = 20
 # Temperatures below this sample greedily (as vLLM): dividing logits by less overflows.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_N = 128
+MAX_TEMPERATURE = 100.0
+MAX_ABS_PENALTY = 2.0  # presence_penalty and frequency_penalty are in [-2, 2]
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0
 MAX_STOP_STRINGS = 16
 # Larger values mean "no top-k" anyway; the bound keeps them inside int32 tensors.
 MAX_TOP_K = 2**31 - 1
@@ -123,9 +126,9 @@ class SamplingParams:
 
     def _validate_sampling(self) -> None:
         _check(
-            _is_number(self.temperature) and 0 <= self.temperature <= 100,
+            _is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
             "temperature",
-            "must be in [0, 100]",
+            f"must be in [0, {MAX_TEMPERATURE:g}]",
             self.temperature,
         )
         _check(
@@ -145,11 +148,17 @@ class SamplingParams:
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_number(value) and -2 <= value <= 2, name, "must be in [-2, 2]", value)
+            _check(
+                _is_number(value) and abs(value) <= MAX_ABS_PENALTY,
+                name,
+                f"must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}]",
+                value,
+            )
         _check(
-            _is_number(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 10,
+            _is_number(self.repetition_penalty)
+            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
             "repetition_penalty",
-            "must be in [0.01, 10]",
+            f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]",
             self.repetition_penalty,
         )
         # Completion i of n uses seed + i; torch generators take signed 64-bit seeds.

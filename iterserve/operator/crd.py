@@ -10,7 +10,8 @@ defaults (as pydantic builds them; the API server validates a default against th
 rules without defaulting inside it, so ``default: {}`` is refused). Descriptions (``kubectl
 explain``'s text) are the fields' and the model classes' docstrings, a field's own first, with
 their line breaks folded (:func:`description_text`). The rules across fields are :data:`RULES`,
-CEL twins of :func:`~iterserve.operator.spec.cross_field_errors` with the same messages.
+generated from the table the spec models check (:data:`~iterserve.operator.rules.SPEC_RULES`),
+with the same messages.
 
 ``python -m iterserve.operator.crd > crds/llmdeployments.iterserve.io.yaml`` regenerates the
 committed manifest (a test checks that it is current).
@@ -22,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from iterserve.config import Rule, fill
+from iterserve.operator.rules import SPEC_RULES, rule_node
 from iterserve.operator.spec import GROUP, KIND, PLURAL, VERSION, LLMDeploymentSpec
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
@@ -34,83 +37,29 @@ HEADER = (
 )
 
 
-def _rule(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
-    entry = {"rule": rule, "message": message}
-    if field_path is not None:
-        entry["fieldPath"] = field_path
-    return entry
+def cel_rules(rules: tuple[Rule, ...] = SPEC_RULES) -> dict[tuple[str, ...], list[dict[str, str]]]:
+    """The CEL rules of ``rules``, keyed by the path (inside spec) of the node each sits on.
+
+    A rule sits on the deepest object holding all of its fields (:func:`rule_node`), its
+    fields written as selections from ``self``; one on the spec itself names its first
+    field as ``fieldPath`` (what kubectl blames). CEL runs after defaulting, so defaulted
+    fields need no has(); a null nullable field reads as absent. Lists are bounded by
+    maxItems, which keeps the quadratic uniqueness checks within the API server's cost budget.
+    """
+    by_node: dict[tuple[str, ...], list[dict[str, str]]] = {}
+    for rule in rules:
+        node = rule_node(rule)
+        selections = {
+            name: ".".join(("self", *name.split(".")[len(node) :])) for name in rule.fields
+        }
+        entry = {"rule": fill(rule.cel, selections), "message": rule.explain()}
+        if not node:
+            entry["fieldPath"] = selections[rule.fields[0]].removeprefix("self")
+        by_node.setdefault(node, []).append(entry)
+    return by_node
 
 
-# The CEL rules, keyed by the path (inside spec) of the node that holds the fields they read.
-# CEL runs after defaulting, so defaulted fields need no has(); a null nullable field reads
-# as absent. Lists are bounded by maxItems, which keeps the quadratic uniqueness checks cheap.
-RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
-    (): [
-        _rule(
-            "!has(self.tensorParallelSize) || self.resources.gpus == 0"
-            " || self.resources.gpus % self.tensorParallelSize == 0",
-            "tensorParallelSize must divide resources.gpus",
-            ".tensorParallelSize",
-        ),
-        _rule(
-            "self.scheduler.preemptionMode != 'swap' || self.engine.swapSpace > 0.0",
-            "scheduler.preemptionMode swap needs engine.swapSpace > 0",
-            ".scheduler.preemptionMode",
-        ),
-        _rule(
-            "!(self.autoscaling.enabled && self.autoscaling.via == 'keda'"
-            " && self.autoscaling.minReplicas == 0) || self.router.replicas >= 1",
-            "autoscaling.minReplicas 0 (scale to zero) needs router.replicas >= 1: the "
-            "router's request rate wakes the server pods",
-            ".router.replicas",
-        ),
-    ],
-    ("model", "source"): [
-        _rule(
-            "(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0)"
-            " + (has(self.image) ? 1 : 0) + (has(self.uri) ? 1 : 0) == 1",
-            "give exactly one of pvc, hostPath, image, uri",
-        ),
-        _rule("has(self.uri) == has(self.initImage)", "uri and initImage go together"),
-    ],
-    ("scheduler",): [
-        _rule(
-            "self.maxNumBatchedTokens >= self.maxNumSeqs",
-            "scheduler.maxNumBatchedTokens must be >= scheduler.maxNumSeqs",
-        ),
-        _rule(
-            "self.chunkSize <= self.maxNumBatchedTokens",
-            "scheduler.chunkSize must be <= scheduler.maxNumBatchedTokens",
-        ),
-        _rule(
-            "!has(self.maxWaitingPerTenant) || self.maxWaitingPerTenant <= self.maxWaiting",
-            "scheduler.maxWaitingPerTenant must be <= scheduler.maxWaiting",
-        ),
-    ],
-    ("slaTiers",): [
-        _rule("self.all(t, self.exists_one(u, u.name == t.name))", "slaTiers names must be unique"),
-        _rule(
-            "self.all(t, self.exists_one(u, u.priority == t.priority))",
-            "slaTiers priorities must be unique",
-        ),
-        _rule("size(self) > 0", "slaTiers, when given, must not be empty"),
-    ],
-    ("autoscaling",): [
-        _rule(
-            "self.minReplicas <= self.maxReplicas",
-            "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
-        ),
-        _rule(
-            "!(self.enabled && self.via == 'keda')"
-            " || (has(self.prometheusURL) && size(self.prometheusURL) > 0)",
-            "autoscaling.via keda needs autoscaling.prometheusURL",
-        ),
-        _rule(
-            "!(self.enabled && self.via == 'hpa') || self.minReplicas >= 1",
-            "autoscaling.minReplicas 0 (scale to zero) needs via keda",
-        ),
-    ],
-}
+RULES = cel_rules()
 
 # Keywords copied as they are, in this order (the order the YAML shows).
 _COPIED = ("minLength", "maxLength", "minItems", "maxItems", "pattern")

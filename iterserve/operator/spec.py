@@ -3,15 +3,17 @@
 One source of truth: the CRD's OpenAPI schema is generated from these models
 (:mod:`iterserve.operator.crd`), and the operator parses every resource it reconciles with
 them. Field names are the resource's camelCase; defaults are the production (GPU) values of
-the design's ``scheduler_config`` table. Rules across fields are checked twice: by the API
-server (the CRD's CEL rules, so ``kubectl apply`` refuses them) and here (so ``iterserve
-operator render`` and a cluster without CEL refuse them too). What only the server knows
-(a tier set it would refuse, swap without swap space) is checked by
+the scheduler settings. Rules across fields are one table (:mod:`iterserve.operator.rules`:
+the server's own rules on the settings the spec sets, and the operator's), checked here (so
+``iterserve operator render`` and a cluster without CEL refuse them) and by the API server
+(the CRD's CEL rules, generated from the same table, so ``kubectl apply`` refuses them).
+What the server alone decides (a tier set it would refuse) is checked by
 :func:`desired_settings` with the server's own live-settings validation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Annotated, Any, Literal
 
@@ -25,7 +27,8 @@ from pydantic import (
     model_validator,
 )
 
-from iterserve.config import DEFAULT_TIERS, SchedulerConfig
+from iterserve.config import DEFAULT_TIERS, LIVE_SCHEDULER_KEYS, SchedulerConfig
+from iterserve.operator.rules import SETTING_PATHS, rule_errors, value_at
 from iterserve.server.live_config import LiveConfigError, VersionedSettings, merge
 
 GROUP, VERSION, KIND, PLURAL = "iterserve.io", "v1alpha1", "LLMDeployment", "llmdeployments"
@@ -126,15 +129,6 @@ class ModelSource(_Model):
         description="The downloader image for uri, run as an init container with the "
         "arguments `URI DIR`. Given with uri only.",
     )
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> ModelSource:
-        given = [k for k in ("pvc", "hostPath", "image", "uri") if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of pvc, hostPath, image, uri (got {given})")
-        if (self.uri is None) != (self.initImage is None):
-            raise ValueError("uri and initImage go together")
-        return self
 
 
 class ModelSpec(_Model):
@@ -471,7 +465,7 @@ class LLMDeploymentSpec(_Model):
 
     @model_validator(mode="after")
     def _across_fields(self) -> LLMDeploymentSpec:
-        errors = cross_field_errors(self)
+        errors = rule_errors(self)
         if errors:
             raise ValueError("; ".join(errors))
         return self
@@ -488,44 +482,6 @@ class LLMDeploymentSpec(_Model):
         if self.tensorParallelSize is not None:
             return self.tensorParallelSize
         return max(1, self.resources.gpus)
-
-
-def cross_field_errors(spec: LLMDeploymentSpec) -> list[str]:
-    """The CRD's CEL rules (:data:`iterserve.operator.crd.RULES`), in Python."""
-    s, errors = spec.scheduler, []
-    if s.maxNumBatchedTokens < s.maxNumSeqs:
-        errors.append("scheduler.maxNumBatchedTokens must be >= scheduler.maxNumSeqs")
-    if s.chunkSize > s.maxNumBatchedTokens:
-        errors.append("scheduler.chunkSize must be <= scheduler.maxNumBatchedTokens")
-    if s.maxWaitingPerTenant is not None and s.maxWaitingPerTenant > s.maxWaiting:
-        errors.append("scheduler.maxWaitingPerTenant must be <= scheduler.maxWaiting")
-    gpus, tp = spec.resources.gpus, spec.tensorParallelSize
-    if tp is not None and gpus > 0 and gpus % tp:
-        errors.append("tensorParallelSize must divide resources.gpus")
-    if s.preemptionMode == "swap" and spec.engine.swapSpace <= 0:
-        errors.append("scheduler.preemptionMode swap needs engine.swapSpace > 0")
-    if spec.slaTiers is not None:
-        names = [t.name for t in spec.slaTiers]
-        if len(set(names)) != len(names):
-            errors.append("slaTiers names must be unique")
-        priorities = [t.priority for t in spec.slaTiers]
-        if len(set(priorities)) != len(priorities):
-            errors.append("slaTiers priorities must be unique")
-        if not spec.slaTiers:
-            errors.append("slaTiers, when given, must not be empty")
-    a = spec.autoscaling
-    if a.minReplicas > a.maxReplicas:
-        errors.append("autoscaling.minReplicas must be <= autoscaling.maxReplicas")
-    if a.enabled and a.via == "keda" and not a.prometheusURL:
-        errors.append("autoscaling.via keda needs autoscaling.prometheusURL")
-    if a.enabled and a.via == "hpa" and a.minReplicas < 1:
-        errors.append("autoscaling.minReplicas 0 (scale to zero) needs via keda")
-    if spec.scales_to_zero and spec.router.replicas < 1:
-        errors.append(
-            "autoscaling.minReplicas 0 (scale to zero) needs router.replicas >= 1: the "
-            "router's request rate wakes the server pods"
-        )
-    return errors
 
 
 def parse_spec(spec: Any) -> LLMDeploymentSpec:
@@ -553,19 +509,14 @@ def desired_settings(spec: LLMDeploymentSpec) -> dict[str, Any]:
     Raises:
         SpecError: the server would refuse them (checked by the server's own merge).
     """
-    s = spec.scheduler
-    tiers = spec.slaTiers
     changes: dict[str, Any] = {
-        "max_num_seqs": s.maxNumSeqs,
-        "max_num_batched_tokens": s.maxNumBatchedTokens,
-        "long_prefill_token_threshold": s.chunkSize,
-        "kv_watermark": s.kvWatermark,
-        "preemption_mode": s.preemptionMode,
-        "aging_interval_s": s.agingIntervalS,
-        "priority_preemption_margin": s.priorityPreemptionMargin,
-        "max_waiting": s.maxWaiting,
-        "max_waiting_per_tenant": s.maxWaitingPerTenant,
-        "tiers": [
+        key: value_at(spec, tuple(SETTING_PATHS[key].split(".")))
+        for key in LIVE_SCHEDULER_KEYS
+        if key != "tiers"
+    }
+    tiers = spec.slaTiers
+    changes["tiers"] = (
+        [
             {
                 "name": t.name,
                 "priority": t.priority,
@@ -575,16 +526,8 @@ def desired_settings(spec: LLMDeploymentSpec) -> dict[str, Any]:
             for t in tiers
         ]
         if tiers is not None
-        else [
-            {
-                "name": t.name,
-                "priority": t.priority,
-                "max_queue_wait_ms": t.max_queue_wait_ms,
-                "ttft_target_ms": t.ttft_target_ms,
-            }
-            for t in DEFAULT_TIERS
-        ],
-    }
+        else [dataclasses.asdict(t) for t in DEFAULT_TIERS]
+    )
     try:
         merged = merge(
             VersionedSettings(SchedulerConfig(), 0),

@@ -108,7 +108,7 @@ def build_app(
     )
     _add_error_handlers(app, holder)
     app.include_router(router)
-    install_openapi(app, server_config)
+    install_openapi(app, server_config, lambda: holder.get("state"))
     return app
 
 
@@ -201,8 +201,11 @@ def _add_error_handlers(app: FastAPI, holder: dict[str, ServerState]) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         count_invalid(request, 413 if exc.status_code == 413 else 0)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405 and (allowed := allowed_methods(app, request.url.path)):
+            headers["Allow"] = ", ".join(allowed)  # Starlette's names one route's methods
         return error_response(
-            APIError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {}))
+            APIError(exc.status_code, str(exc.detail), type=kind, headers=headers)
         )
 
     @app.exception_handler(Exception)
@@ -211,3 +214,8 @@ def _add_error_handlers(app: FastAPI, holder: dict[str, ServerState]) -> None:
         return error_response(
             APIError(500, f"internal error: {type(exc).__name__}", type="internal_error")
         )
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """The methods ``/openapi.json`` documents for ``path`` (a 405's ``Allow``), sorted."""
+    return sorted(method.upper() for method in app.openapi()["paths"].get(path, {}))

@@ -20,6 +20,8 @@ from iterserve.config import (
     ConfigError,
     SchedulerConfig,
     ServerConfig,
+    check_rules,
+    field_values,
     parse_tiers,
 )
 
@@ -82,7 +84,8 @@ def merge(
         current: the settings in force.
         changes: the decoded JSON body (must be an object).
         swap_space: GiB of host swap the server started with (``swap`` needs some).
-        max_model_len: tokens; without chunked prefill the budget must cover it.
+        max_model_len: tokens (0: not known); without chunked prefill the budget must
+            cover it.
 
     Raises:
         LiveConfigError: not an object, unknown or restart-only keys, invalid values or
@@ -118,15 +121,12 @@ def merge(
         config = dataclasses.replace(current.config, **changes)
     except (ConfigError, TypeError) as e:
         raise LiveConfigError(str(e)) from e
-    if config.preemption_mode == "swap" and swap_space <= 0:
-        raise LiveConfigError(
-            "preemption_mode 'swap' needs swap space; the server started without --swap-space"
+    try:  # the rules across the scheduler's settings and the server's start-up ones
+        check_rules(
+            {**field_values(config), "swap_space": swap_space, "max_model_len": max_model_len}
         )
-    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
-        raise LiveConfigError(
-            f"without chunked prefill max_num_batched_tokens must be >= max_model_len "
-            f"({max_model_len})"
-        )
+    except ConfigError as e:
+        raise LiveConfigError(str(e)) from e
     same_values = settings_hash(config) == settings_hash(current.config)
     # Same values under no newer version: nothing to do (an operator re-sending an older
     # generation must not bump the version forever).

@@ -6,23 +6,44 @@ those and documents, per operation, the answers it can give: its success body (J
 SSE stream of ``stream: true``) and its errors (:func:`errors`), all in the
 :class:`~iterserve.server.protocol.ErrorResponse` shape. The routes take their ``responses``
 from here; :func:`install_openapi` adds what depends on the server's settings (the bearer
-schemes and their 401 where ``--api-key`` and the admin token apply) and the models only the
-schema names (stream chunks, the admin PUT's body). ``tests/server/test_fuzz.py`` checks the
+schemes and their 401 where ``--api-key`` and the admin token apply), what only the running
+server knows (the vocabulary's token id range, the names of the tiers in force; the schema is
+built again when the live settings change) and the models only the schema names (stream
+chunks, the admin PUT's body, with each setting's bounds). ``tests/server/test_fuzz.py`` checks the
 server against it with schemathesis.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 from pydantic.json_schema import models_json_schema
 
-from iterserve.config import LIVE_SCHEDULER_KEYS, MAX_TIERS, SchedulerConfig, ServerConfig
+from iterserve.config import (
+    LIVE_SCHEDULER_KEYS,
+    MAX_AGING_INTERVAL_S,
+    MAX_JSON_INT,
+    MAX_TIERS,
+    MIN_AGING_INTERVAL_S,
+    SchedulerConfig,
+    ServerConfig,
+)
 from iterserve.server.middleware import API_KEY_PATHS
-from iterserve.server.protocol import ChatCompletionChunk, CompletionChunk, ErrorResponse
+from iterserve.server.protocol import (
+    TIER_NAME_SCHEMA,
+    TIER_NAME_SCHEMA_NAME,
+    TOKEN_ID_SCHEMA_NAME,
+    ChatCompletionChunk,
+    CompletionChunk,
+    ErrorResponse,
+)
+
+if TYPE_CHECKING:
+    from iterserve.server.state import ServerState
 
 _REF = "#/components/schemas/{model}"
 
@@ -124,6 +145,36 @@ class LoadResponse(BaseModel):
     draining: bool
 
 
+_BELOW_2_53 = {"maximum": MAX_JSON_INT - 1}
+# The bounds SchedulerConfig checks on each live setting alone (across settings, and against
+# the settings in force, only the merge can tell: 422).
+_LIVE_BOUNDS: dict[str, dict[str, Any]] = {
+    "max_num_seqs": {"minimum": 1, **_BELOW_2_53},
+    "max_num_batched_tokens": {"minimum": 1, **_BELOW_2_53},
+    "long_prefill_token_threshold": {"minimum": 0, **_BELOW_2_53},
+    "kv_watermark": {"minimum": 0, "exclusiveMaximum": 1},
+    "aging_interval_s": {"minimum": MIN_AGING_INTERVAL_S, "maximum": MAX_AGING_INTERVAL_S},
+    "priority_preemption_margin": {"minimum": 0, **_BELOW_2_53},
+    "max_waiting": {"minimum": 1, **_BELOW_2_53},
+    "max_waiting_per_tenant": {"minimum": 1, **_BELOW_2_53},
+}
+
+
+def _tier_schema(tier: dict[str, Any]) -> dict[str, Any]:
+    """A tier as a PUT may give it: unknown keys refused, the name printable, priorities
+    within (-2**53, 2**53), limits positive."""
+    positive = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "null"}]}
+    integer = {"type": "integer", "exclusiveMinimum": -MAX_JSON_INT}
+    properties = {
+        **tier["properties"],
+        "name": {**TIER_NAME_SCHEMA, "description": "printable (no control or format characters)"},
+        "priority": {**integer, "exclusiveMaximum": MAX_JSON_INT},
+        "max_queue_wait_ms": positive,
+        "ttft_target_ms": positive,
+    }
+    return {**tier, "properties": properties, "additionalProperties": False}
+
+
 def _live_settings_schemas() -> dict[str, Any]:
     """Component schemas of the admin bodies, derived from ``SchedulerConfig`` and
     ``LIVE_SCHEDULER_KEYS`` (a live key added there is documented here):
@@ -134,7 +185,7 @@ def _live_settings_schemas() -> dict[str, Any]:
     live = {k: v for k, v in full["properties"].items() if k in LIVE_SCHEDULER_KEYS}
     for value in live.values():
         value.pop("default", None)  # the server's start values, not a PUT's
-    tier = {**full["$defs"]["Tier"], "additionalProperties": False}  # unknown keys: 422
+    bounded = {k: {**v, **_LIVE_BOUNDS.get(k, {})} for k, v in live.items()}
     tiers = {**live["tiers"], "minItems": 1, "maxItems": MAX_TIERS}
     version = {"type": "integer", "minimum": 0, "maximum": 2**53 - 1}
     settings = {
@@ -145,7 +196,7 @@ def _live_settings_schemas() -> dict[str, Any]:
     update = {
         "type": "object",
         "properties": {
-            **live,
+            **bounded,
             "tiers": tiers,
             "config_version": {
                 "anyOf": [version, {"type": "null"}],
@@ -159,7 +210,24 @@ def _live_settings_schemas() -> dict[str, Any]:
             {"tiers": [{"name": "premium", "priority": 0, "max_queue_wait_ms": 500}]},
         ],
     }
-    return {"Tier": tier, "SchedulerSettings": settings, "SchedulerSettingsUpdate": update}
+    return {
+        "Tier": _tier_schema(full["$defs"]["Tier"]),
+        "SchedulerSettings": settings,
+        "SchedulerSettingsUpdate": update,
+    }
+
+
+def _runtime_schemas(state: ServerState | None) -> dict[str, Any]:
+    """What only the running server knows: the vocabulary (``TokenId``) and the tiers in
+    force (``TierName``, a request's ``priority`` by name)."""
+    token_id: dict[str, Any] = {"type": "integer", "minimum": 0}
+    tier_name: dict[str, Any] = {"type": "string"}
+    if state is not None:
+        token_id["maximum"] = state.engine.limits.vocab_size - 1
+        tier_name["enum"] = [t.name for t in state.settings.config.tiers]
+    token_id["description"] = "a token id: 0 <= id < the model's vocabulary size"
+    tier_name["description"] = "the name of one of the server's tiers (they change live)"
+    return {TOKEN_ID_SCHEMA_NAME: token_id, TIER_NAME_SCHEMA_NAME: tier_name}
 
 
 def json_content(schema_name: str, description: str = "OK") -> dict[str, Any]:
@@ -174,18 +242,27 @@ ADMIN_PUT_BODY = {"requestBody": {"required": True, **json_content("SchedulerSet
 # ----------------------------------------------------------------- the schema
 
 
-def install_openapi(app: FastAPI, server_config: ServerConfig) -> None:
-    """Make ``app.openapi()`` (served at ``/openapi.json``) the truthful schema."""
+def install_openapi(
+    app: FastAPI,
+    server_config: ServerConfig,
+    get_state: Callable[[], ServerState | None] = lambda: None,
+) -> None:
+    """Make ``app.openapi()`` (served at ``/openapi.json``) the truthful schema; it is built
+    again when the live settings change (the tiers a ``priority`` may name)."""
+    built_for: list[int | None] = [None]
 
     def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            app.openapi_schema = _schema(app, server_config)
+        state = get_state()
+        version = None if state is None else state.settings.version
+        if app.openapi_schema is None or built_for[0] != version:
+            app.openapi_schema = _schema(app, server_config, state)
+            built_for[0] = version
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override
 
 
-def _schema(app: FastAPI, server_config: ServerConfig) -> dict[str, Any]:
+def _schema(app: FastAPI, server_config: ServerConfig, state: ServerState | None) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
@@ -193,7 +270,8 @@ def _schema(app: FastAPI, server_config: ServerConfig) -> dict[str, Any]:
         schemas.pop(name, None)
     extra: list[type[BaseModel]] = [CompletionChunk, ChatCompletionChunk, ErrorResponse]
     _, defs = models_json_schema([(m, "serialization") for m in extra], ref_template=_REF)
-    for name, definition in {**defs.get("$defs", {}), **_live_settings_schemas()}.items():
+    extra_schemas = {**defs.get("$defs", {}), **_live_settings_schemas()}
+    for name, definition in {**extra_schemas, **_runtime_schemas(state)}.items():
         schemas.setdefault(name, definition)
     bearer = {"type": "http", "scheme": "bearer"}
     components["securitySchemes"] = {"adminToken": {**bearer, "description": "--admin-token"}}

@@ -2,9 +2,12 @@
 ``ErrorResponse``) is :mod:`iterserve.openai_http`'s, shared with the router.
 
 pydantic checks JSON types strictly (``true`` is no 1 and no 1.0, ``"0.5"`` no number,
-``"yes"`` no ``true``; an integer is a number); value ranges are checked once, by
-``SamplingParams`` and the engine's ``RequestLimits``, whose ``InvalidRequestError`` becomes a
-400 here like any validation error.
+``"yes"`` no ``true``; an integer is a number, and ``2.0`` an integer as in JSON Schema); value
+ranges are checked once, by ``SamplingParams`` and the engine's ``RequestLimits``, whose
+``InvalidRequestError`` becomes a 400 here like any validation error. The models' JSON schema
+(``/openapi.json``) states those ranges and the rules between fields wherever JSON Schema can
+(:func:`checked`), so a body valid under it is accepted unless a runtime limit (the context
+length, the number of sequences) or a setting in force refuses it.
 Fields OpenAI defines but iterserve does not implement are declared so that a request using
 them gets 400 "not supported" instead of being silently ignored; any other unknown field is
 ignored (and logged once).
@@ -12,19 +15,31 @@ ignored (and logged once).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
     StrictInt,
+    WithJsonSchema,
     model_serializer,
 )
 from typing_extensions import TypedDict
 
+from iterserve.config import MAX_JSON_INT, MAX_TIER_NAME_LEN
+from iterserve.engine.sampling_params import (
+    MAX_ABS_PENALTY,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+)
 from iterserve.openai_http import APIError as APIError
 from iterserve.openai_http import ErrorDetail as ErrorDetail
 from iterserve.openai_http import ErrorResponse as ErrorResponse
@@ -32,6 +47,54 @@ from iterserve.openai_http import ErrorResponse as ErrorResponse
 # OpenAI's limits: completions `logprobs` <= 5, chat `top_logprobs` <= 20.
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
+
+# Component schemas only the running server can fill in (``/openapi.json`` does when it is
+# built): a token id's maximum (the vocabulary size - 1), the names of the live tiers.
+TOKEN_ID_SCHEMA_NAME = "TokenId"
+TIER_NAME_SCHEMA_NAME = "TierName"
+
+
+def _integral(value: Any) -> Any:
+    """A JSON number with no fractional part (``2.0``) as the int it is (JSON Schema's
+    ``integer`` includes it); anything else, booleans included, as it came."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer field of a request: a JSON integer, ``2.0`` included; never ``true`` or ``"2"``.
+JsonInt = Annotated[StrictInt, BeforeValidator(_integral)]
+TOKEN_ID_REF = {"$ref": f"#/components/schemas/{TOKEN_ID_SCHEMA_NAME}"}
+TokenId = Annotated[JsonInt, WithJsonSchema(TOKEN_ID_REF)]
+_TEXT = {"type": "string", "minLength": 1}
+# A tier name as far as a pattern can say what the server refuses: blank, control characters,
+# over MAX_TIER_NAME_LEN characters (it also refuses format, private-use and unassigned ones).
+_CONTROL = r"\u0000-\u001f\u007f-\u009f"
+TIER_NAME_SCHEMA = {
+    "type": "string",
+    "pattern": rf"^[^{_CONTROL}]*[^\s{_CONTROL}][^{_CONTROL}]*$",
+    "maxLength": MAX_TIER_NAME_LEN,
+}
+
+
+def checked(default: Any = None, **keywords: Any) -> Any:
+    """A field's default and the JSON Schema ``keywords`` (bounds) that the server checks
+    itself (``SamplingParams``, the engine's ``RequestLimits``, the endpoints): stated in
+    ``/openapi.json`` without pydantic checking them a second time, so a refusal keeps the
+    server's message and ``param``."""
+    return Field(default, json_schema_extra=keywords)
+
+
+def _only_with(field: str, kind: str, needs: str) -> dict[str, Any]:
+    """JSON Schema: a ``field`` of JSON type ``kind`` (not null) needs ``needs: true``."""
+    return {
+        "if": {"required": [field], "properties": {field: {"type": kind}}},
+        "then": {"required": [needs], "properties": {needs: {"const": True}}},
+    }
+
+
+# ``stream_options`` only with ``stream: true`` (either endpoint).
+_STREAM_OPTIONS_NEED_STREAM = _only_with("stream_options", "object", "stream")
 
 
 def not_supported(feature: str, param: str | None = None) -> APIError:
@@ -49,34 +112,63 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    n: StrictInt = 1
-    temperature: StrictFloat | None = None
-    top_p: StrictFloat | None = None
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = None
-    presence_penalty: StrictFloat = 0.0
-    frequency_penalty: StrictFloat = 0.0
+    n: JsonInt = checked(1, minimum=1, maximum=MAX_N)
+    temperature: StrictFloat | None = checked(minimum=0, maximum=MAX_TEMPERATURE)
+    top_p: StrictFloat | None = checked(exclusiveMinimum=0, maximum=1)
+    stop: Annotated[
+        str | list[str] | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    _TEXT,
+                    {"type": "array", "items": _TEXT, "maxItems": MAX_STOP_STRINGS},
+                    {"type": "null"},
+                ]
+            }
+        ),
+    ] = None
+    seed: JsonInt | None = checked(minimum=-(2**63), maximum=2**63 - 1)
+    presence_penalty: StrictFloat = checked(0.0, minimum=-MAX_ABS_PENALTY, maximum=MAX_ABS_PENALTY)
+    frequency_penalty: StrictFloat = checked(0.0, minimum=-MAX_ABS_PENALTY, maximum=MAX_ABS_PENALTY)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extensions (vLLM names).
-    top_k: StrictInt | None = None
-    min_p: StrictFloat | None = None
-    repetition_penalty: StrictFloat | None = None
-    min_tokens: StrictInt = 0
+    top_k: JsonInt | None = checked(minimum=-1, maximum=MAX_TOP_K)
+    min_p: StrictFloat | None = checked(minimum=0, maximum=1)
+    repetition_penalty: StrictFloat | None = checked(
+        minimum=MIN_REPETITION_PENALTY, maximum=MAX_REPETITION_PENALTY
+    )
+    min_tokens: JsonInt = checked(0, minimum=0)
     ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    priority: StrictInt | str | None = None
-    # Declared only to refuse them clearly.
-    logit_bias: dict[str, StrictFloat] | None = None
-    best_of: StrictInt | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
+    priority: Annotated[
+        JsonInt | str | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {
+                        "type": "integer",
+                        "exclusiveMinimum": -MAX_JSON_INT,
+                        "exclusiveMaximum": MAX_JSON_INT,
+                    },
+                    {"$ref": f"#/components/schemas/{TIER_NAME_SCHEMA_NAME}"},
+                    {"type": "null"},
+                ],
+                "description": "an integer (lower is more urgent) or a tier's name",
+            }
+        ),
+    ] = None
+    # Declared only to refuse them clearly: the schema allows only their "off" values.
+    logit_bias: dict[str, StrictFloat] | None = checked(maxProperties=0)
+    best_of: JsonInt | None = checked(description="only null or n (one completion per choice)")
+    response_format: dict[str, Any] | None = checked(properties={"type": {"enum": ["text", None]}})
+    tools: list[Any] | None = checked(maxItems=0)
+    tool_choice: Any = checked(enum=["none", None])
+    functions: list[Any] | None = checked(maxItems=0)
+    function_call: Any = checked(enum=["none", None])
 
     def unsupported(self) -> APIError | None:
         """400 "not supported" for the first requested feature iterserve does not implement."""
@@ -102,6 +194,15 @@ class CompletionRequest(_SamplingFields):
 
     model_config = ConfigDict(
         json_schema_extra={
+            "allOf": [
+                _STREAM_OPTIONS_NEED_STREAM,
+                {  # echo with logprobs (prompt logprobs): not supported
+                    "not": {
+                        "required": ["echo", "logprobs"],
+                        "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}},
+                    }
+                },
+            ],
             "examples": [
                 {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
                 {
@@ -112,15 +213,32 @@ class CompletionRequest(_SamplingFields):
                     "stream": True,
                     "stream_options": {"include_usage": True},
                 },
-            ]
+            ],
         }
     )
 
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = 16
-    logprobs: StrictInt | None = None
+    prompt: Annotated[
+        str | list[str] | list[JsonInt] | list[list[JsonInt]],
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    _TEXT,
+                    {"type": "array", "items": _TEXT, "minItems": 1},
+                    {"type": "array", "items": TOKEN_ID_REF, "minItems": 1},
+                    {
+                        "type": "array",
+                        "items": {"type": "array", "items": TOKEN_ID_REF, "minItems": 1},
+                        "minItems": 1,
+                    },
+                ],
+                "description": "a text, texts, token ids, or lists of token ids (none empty)",
+            }
+        ),
+    ]
+    max_tokens: JsonInt | None = checked(16, minimum=1)
+    logprobs: JsonInt | None = checked(minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False
-    suffix: str | None = None
+    suffix: str | None = checked(maxLength=0, description="not supported: only empty")
 
     def unsupported(self) -> APIError | None:
         if self.suffix:
@@ -130,12 +248,36 @@ class CompletionRequest(_SamplingFields):
         return super().unsupported()
 
 
+_TEXT_PART = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={  # only an assistant turn may come without content
+            "if": {"properties": {"role": {"const": "assistant"}}},
+            "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        },
+    )
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # A string or content parts; only text parts are supported.
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[
+        str | list[dict[str, Any]] | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": _TEXT_PART},
+                    {"type": "null"},
+                ]
+            }
+        ),
+    ] = None
     name: str | None = None
 
     def text(self) -> str:
@@ -166,6 +308,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     model_config = ConfigDict(
         json_schema_extra={
+            "allOf": [
+                _STREAM_OPTIONS_NEED_STREAM,
+                _only_with("top_logprobs", "integer", "logprobs"),
+            ],
             "examples": [
                 {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8},
                 {
@@ -179,15 +325,15 @@ class ChatCompletionRequest(_SamplingFields):
                     "stream": True,
                     "stream_options": {"include_usage": True},
                 },
-            ]
+            ],
         }
     )
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    max_tokens: JsonInt | None = checked(minimum=1)
+    max_completion_tokens: JsonInt | None = checked(minimum=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: JsonInt | None = checked(minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
     add_generation_prompt: StrictBool = True
     parallel_tool_calls: StrictBool | None = None
 
@@ -197,13 +343,17 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(
         json_schema_extra={
-            "examples": [{"prompt": "Hello!"}, {"messages": [{"role": "user", "content": "Hi"}]}]
+            "oneOf": [  # exactly one of them, not null
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ],
+            "examples": [{"prompt": "Hello!"}, {"messages": [{"role": "user", "content": "Hi"}]}],
         }
     )
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = checked(minItems=1)
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 
@@ -214,7 +364,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [504, 3458, 314]}]})
 
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[TokenId]
 
 
 # ----------------------------------------------------------------- responses (OpenAI's shapes)
