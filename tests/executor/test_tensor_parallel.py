@@ -16,13 +16,13 @@ from transformers import LlamaConfig
 from iterserve.config import ConfigError
 from iterserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from iterserve.engine.sampling_params import SamplingParams
-from iterserve.executor.build import (
+from iterserve.executor.tp_messages import StepDecoder, StepEncoder
+from iterserve.executor.weights import (
     check_tensor_parallel,
     checkpoint_slices,
     load_hf_config,
     load_model,
 )
-from iterserve.executor.tensor_parallel import StepDecoder, StepEncoder
 from iterserve.kernels.platform import select_platform
 from iterserve.models.llama import LlamaForCausalLM
 from iterserve.models.loader import resolve_model_dir

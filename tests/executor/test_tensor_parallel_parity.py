@@ -29,7 +29,7 @@ from iterserve.config import EngineConfig
 from iterserve.engine.llm_engine import IterationError
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.executor.build import LoadedModel, build
-from iterserve.executor.tensor_parallel import TensorParallelError
+from iterserve.executor.tensor_parallel import WORKER_MODULE, TensorParallelError
 from iterserve.models.loader import resolve_model_dir
 
 pytestmark = pytest.mark.model
@@ -41,7 +41,7 @@ def _workers() -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process().children(recursive=True)
-        if "iterserve.executor.tensor_parallel" in " ".join(p.cmdline())
+        if WORKER_MODULE in " ".join(p.cmdline())
     ]
 
 
