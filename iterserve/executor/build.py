@@ -9,9 +9,7 @@ The concepts it composes live in their own modules: :mod:`~iterserve.executor.de
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,19 +17,12 @@ from typing import Any
 import torch.distributed as dist
 
 from iterserve.config import ConfigError, EngineConfig
-from iterserve.engine.factory import ModelInfo, build_engine, num_host_blocks
+from iterserve.engine.factory import ModelInfo, build_engine
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.tokenizer import Tokenizer
-from iterserve.executor.attention import KVCache
 from iterserve.executor.device import DTYPES, bound_onednn_caches, rank_device, select_device
 from iterserve.executor.graph_capture import capture_decode_graphs, use_cuda_graphs
-from iterserve.executor.kv_sizing import num_kv_blocks_for
-from iterserve.executor.memory import (
-    CUDA_GRAPH_RESERVE,
-    CudaMemoryReader,
-    MemoryProfile,
-    profile_memory,
-)
+from iterserve.executor.kv_sizing import build_kv_cache
 from iterserve.executor.model_runner import TorchModelRunner
 from iterserve.executor.tensor_parallel import (
     TensorParallelRunner,
@@ -133,41 +124,7 @@ def build_shard(config: EngineConfig, model_dir: Path | str, tp: TPGroup = SINGL
         hf_config, model_dir, dtype, device, config.model.max_model_len, platform, tp
     )
     graphs = use_cuda_graphs(config, device, platform) and tp.size == 1
-    profile: Callable[[], tuple[MemoryProfile, int]] | None = None
-    if device.type == "cuda":
-        profile = functools.partial(
-            profile_memory,
-            model,
-            config.scheduler.max_num_batched_tokens,
-            config.scheduler.max_num_seqs,
-            config.model.max_model_len,
-            config.cache.block_size,
-            CudaMemoryReader(device),
-        )
-    num_blocks = num_kv_blocks_for(
-        config,
-        hf_config,
-        dtype,
-        device,
-        profile,
-        CUDA_GRAPH_RESERVE if graphs else 0,
-        model.num_kv_heads,
-    )
-    num_blocks = tp.all_reduce_min(num_blocks)  # every rank holds the same block ids
-    per_block = KVCache.bytes_per_block(
-        len(model.layers), config.cache.block_size, model.num_kv_heads, model.head_dim, dtype
-    )
-    num_host = tp.all_reduce_min(num_host_blocks(config.cache, per_block))
-    kv_cache = KVCache(
-        len(model.layers),
-        num_blocks,
-        config.cache.block_size,
-        model.num_kv_heads,
-        model.head_dim,
-        dtype,
-        device,
-        num_host,
-    )
+    kv_cache = build_kv_cache(config, hf_config, model, dtype, device, graphs, tp)
     eos_ids = frozenset[int]()
     if tp.is_driver:
         from transformers import AutoTokenizer
@@ -178,7 +135,7 @@ def build_shard(config: EngineConfig, model_dir: Path | str, tp: TPGroup = SINGL
         capture_decode_graphs(runner, config)
     if tp.size > 1:
         use_step_timeout()  # start-up's collectives are done: a step is bounded tighter
-    return Shard(model, platform, runner, num_blocks, num_host, eos_ids)
+    return Shard(model, platform, runner, kv_cache.num_blocks, kv_cache.num_host_blocks, eos_ids)
 
 
 def build(config: EngineConfig, fail_fast: bool = False) -> LoadedModel:

@@ -113,7 +113,7 @@ def test_a_random_8q_2kv_llama_at_tp2_and_tp4_equals_tp1(random_llama_dir: Path)
         )
         try:
             if size == 4:  # 2 KV heads over 4 ranks: one each, replicated
-                assert loaded.runner.kv_cache.key[0].shape[0] == 1
+                assert loaded.driver.kv_cache.key[0].shape[0] == 1
             prompts = [[(37 * i + 11 * j) % 49152 for j in range(5 + 7 * i)] for i in range(4)]
             results[size], _ = _generate(loaded, prompts, max_num_batched_tokens=16, max_num_seqs=4)
         finally:
