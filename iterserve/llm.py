@@ -5,12 +5,14 @@ from __future__ import annotations
 import itertools
 import operator
 import typing
+import weakref
 from collections.abc import Iterable, Sequence
+from types import TracebackType
 from typing import Any
 
 from iterserve.config import EngineConfig
 from iterserve.engine.errors import InvalidRequestError
-from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.factory import build_engine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.executor.build import LoadedModel, build
@@ -24,30 +26,52 @@ class LLM:
     Every keyword is a field of the engine configs (see ``iterserve.config``); an unknown one is
     a ``TypeError`` and an invalid value a ``ConfigError``.
 
+    :meth:`close` (or leaving a ``with`` block, or garbage collection) stops what the model
+    holds outside this object (a tensor-parallel replica's worker processes), so that another
+    ``LLM`` can be built in the same process.
+
     Example::
 
-        llm = LLM(model="default", dtype="float32", num_kv_blocks=64)
-        outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))
+        with LLM(model="default", dtype="float32", num_kv_blocks=64) as llm:
+            outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))
     """
 
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
-        self.loaded: LoadedModel = build(EngineConfig.from_kwargs(model=model, **kwargs))
-        self.tokenizer = self.loaded.tokenizer
-        self.engine = LLMEngine(
-            self.loaded.config,
-            self.loaded.runner,
-            self.tokenizer,
-            num_kv_blocks=self.loaded.num_kv_blocks,
-            vocab_size=int(self.loaded.hf_config.vocab_size),
-            eos_token_ids=self.loaded.eos_token_ids,
-            num_host_blocks=self.loaded.num_host_blocks,
-            preemption_costs=self.loaded.preemption_costs,
-        )
+        loaded = build(EngineConfig.from_kwargs(model=model, **kwargs))
+        try:
+            self.engine = build_engine(loaded.config, loaded.runner, loaded.tokenizer, loaded.info)
+        except BaseException:
+            loaded.close()
+            raise
+        self.loaded: LoadedModel = loaded
+        self.tokenizer = loaded.tokenizer
+        # Holds ``loaded``, never ``self``: collecting this LLM closes the model.
+        self._finalizer = weakref.finalize(self, loaded.close)
         self._ids = itertools.count()
 
     @property
     def config(self) -> EngineConfig:
         return self.loaded.config
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (if any) and leave the process group; idempotent.
+        Generating afterwards raises ``RuntimeError``."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def generate(
         self,
@@ -61,7 +85,10 @@ class LLM:
 
         Raises:
             InvalidRequestError: some prompt can never be served; nothing was run.
+            RuntimeError: this ``LLM`` is closed.
         """
+        if self.closed:
+            raise RuntimeError("this LLM is closed: build a new one to generate")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

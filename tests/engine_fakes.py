@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from iterserve.config import EngineConfig
+from iterserve.engine.factory import ModelInfo, build_engine
 from iterserve.engine.kv_cache_manager import cdiv
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.messages import monotonic_clock
@@ -241,16 +242,13 @@ class Harness:
             )
         else:
             self.runner = runner or FakeRunner()
-        self.engine = LLMEngine(
+        self.engine = build_engine(
             EngineConfig.from_kwargs(**kwargs),
             self.runner,
-            tokenizer=None,
-            num_kv_blocks=kwargs["num_kv_blocks"],
-            vocab_size=vocab_size,
-            eos_token_ids=frozenset({EOS}),
-            num_host_blocks=num_host_blocks,
-            preemption_costs=preemption_costs,
+            None,
+            ModelInfo(vocab_size, frozenset({EOS}), kwargs["num_kv_blocks"], num_host_blocks),
             clock=clock or monotonic_clock,
+            preemption_costs=preemption_costs,
         )
         self.scheduler = self.engine.scheduler
         self.clock = clock

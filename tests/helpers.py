@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from typing import Any
 
 from iterserve.config import EngineConfig
+from iterserve.engine.factory import build_engine
 from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.policy import PreemptionCosts
 
 # Pool of the shared runner's KV cache; engines built on it may use fewer blocks.
 SHARED_NUM_KV_BLOCKS = 384
@@ -19,16 +23,21 @@ def make_engine(loaded: Any, **kwargs: Any) -> LLMEngine:
     config = EngineConfig.from_kwargs(dtype="float32", num_kv_blocks=num_kv_blocks, **kwargs)
     # The runner outlives engines here: forget the sampling state of earlier engines' requests.
     loaded.runner.states.clear()
-    return LLMEngine(
-        config,
-        loaded.runner,
-        loaded.tokenizer,
-        num_kv_blocks=num_kv_blocks,
-        vocab_size=int(loaded.hf_config.vocab_size),
-        eos_token_ids=loaded.eos_token_ids,
-        num_host_blocks=loaded.num_host_blocks,
-        preemption_costs=loaded.preemption_costs,
-    )
+    info = dataclasses.replace(loaded.info, num_kv_blocks=num_kv_blocks, model_dir=None)
+    costs = _preemption_costs(loaded)
+    return build_engine(config, loaded.runner, loaded.tokenizer, info, preemption_costs=costs)
+
+
+# Measured once per shared runner (as start-up would), not once per engine built on it.
+_COSTS: weakref.WeakKeyDictionary[Any, PreemptionCosts] = weakref.WeakKeyDictionary()
+
+
+def _preemption_costs(loaded: Any) -> PreemptionCosts | None:
+    if not loaded.num_host_blocks or loaded.config.scheduler.preemption_mode != "auto":
+        return None
+    if loaded.runner not in _COSTS:
+        _COSTS[loaded.runner] = loaded.runner.measure_preemption_costs()
+    return _COSTS[loaded.runner]
 
 
 async def collect(

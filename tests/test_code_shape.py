@@ -1,11 +1,10 @@
-"""The package's shape, checked: functions short enough to read, no import cycle."""
+"""The package's shape, checked: functions short enough to read (import cycles and the one
+engine factory: tests/test_composition.py)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
-
-import grimp
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 80
@@ -32,33 +31,3 @@ def test_no_function_is_longer_than_80_lines() -> None:
     folders = [ROOT / "iterserve", ROOT / "tools"]
     folders += [ROOT / "benchmarks"] if (ROOT / "benchmarks").is_dir() else []
     assert [f for folder in folders for f in _long_functions(folder)] == []
-
-
-def _cycle(graph: grimp.ImportGraph) -> list[str] | None:
-    """One import cycle between the package's modules (depth-first search), or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(module: str) -> list[str] | None:
-        state[module] = 1
-        path.append(module)
-        for imported in sorted(graph.find_modules_directly_imported_by(module)):
-            if state.get(imported) == 1:
-                return [*path[path.index(imported) :], imported]
-            if imported not in state and (found := visit(imported)):
-                return found
-        path.pop()
-        state[module] = 2
-        return None
-
-    for module in sorted(graph.modules):
-        if module not in state and (found := visit(module)):
-            return found
-    return None
-
-
-def test_no_import_cycle() -> None:
-    """Runtime imports only (``if TYPE_CHECKING:`` blocks are for annotations). A package's
-    ``__init__`` re-exporting its modules counts like any module."""
-    graph = grimp.build_graph("iterserve", exclude_type_checking_imports=True)
-    assert _cycle(graph) is None

@@ -6,11 +6,13 @@ import subprocess
 import sys
 from typing import Any
 
+import psutil
 import pytest
 from helpers import make_engine
 
 from iterserve.engine.errors import InvalidRequestError
 from iterserve.engine.sampling_params import SamplingParams
+from iterserve.executor.tensor_parallel import WORKER_MODULE
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -201,3 +203,43 @@ def test_cli_rejects_bad_config_clearly() -> None:
     )
     assert proc.returncode == 2
     assert "must be >= max_num_seqs" in proc.stderr
+
+
+@pytest.mark.model
+def test_llm_close_is_idempotent_and_generate_after_it_raises() -> None:
+    from iterserve import LLM
+
+    llm = LLM(model="default", dtype="float32", num_kv_blocks=8, attention_backend="torch")
+    assert not llm.closed
+    llm.close()
+    llm.close()
+    assert llm.closed
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        llm.generate("Hello", SamplingParams(max_tokens=1))
+
+
+@pytest.mark.model
+def test_tensor_parallel_llms_one_after_another_in_one_process() -> None:
+    """A TP-3 ``LLM`` closed (by its ``with`` block, then by ``close()``) leaves the process
+    free for the next one; both give the same greedy tokens."""
+    from iterserve import LLM
+
+    kwargs: dict[str, Any] = {
+        "dtype": "float32",
+        "num_kv_blocks": 16,
+        "tensor_parallel_size": 3,
+        "attention_backend": "torch",
+    }
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(**kwargs) as first:
+        want = first.generate("The capital of France is", params)[0].outputs[0].token_ids
+    assert first.closed
+    second = LLM(**kwargs)
+    try:
+        got = second.generate("The capital of France is", params)[0].outputs[0].token_ids
+    finally:
+        second.close()
+    assert got == want
+    assert len(want) == 4
+    workers = [p for p in psutil.Process().children(recursive=True) if WORKER_MODULE in p.cmdline()]
+    assert workers == []

@@ -25,6 +25,7 @@ Every iteration is a point; a warm-up cell's are discarded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -40,7 +41,7 @@ from iterserve.bench.calibrate_output import (
 )
 from iterserve.bench.common import output_dir, warn_if_loaded
 from iterserve.config import EngineConfig
-from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.factory import build_engine
 from iterserve.engine.messages import AddRequest
 from iterserve.engine.outputs import ModelRunner, ModelRunnerOutput, SchedulerOutput
 from iterserve.engine.sampling_params import SamplingParams
@@ -96,7 +97,7 @@ class Calibration:
         is idle."""
         import torch
 
-        kv = self.loaded.runner.kv_cache
+        kv = self.loaded.driver.kv_cache
         pairs = [(i, i) for i in range(min(kv.num_host_blocks, kv.num_blocks))]
         times = []
         for _ in range(repeats):
@@ -146,14 +147,9 @@ class Calibration:
             max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=max_num_batched_tokens,
         )
-        engine = LLMEngine(
-            config,
-            self.timer,
-            loaded.tokenizer,
-            num_kv_blocks=loaded.num_kv_blocks,
-            vocab_size=int(loaded.hf_config.vocab_size),
-            eos_token_ids=loaded.eos_token_ids,
-        )
+        # No host pool: a cell never swaps.
+        info = dataclasses.replace(loaded.info, num_host_blocks=0, model_dir=None)
+        engine = build_engine(config, self.timer, loaded.tokenizer, info)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         for i, prompt in enumerate(prompts):
             request_id = f"{cell}-{i}"

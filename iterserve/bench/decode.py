@@ -121,7 +121,7 @@ def run_decode_bench(
             model=model, dtype=dtype, num_kv_blocks=num_blocks, block_size=block_size
         )
     )
-    runner = loaded.runner
+    runner = loaded.driver
     weight_bytes = runner.model.weight_bytes()
     bandwidth = copy_bandwidth()
     rows = []

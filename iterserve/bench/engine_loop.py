@@ -48,18 +48,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _build_engine(kwargs: dict[str, Any]) -> Any:
-    from iterserve.engine.llm_engine import LLMEngine
+    from iterserve.engine.factory import build_engine
     from iterserve.executor.build import build
 
     loaded = build(EngineConfig.from_kwargs(**kwargs))
-    engine = LLMEngine(
-        loaded.config,
-        loaded.runner,
-        loaded.tokenizer,
-        loaded.num_kv_blocks,
-        int(loaded.hf_config.vocab_size),
-        loaded.eos_token_ids,
-    )
+    engine = build_engine(loaded.config, loaded.runner, loaded.tokenizer, loaded.info)
     return engine, loaded.tokenizer
 
 

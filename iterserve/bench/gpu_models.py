@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from iterserve.config import EngineConfig, GiB
+from iterserve.engine.factory import ModelInfo, build_engine
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.sampling_params import SamplingParams
@@ -119,7 +120,7 @@ def make_engine(
     them (on CUDA with the Triton platform, unless ``enforce_eager``).
     """
     from iterserve.executor.attention import KVCache
-    from iterserve.executor.build import capture_decode_graphs, use_cuda_graphs
+    from iterserve.executor.graph_capture import capture_decode_graphs, use_cuda_graphs
     from iterserve.executor.model_runner import TorchModelRunner
 
     dtype = model.embed_tokens.weight.dtype
@@ -149,19 +150,8 @@ def make_engine(
     runner = TorchModelRunner(model, kv_cache, config.model.seed)
     if use_cuda_graphs(config, device, model.platform):
         capture_decode_graphs(runner, config)
-    costs = None
-    if num_host_blocks and config.scheduler.preemption_mode == "auto":
-        costs = runner.measure_preemption_costs()
-    return LLMEngine(
-        config,
-        runner,
-        None,
-        num_kv_blocks=num_kv_blocks,
-        vocab_size=int(model.config.vocab_size),
-        eos_token_ids=frozenset(),
-        num_host_blocks=num_host_blocks,
-        preemption_costs=costs,
-    )
+    info = ModelInfo(int(model.config.vocab_size), frozenset(), num_kv_blocks, num_host_blocks)
+    return build_engine(config, runner, None, info)
 
 
 def run_engine(

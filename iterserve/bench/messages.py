@@ -24,7 +24,7 @@ from typing import Any
 
 from iterserve.bench.common import output_dir, warn_if_loaded
 from iterserve.config import EngineConfig
-from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.factory import ModelInfo, build_engine
 from iterserve.engine.messages import AddRequest, StepResult
 from iterserve.engine.outputs import (
     ModelRunnerOutput,
@@ -94,7 +94,9 @@ def measure(tokenizer: Any, output_len: int, num_requests: int, logprobs: bool) 
         max_num_batched_tokens=max(2048, num_requests),
     )
     runner = WordRunner(words, logprobs)
-    engine = LLMEngine(config, runner, tokenizer, num_blocks, len(tokenizer), frozenset())
+    engine = build_engine(
+        config, runner, tokenizer, ModelInfo(len(tokenizer), frozenset(), num_blocks)
+    )
     params = SamplingParams(
         max_tokens=output_len, ignore_eos=True, logprobs=1 if logprobs else None
     )

@@ -32,7 +32,7 @@ from iterserve.engine.engine_core import EngineCore
 from iterserve.engine.messages import AddRequest, EngineMessage, IterationStats
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.sim.profile import load_profile
-from iterserve.sim.replica import VirtualClock, build_engine
+from iterserve.sim.replica import VirtualClock, build_simulated_engine
 from iterserve.telemetry.iterations import IterationRecorder
 
 
@@ -53,7 +53,7 @@ def run_once(args: argparse.Namespace, db: str | None) -> dict[str, Any]:
     """One run of the workload; ``db`` None: telemetry off. Iterations, seconds, rows."""
     clock = VirtualClock()
     kwargs = {"max_num_seqs": args.concurrency, "num_kv_blocks": args.num_kv_blocks}
-    engine, _ = build_engine(load_profile("cpu-smollm2"), kwargs, clock.advance, clock)
+    engine, _ = build_simulated_engine(load_profile("cpu-smollm2"), kwargs, clock.advance, clock)
     recorder = _TimedRecorder(db) if db else None
 
     def send(message: EngineMessage) -> None:

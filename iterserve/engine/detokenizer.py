@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from iterserve.engine.sampling_params import SamplingParams
+from iterserve.engine.tokenizer import Tokenizer
 
 # Prompt tokens fed to the stream first, so the first output token decodes in context
 # (SentencePiece tokenizers drop a leading space without it).
@@ -22,13 +23,15 @@ class IncrementalDetokenizer:
     """The output text of one completion, one token at a time.
 
     Args:
-        tokenizer: a Hugging Face tokenizer (its ``backend_tokenizer`` is used); one without
-            a ``backend_tokenizer`` decodes each token alone (``decode([token_id])``).
+        tokenizer: its ``backend_tokenizer`` (a Hugging Face one's) streams the text; one
+            without a ``backend_tokenizer`` decodes each token alone (``decode([token_id])``).
         prompt_token_ids: the prompt, for context.
         params: ``stop``, ``include_stop_str_in_output``, ``skip_special_tokens``.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:  # a tokenizer whose tokens decode alone (the simulator's)
             skip = params.skip_special_tokens

@@ -37,6 +37,7 @@ from iterserve.engine.request import DEFAULT_TENANT, Request
 from iterserve.engine.request import RequestStatus as Status
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.engine.scheduler import Scheduler
+from iterserve.engine.tokenizer import Tokenizer
 
 TELEMETRY_LEN = 1024
 
@@ -62,11 +63,12 @@ class IterationError(RuntimeError):
 
 class LLMEngine:
     """The synchronous engine core: one :meth:`step` is one scheduler decision + one forward.
+    Built by :func:`~iterserve.engine.factory.build_engine`.
 
     Args:
         config: engine settings with ``model.max_model_len`` resolved.
         runner: executes a ``SchedulerOutput`` (the model runner, or a fake in tests).
-        tokenizer: a Hugging Face tokenizer for output text and stop strings (None: no text).
+        tokenizer: for output text and stop strings (None: no text).
         num_kv_blocks: size of the KV pool in blocks (found at start-up).
         vocab_size: number of token ids the model accepts.
         eos_token_ids: token ids that end a request unless ``ignore_eos``.
@@ -81,7 +83,7 @@ class LLMEngine:
         self,
         config: EngineConfig,
         runner: ModelRunner,
-        tokenizer: Any,
+        tokenizer: Tokenizer | None,
         num_kv_blocks: int,
         vocab_size: int,
         eos_token_ids: frozenset[int],

@@ -95,12 +95,6 @@ class ModelRunner(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
-class Tokenizer(Protocol):
-    """The part of a Hugging Face tokenizer the engine uses."""
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
-
-
 @dataclass
 class CompletionOutput:
     """One generated sequence of a request (vLLM's shape); text and token ids so far."""

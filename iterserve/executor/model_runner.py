@@ -109,32 +109,13 @@ class TorchModelRunner:
         self.states: dict[str, SamplingState] = {}
         # Padded decode in static buffers (CUDA graphs once captured), if enabled.
         self.decode_graphs: DecodeGraphs | None = None
-        # Tensor parallelism: the driver (rank 0) announces each step to the other ranks
-        # first (:func:`~iterserve.executor.tensor_parallel.attach`); only it samples.
-        self.before_step: Callable[[SchedulerOutput], None] | None = None
-        # ... and any error in the step is the replica's failure: the error to raise instead.
-        self.on_step_error: Callable[[BaseException], BaseException] | None = None
         self.is_driver = model.tp.is_driver
 
+    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Make the output's block copies, run the forward of its scheduled requests and
-        sample (the driver, or the only rank); a worker rank returns no tokens.
-
-        Raises:
-            TensorParallelError: under tensor parallelism, any failure of the step (a rank
-                died or timed out): the replica cannot continue.
-        """
-        if self.on_step_error is None:
-            return self._execute(scheduler_output)
-        try:
-            return self._execute(scheduler_output)
-        except Exception as e:
-            raise self.on_step_error(e) from e
-
-    @torch.inference_mode()
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.before_step is not None:
-            self.before_step(scheduler_output)
+        sample (the driver, or the only rank); a tensor-parallel worker rank returns no
+        tokens."""
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
         self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
@@ -218,8 +199,19 @@ class TorchModelRunner:
         return state
 
     @torch.inference_mode()
-    def measure_preemption_costs(self, num_tokens: int = 256) -> PreemptionCosts:
-        """Time one prefill of ``num_tokens`` and a swap of as many tokens' blocks (start-up)."""
+    def measure_preemption_costs(
+        self,
+        num_tokens: int = 256,
+        execute: Callable[[SchedulerOutput], ModelRunnerOutput] | None = None,
+    ) -> PreemptionCosts:
+        """Time one prefill of ``num_tokens`` and a swap of as many tokens' blocks (start-up).
+
+        Args:
+            num_tokens: tokens of the timed prefill (at most the KV pool's).
+            execute: runs the prefill (default :meth:`execute_model`; a tensor-parallel
+                replica's runner passes its own, so that every rank runs it).
+        """
+        execute = execute or self.execute_model
         bs = self.kv_cache.block_size
         num_blocks = min(-(-num_tokens // bs), self.kv_cache.num_blocks)
         num_tokens = min(num_tokens, num_blocks * bs)
@@ -227,10 +219,10 @@ class TorchModelRunner:
         sched = ScheduledRequest(
             "profile", token_ids, 0, list(range(num_blocks)), False, SamplingParams()
         )
-        self.execute_model(SchedulerOutput(scheduled=[sched]))  # warm-up
+        execute(SchedulerOutput(scheduled=[sched]))  # warm-up
         self._synchronize()
         start = time.perf_counter()
-        self.execute_model(SchedulerOutput(scheduled=[sched]))
+        execute(SchedulerOutput(scheduled=[sched]))
         self._synchronize()  # nothing is sampled: the forward may still run on a GPU
         prefill_s = (time.perf_counter() - start) / num_tokens
         kv_bytes_per_token = self.kv_cache.bytes_per_token

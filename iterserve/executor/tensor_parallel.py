@@ -1,24 +1,21 @@
 """Tensor parallelism across processes: one replica's model sharded over ``N`` ranks.
 
 The engine process is rank 0, the driver: it runs the scheduler, its own shard, and samples.
-Ranks ``1 .. N-1`` are worker processes (``python -m iterserve.executor.tensor_parallel``)
-that load their shard, size their KV cache, then run every iteration the driver announces.
-Each iteration the driver sends one :class:`StepMessage` to every worker over its socket
-(pickled once): a request's block table in full the first time a rank sees it (or after it
-was preempted), then per step only the tokens to compute and the blocks appended since, the
-finished and preempted ids and the swaps. Workers never sample, so they need no prompt, no
-sampling parameters and no generated text. All ranks then run the same forward in lockstep;
-the collectives inside it (:mod:`~iterserve.models.parallel`) are the only other traffic.
+Ranks ``1 .. N-1`` are worker processes (:mod:`~iterserve.executor.tp_worker`) that load
+their shard, size their KV cache, then run every iteration the driver announces. The driver's
+runner is a :class:`TensorParallelRunner`: each iteration it sends one
+:class:`~iterserve.executor.tp_messages.StepMessage` to every worker over its socket (pickled
+once), then runs its own shard. All ranks run the same forward in lockstep; the collectives
+inside it (:mod:`~iterserve.models.parallel`) are the only other traffic.
 
 Failure: the driver watches every worker; a worker that exits (killed, OOM, an exception)
 fails the driver at once: in the engine process (``fail_fast``) it exits with code 1, so the
 server's streams all end with an error, ``/health`` fails and the server exits non-zero;
 elsewhere (``LLM(...)``) the step raises :class:`TensorParallelError`, and so does every
-later one. A hung worker is caught
-by the collective timeout (``ITERSERVE_TP_TIMEOUT_S``, default 60 s, from the first step on;
-joining the group and loading the shards have ``ITERSERVE_TP_START_TIMEOUT_S``, default
-900 s), and any error in the
-driver's forward is as fatal (the ranks are out of step after it). Workers die with the driver
+later one. A hung worker is caught by the collective timeout (``ITERSERVE_TP_TIMEOUT_S``,
+default 60 s, from the first step on; joining the group and loading the shards have
+``ITERSERVE_TP_START_TIMEOUT_S``, default 900 s), and any error in the driver's forward is as
+fatal (the ranks are out of step after it). Workers die with the driver
 (``PR_SET_PDEATHSIG``) and stop on their socket's EOF: no process outlives the driver.
 
 On a CPU the cores are divided among the ranks (``torch.set_num_threads``) so that ``N``
@@ -28,7 +25,6 @@ CUDA is present, gloo otherwise.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import logging
@@ -39,19 +35,23 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from iterserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from iterserve.engine.sampling_params import SamplingParams
+from iterserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from iterserve.engine.policy import PreemptionCosts
+from iterserve.executor.model_runner import TorchModelRunner
+from iterserve.executor.tp_messages import StepEncoder, StepMessage
 from iterserve.models.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
+# The module a worker process runs (``python -m``).
+WORKER_MODULE = "iterserve.executor.tp_worker"
 DEFAULT_TIMEOUT_S = 60.0
 # Joining the group and loading the shards: ranks load at their own pace (a 70B shard from a
 # cold disk takes minutes), so start-up has its own, longer bound.
@@ -87,109 +87,6 @@ def use_step_timeout() -> None:
     set_timeout(datetime.timedelta(seconds=collective_timeout_s()))
 
 
-# ---------------------------------------------------------------- the per-step message
-
-
-class ScheduledDelta(NamedTuple):
-    """One request's share of an iteration, as a worker needs it (a tuple on the wire).
-
-    ``blocks`` is the whole block table when ``full_table`` is set, else the blocks appended
-    to the table the worker holds for ``request_id``.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
-    blocks: list[int]
-    full_table: bool
-    sample: bool
-
-
-@dataclass(frozen=True)
-class StepMessage:
-    """What every worker gets per iteration (``shutdown``: stop instead)."""
-
-    scheduled: list[ScheduledDelta] = field(default_factory=list)
-    finished_request_ids: list[str] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    shutdown: bool = False
-
-
-class StepEncoder:
-    """The driver's side: turns each :class:`SchedulerOutput` into a :class:`StepMessage`,
-    remembering the block table each worker holds per request."""
-
-    def __init__(self) -> None:
-        self.tables: dict[str, list[int]] = {}
-
-    def encode(self, out: SchedulerOutput) -> StepMessage:
-        tables = self.tables
-        for request_id in (*out.finished_request_ids, *out.preempted_request_ids):
-            tables.pop(request_id, None)
-        scheduled = []
-        for s in out.scheduled:
-            table = s.block_table
-            known = tables.get(s.request_id)
-            n = len(known) if known is not None else 0
-            if known is not None and len(table) >= n and table[:n] == known:
-                blocks, full = table[n:], False
-                known.extend(blocks)
-            else:  # new to the workers, or its blocks changed (preempted and resumed)
-                blocks, full = list(table), True
-                tables[s.request_id] = list(table)
-            scheduled.append(
-                ScheduledDelta(
-                    s.request_id, s.token_ids, s.num_computed_tokens, blocks, full, s.sample
-                )
-            )
-        return StepMessage(
-            scheduled,
-            out.finished_request_ids,
-            out.preempted_request_ids,
-            out.blocks_to_swap_out,
-            out.blocks_to_swap_in,
-        )
-
-
-class StepDecoder:
-    """A worker's side: rebuilds the :class:`SchedulerOutput` of each :class:`StepMessage`."""
-
-    def __init__(self) -> None:
-        self.tables: dict[str, list[int]] = {}
-        self._params = SamplingParams()  # workers do not sample: any params do
-
-    def decode(self, msg: StepMessage) -> SchedulerOutput:
-        tables = self.tables
-        for request_id in (*msg.finished_request_ids, *msg.preempted_request_ids):
-            tables.pop(request_id, None)
-        scheduled = []
-        for d in msg.scheduled:
-            if d.full_table:
-                table = tables[d.request_id] = list(d.blocks)
-            else:
-                table = tables[d.request_id]
-                table.extend(d.blocks)
-            scheduled.append(
-                ScheduledRequest(
-                    d.request_id,
-                    d.token_ids,
-                    d.num_computed_tokens,
-                    list(table),
-                    d.sample,
-                    self._params,
-                )
-            )
-        return SchedulerOutput(
-            scheduled=scheduled,
-            preempted_request_ids=msg.preempted_request_ids,
-            finished_request_ids=msg.finished_request_ids,
-            blocks_to_swap_out=msg.blocks_to_swap_out,
-            blocks_to_swap_in=msg.blocks_to_swap_in,
-        )
-
-
 # ---------------------------------------------------------------- the process group
 
 
@@ -222,11 +119,6 @@ def init_group(rank: int, size: int, init_method: str) -> TPGroup:
         timeout=datetime.timedelta(seconds=start_timeout_s()),
     )
     return TPGroup(rank, size)
-
-
-def rank_device(tp: TPGroup) -> torch.device:
-    """The device of rank ``tp.rank``: its own GPU, or the CPU."""
-    return torch.device("cuda", tp.rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
 # ---------------------------------------------------------------- the driver's side
@@ -283,7 +175,7 @@ class Workers:
         ours, theirs = socket.socketpair()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, "--fd", str(theirs.fileno())],
+                [sys.executable, "-m", WORKER_MODULE, "--fd", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
             )
         finally:
@@ -375,56 +267,42 @@ class Workers:
             dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------- a worker
+# ---------------------------------------------------------------- the driver's runner
 
 
-def worker_main(fd: int) -> int:
-    """A worker process: read its :class:`WorkerSetup`, build its shard, then run each
-    :class:`StepMessage` until shutdown or the socket's EOF; the exit code."""
-    from iterserve.engine.process_engine import LOG_FORMAT, die_with_parent
-    from iterserve.executor.build import build_shard
+class TensorParallelRunner:
+    """The driver's model runner of a tensor-parallel replica (the engine's ``ModelRunner``):
+    each step goes to every worker first, then runs on the driver's own shard, which samples.
+    Any failure of a step is the replica's failure (:meth:`Workers.fail`).
 
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    conn = Connection(fd)
-    setup: WorkerSetup = pickle.loads(conn.recv_bytes())
-    die_with_parent(setup.parent_pid)
-    tp = init_group(setup.rank, setup.size, setup.init_method)
-    runner = build_shard(setup.config, setup.model_dir, tp).runner
-    decoder = StepDecoder()
-    logger.info("tensor-parallel rank %d of %d ready", tp.rank, tp.size)
-    while True:
+    Args:
+        driver: rank 0's runner (its shard, KV cache and sampler).
+        workers: ranks ``1 .. N-1``, in the process group with the driver.
+    """
+
+    def __init__(self, driver: TorchModelRunner, workers: Workers) -> None:
+        self.driver = driver
+        self.workers = workers
+        self.device = driver.device
+        self.states = driver.states
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Broadcast ``scheduler_output`` to the workers, then run it on the driver.
+
+        Raises:
+            TensorParallelError: a rank died, timed out or failed the step: the replica
+                cannot continue.
+        """
         try:
-            msg: StepMessage = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            logger.info("rank %d: the driver closed its socket; stopping", tp.rank)
-            return 0
-        if msg.shutdown:
-            return 0
-        runner.execute_model(decoder.decode(msg))
+            self.workers.broadcast(scheduler_output)
+            return self.driver.execute_model(scheduler_output)
+        except Exception as e:
+            raise self.workers.step_failed(e) from e
 
+    def measure_preemption_costs(self) -> PreemptionCosts:
+        """The driver's timing of a prefill and a swap, every rank running the prefill."""
+        return self.driver.measure_preemption_costs(execute=self.execute_model)
 
-def attach(runner: Any, workers: Workers) -> None:
-    """Make the driver's runner announce every step to ``workers`` before its own forward,
-    and treat any error in it as the replica's failure."""
-    runner.before_step = workers.broadcast
-    runner.on_step_error = workers.step_failed
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="an iterserve tensor-parallel worker")
-    parser.add_argument("--fd", type=int, required=True)
-    args = parser.parse_args(argv)
-    code = 1
-    try:
-        code = worker_main(args.fd)
-    except Exception:
-        logger.exception("tensor-parallel worker failed")
-    finally:
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-    sys.exit(code)
-
-
-if __name__ == "__main__":
-    main()
+    def close(self) -> None:
+        """Stop the workers and leave the process group (idempotent)."""
+        self.workers.close()

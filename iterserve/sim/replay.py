@@ -38,7 +38,7 @@ from iterserve.server.admission import Admission, Rejected
 from iterserve.server.protocol import APIError
 from iterserve.server.tenants import resolve_tenant
 from iterserve.sim.profile import LatencyProfile
-from iterserve.sim.replica import SimTokenizer, VirtualClock, build_engine
+from iterserve.sim.replica import SimTokenizer, VirtualClock, build_simulated_engine
 from iterserve.sim.runner import SimulatedModelRunner
 
 # The router's policies that make sense without a session header.
@@ -213,7 +213,7 @@ def replay(
     replicas = []
     for i in range(num_replicas):
         clock = VirtualClock()
-        engine, _ = build_engine(
+        engine, _ = build_simulated_engine(
             profile, engine_kwargs, clock.advance, clock, tokenizer, include_engine_overhead=True
         )
         assert isinstance(engine.runner, SimulatedModelRunner)

@@ -1,11 +1,12 @@
 """Simulated replicas: the real engine over the simulated runner, and ``serve --simulate``.
 
-:func:`build_engine` makes an :class:`~iterserve.engine.llm_engine.LLMEngine` whose runner is
-a :class:`~iterserve.sim.runner.SimulatedModelRunner`, sized from the profile: the KV pool is
-the profile's unless ``--num-kv-blocks`` or ``--kv-cache-memory`` say otherwise (bytes over
-the profile's KV bytes per token), ``max_model_len`` at most the profile's, swap space in
-blocks of the profile's KV size, and ``tensor_parallel_size`` must be the profile's degree (a
-simulated 4-GPU replica is one process). :func:`serve_simulated` runs the whole HTTP server
+:func:`build_simulated_engine` makes an :class:`~iterserve.engine.llm_engine.LLMEngine` (with
+the engine factory) whose runner is a :class:`~iterserve.sim.runner.SimulatedModelRunner`,
+sized from the profile: the KV pool is the profile's unless ``--num-kv-blocks`` or
+``--kv-cache-memory`` say otherwise (bytes over the profile's KV bytes per token),
+``max_model_len`` at most the profile's, swap space in blocks of the profile's KV size, and
+``tensor_parallel_size`` must be the profile's degree (a simulated 4-GPU replica is one
+process). :func:`serve_simulated` runs the whole HTTP server
 over it in one process: the engine loop on a thread behind
 :class:`~iterserve.engine.async_engine.AsyncEngine`.
 
@@ -28,13 +29,12 @@ from pydantic import ValidationError
 from iterserve.config import (
     ConfigError,
     EngineConfig,
-    GiB,
     ServerConfig,
     SimulationConfig,
 )
+from iterserve.engine.factory import ModelInfo, build_engine, num_host_blocks
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.messages import Clock
-from iterserve.engine.policy import PreemptionCosts
 from iterserve.sim.profile import MAX_NUM_BLOCKS, LatencyProfile, OutputLengths, load_profile
 from iterserve.sim.runner import SimulatedModelRunner
 from iterserve.sim.tokenizer import CharTokenizer, FileTokenizer, load_tokenizer
@@ -153,7 +153,7 @@ def _bounded_blocks(num_blocks: int, what: str) -> int:
     return num_blocks
 
 
-def build_engine(
+def build_simulated_engine(
     profile: LatencyProfile,
     engine_kwargs: dict[str, Any],
     wait: Callable[[float], None],
@@ -202,28 +202,16 @@ def build_engine(
         include_engine_overhead=include_engine_overhead,
         output_lengths=output_lengths,
     )
-    kv_bytes_per_token = profile.kv_cache.kv_bytes_per_token
-    num_host_blocks = _bounded_blocks(
-        int(config.cache.swap_space * GiB) // (config.cache.block_size * kv_bytes_per_token),
-        "host swap pool",
-    )
-    costs = None
-    if num_host_blocks and config.scheduler.preemption_mode == "auto":
-        costs = PreemptionCosts(
-            profile.prefill_seconds_per_token(), profile.swap.bytes_per_s, kv_bytes_per_token
-        )
-    engine = LLMEngine(
-        config,
-        runner,
-        tokenizer,
-        num_kv_blocks=num_kv_blocks(profile, config),
+    bytes_per_block = config.cache.block_size * profile.kv_cache.kv_bytes_per_token
+    num_host = _bounded_blocks(num_host_blocks(config.cache, bytes_per_block), "host swap pool")
+    info = ModelInfo(
         vocab_size=tokenizer.vocab_size,
         eos_token_ids=eos_ids,
-        num_host_blocks=num_host_blocks,
-        preemption_costs=costs,
+        num_kv_blocks=num_kv_blocks(profile, config),
+        num_host_blocks=num_host,
         model_dir=config.model.model if isinstance(tokenizer, FileTokenizer) else None,
-        clock=clock,
     )
+    engine = build_engine(config, runner, tokenizer, info, clock)
     return engine, tokenizer
 
 
@@ -247,7 +235,7 @@ def serve_simulated(
         parse_output_lengths(sim.simulate_output_len) if sim.simulate_output_len else None
     )
     clock = ScaledClock(sim.simulate_speed)
-    engine, tokenizer = build_engine(
+    engine, tokenizer = build_simulated_engine(
         profile, engine_kwargs, clock.sleep, clock, output_lengths=output_lengths
     )
     logger.info(

@@ -31,6 +31,7 @@ from iterserve.engine.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from iterserve.engine.policy import PreemptionCosts
 from iterserve.sim.profile import BatchShape, LatencyProfile, OutputLengths
 
 _MASK64 = (1 << 64) - 1
@@ -120,6 +121,14 @@ class SimulatedModelRunner:
             if s.sample and s.sampling_params.logprobs is not None
         }
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def measure_preemption_costs(self) -> PreemptionCosts:
+        """The profile's prefill time per token and swap bandwidth (nothing is timed)."""
+        return PreemptionCosts(
+            self.profile.prefill_seconds_per_token(),
+            self.profile.swap.bytes_per_s,
+            self.profile.kv_cache.kv_bytes_per_token,
+        )
 
     def _logprobs(self, token_id: int, num_top: int) -> TokenLogprobs:
         """Made-up but well-formed logprobs: the sampled token is the likeliest (-0.1), the

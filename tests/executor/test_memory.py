@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 
 from iterserve.config import ConfigError, EngineConfig
 from iterserve.executor.attention import KVCache
-from iterserve.executor.build import num_kv_blocks_for
+from iterserve.executor.kv_sizing import num_kv_blocks_for
 from iterserve.executor.memory import (
     MemoryProfile,
     kv_cache_budget,

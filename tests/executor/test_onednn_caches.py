@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from iterserve.executor.build import ONEDNN_CACHE_CAPACITY, bound_onednn_caches
+from iterserve.executor.device import ONEDNN_CACHE_CAPACITY, bound_onednn_caches
 
 # malloc'd bytes held after bfloat16 linears over 250 token counts (new shapes), in MiB.
 _PROBE = """
 import ctypes, sys, torch
 import torch.nn.functional as F
-from iterserve.executor.build import bound_onednn_caches
+from iterserve.executor.device import bound_onednn_caches
 
 class MallInfo2(ctypes.Structure):
     names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"

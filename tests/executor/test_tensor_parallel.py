@@ -16,13 +16,14 @@ from transformers import LlamaConfig
 from iterserve.config import ConfigError
 from iterserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from iterserve.engine.sampling_params import SamplingParams
-from iterserve.executor.build import (
+from iterserve.executor.tensor_parallel import TensorParallelError, TensorParallelRunner
+from iterserve.executor.tp_messages import StepDecoder, StepEncoder
+from iterserve.executor.weights import (
     check_tensor_parallel,
     checkpoint_slices,
     load_hf_config,
     load_model,
 )
-from iterserve.executor.tensor_parallel import StepDecoder, StepEncoder
 from iterserve.kernels.platform import select_platform
 from iterserve.models.llama import LlamaForCausalLM
 from iterserve.models.loader import resolve_model_dir
@@ -184,3 +185,43 @@ def test_each_rank_loads_exactly_its_slice_of_the_default_model_and_reads_only_i
                 n = vocab // 3
                 want = want[rank * n : (rank + 1) * n]
             assert torch.equal(got, want), (rank, name)
+
+
+class _Driver:
+    """Rank 0's runner, recording the steps it ran (``fail``: raise on the next one)."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+        self.device = torch.device("cpu")
+        self.states: dict[str, Any] = {}
+        self.fail = False
+
+    def execute_model(self, out: SchedulerOutput) -> Any:
+        if self.fail:
+            raise RuntimeError("gloo: connection closed by peer")
+        self.calls.append("driver")
+        return "output"
+
+
+class _Workers:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def broadcast(self, out: SchedulerOutput) -> None:
+        self.calls.append("broadcast")
+
+    def step_failed(self, error: BaseException) -> TensorParallelError:
+        self.calls.append(f"failed: {error}")
+        return TensorParallelError("rank 1 died")
+
+
+def test_the_tensor_parallel_runner_broadcasts_first_and_fails_the_replica_on_any_error() -> None:
+    calls: list[str] = []
+    driver = _Driver(calls)
+    runner = TensorParallelRunner(driver, _Workers(calls))
+    assert runner.execute_model(SchedulerOutput([])) == "output"
+    assert calls == ["broadcast", "driver"]
+    driver.fail = True
+    with pytest.raises(TensorParallelError, match="rank 1 died"):
+        runner.execute_model(SchedulerOutput([]))
+    assert calls[2:] == ["broadcast", "failed: gloo: connection closed by peer"]

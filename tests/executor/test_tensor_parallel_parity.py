@@ -29,7 +29,7 @@ from iterserve.config import EngineConfig
 from iterserve.engine.llm_engine import IterationError
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.executor.build import LoadedModel, build
-from iterserve.executor.tensor_parallel import TensorParallelError
+from iterserve.executor.tensor_parallel import WORKER_MODULE, TensorParallelError
 from iterserve.models.loader import resolve_model_dir
 
 pytestmark = pytest.mark.model
@@ -41,7 +41,7 @@ def _workers() -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process().children(recursive=True)
-        if "iterserve.executor.tensor_parallel" in " ".join(p.cmdline())
+        if WORKER_MODULE in " ".join(p.cmdline())
     ]
 
 
@@ -113,7 +113,7 @@ def test_a_random_8q_2kv_llama_at_tp2_and_tp4_equals_tp1(random_llama_dir: Path)
         )
         try:
             if size == 4:  # 2 KV heads over 4 ranks: one each, replicated
-                assert loaded.runner.kv_cache.key[0].shape[0] == 1
+                assert loaded.driver.kv_cache.key[0].shape[0] == 1
             prompts = [[(37 * i + 11 * j) % 49152 for j in range(5 + 7 * i)] for i in range(4)]
             results[size], _ = _generate(loaded, prompts, max_num_batched_tokens=16, max_num_seqs=4)
         finally:

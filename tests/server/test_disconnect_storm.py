@@ -26,7 +26,7 @@ from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.request import RequestStatus
 from iterserve.server.generation import GenerationRun
 from iterserve.sim.profile import load_profile
-from iterserve.sim.replica import ScaledClock, build_engine
+from iterserve.sim.replica import ScaledClock, build_simulated_engine
 
 NUM_STREAMS = 1000
 NUM_WARM_UP = 200
@@ -43,7 +43,9 @@ def simulated_replica() -> tuple[AsyncEngine, collections.Counter[str]]:
     """The engine client, and a count of the states its aborted requests were in
     (``waiting``, ``prefill``, ``decode``), taken as the scheduler frees them."""
     clock = ScaledClock(5.0)
-    engine, tokenizer = build_engine(load_profile("cpu-smollm2"), ENGINE_KWARGS, clock.sleep, clock)
+    engine, tokenizer = build_simulated_engine(
+        load_profile("cpu-smollm2"), ENGINE_KWARGS, clock.sleep, clock
+    )
     aborted_in: collections.Counter[str] = collections.Counter()
     finish_requests = engine.scheduler.finish_requests
 

@@ -54,7 +54,7 @@ def tree(server: Server) -> list[psutil.Process]:
 
 
 def workers(server: Server) -> list[psutil.Process]:
-    return [p for p in tree(server) if "iterserve.executor.tensor_parallel" in p.cmdline()]
+    return [p for p in tree(server) if "iterserve.executor.tp_worker" in p.cmdline()]
 
 
 def test_the_openai_client_streams_from_a_tp3_server(tp_server: Server) -> None:

@@ -13,7 +13,7 @@ from iterserve.config import ConfigError
 from iterserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.sim.profile import BatchShape, OutputLengths, ProfileError, load_profile
-from iterserve.sim.replica import VirtualClock, build_engine, parse_output_lengths
+from iterserve.sim.replica import VirtualClock, build_simulated_engine, parse_output_lengths
 from iterserve.sim.runner import draw_output_len
 from iterserve.sim.tokenizer import CharTokenizer
 
@@ -61,7 +61,7 @@ def test_forward_seconds_is_the_documented_formula() -> None:
 
 def _engine(**kwargs: object) -> tuple[object, VirtualClock]:
     clock = VirtualClock()
-    engine, _ = build_engine(make_profile(), dict(kwargs), clock.advance, clock)
+    engine, _ = build_simulated_engine(make_profile(), dict(kwargs), clock.advance, clock)
     return engine, clock
 
 
@@ -146,7 +146,7 @@ def test_pool_max_model_len_and_tensor_parallel_degree_come_from_the_profile() -
         _engine(tensor_parallel_size=4)
     a100 = load_profile("a100x4-llama3-70b")
     clock = VirtualClock()
-    engine, _ = build_engine(a100, {"tensor_parallel_size": 4}, clock.advance, clock)
+    engine, _ = build_simulated_engine(a100, {"tensor_parallel_size": 4}, clock.advance, clock)
     assert engine.config.parallel.tensor_parallel_size == 4
 
 
