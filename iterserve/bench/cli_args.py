@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.workloads import WORKLOADS
+from iterserve.workload.workloads import WORKLOADS
 
 _SMOKE_DIR_HELP = "default: bench-results (smoke: .../smoke)"
 

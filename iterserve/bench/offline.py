@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.workloads import make_workload
+from iterserve.workload.workloads import make_workload
 
 ROW_NAMES = {
     1: "iterserve continuous + chunked prefill",

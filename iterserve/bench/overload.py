@@ -54,7 +54,7 @@ from iterserve.bench.reliability import (
     wait_idle,
 )
 from iterserve.bench.reliability_report import check, format_checks, plot_timeline
-from iterserve.bench.stats import percentile
+from iterserve.workload.stats import percentile
 
 IDLE_TIMEOUT_S = 120.0
 

@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import yaml
 
-from iterserve.bench.workloads import corpus_text
+from iterserve.workload.workloads import corpus_text
 
 ADMIN_TOKEN = "bench-admin-token"
 READY_TIMEOUT_S = 300.0  # the real model loads in tens of seconds on a loaded machine

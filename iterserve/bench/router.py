@@ -49,12 +49,12 @@ from iterserve.bench.router_fleet import (
 )
 from iterserve.bench.router_report import format_affinity, format_balance, format_overhead, plot
 from iterserve.bench.serve import arrival_times, run_load
-from iterserve.bench.stats import SLO, RequestRecord, percentile, summarize
-from iterserve.bench.workloads import BenchRequest, PromptCutter, make_workload
 from iterserve.sim.profile import load_profile
 from iterserve.sim.replay import replay
 from iterserve.sim.replica import SimTokenizer
 from iterserve.sim.tokenizer import CharTokenizer, FileTokenizer
+from iterserve.workload.stats import SLO, RequestRecord, percentile, summarize
+from iterserve.workload.workloads import BenchRequest, PromptCutter, make_workload
 
 PARTS = ("overhead", "balance", "affinity")
 BALANCE_POLICIES = ("least_kv", "round_robin", "random")

@@ -25,14 +25,14 @@ from typing import Any
 
 import httpx
 
-from iterserve.bench.stats import (
+from iterserve.workload.stats import (
     SLO,
     RequestRecord,
     cost_per_million_tokens,
     summarize,
     summarize_by_tier,
 )
-from iterserve.bench.workloads import BenchRequest, load_trace, make_workload
+from iterserve.workload.workloads import BenchRequest, load_trace, make_workload
 
 
 def _body(req: BenchRequest, model: str, endpoint: str, plain: bool) -> dict[str, Any]:
@@ -305,7 +305,7 @@ def main(args: argparse.Namespace) -> int:
     requests = _assign_tiers(requests, args.tier_mix, args.seed)
     rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
     if args.save_trace is not None:
-        from iterserve.bench.workloads import save_trace
+        from iterserve.workload.workloads import save_trace
 
         save_trace(_with_arrivals(requests, rates[0], args), args.save_trace)
         print(f"wrote {args.save_trace}")

@@ -27,8 +27,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.bench.stats import SLO, RequestRecord, distribution, summarize, summarize_by_tier
-from iterserve.bench.workloads import BenchRequest
 from iterserve.engine.errors import InvalidRequestError
 from iterserve.engine.llm_engine import IterationError, LLMEngine
 from iterserve.engine.messages import AddRequest, EngineLoad, RequestDelta
@@ -40,6 +38,8 @@ from iterserve.server.tenants import resolve_tenant
 from iterserve.sim.profile import LatencyProfile
 from iterserve.sim.replica import SimTokenizer, VirtualClock, build_engine
 from iterserve.sim.runner import SimulatedModelRunner
+from iterserve.workload.stats import SLO, RequestRecord, distribution, summarize, summarize_by_tier
+from iterserve.workload.workloads import BenchRequest
 
 # The router's policies that make sense without a session header.
 ROUTING_POLICIES = ("least_kv", "round_robin", "random")

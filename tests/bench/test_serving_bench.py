@@ -17,7 +17,8 @@ from server_utils import run_server
 from transformers import AutoTokenizer
 
 from iterserve.bench.serve import _body, arrival_times
-from iterserve.bench.stats import (
+from iterserve.models.loader import resolve_model_dir
+from iterserve.workload.stats import (
     SLO,
     RequestRecord,
     cost_per_million_tokens,
@@ -26,8 +27,7 @@ from iterserve.bench.stats import (
     summarize,
     summarize_by_tier,
 )
-from iterserve.bench.workloads import load_trace, make_workload, save_trace
-from iterserve.models.loader import resolve_model_dir
+from iterserve.workload.workloads import load_trace, make_workload, save_trace
 
 RECORDS = [
     RequestRecord(ok=True, output_tokens=11, ttft_s=0.1, e2e_s=1.1, itl_s=[0.1] * 10, tier="a"),
