@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import psutil
 
-from iterserve.bench.reliability import disconnect_storm
+from benchmarks.reliability import disconnect_storm
 
 
 async def storm(

@@ -1,7 +1,7 @@
 """Flags of the ``iterserve bench`` subcommands, importable without torch or numpy.
 
 Building the parser (``iterserve --help``) only imports this module; each subcommand imports
-its own module (``iterserve.bench.decode`` loads torch) when it runs.
+its own module (``iterserve.bench.roofline`` loads torch) when it runs.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ _SMOKE_DIR_HELP = "default: bench-results (smoke: .../smoke)"
 
 
 def _main_of(module: str) -> Callable[[argparse.Namespace], int]:
-    """``iterserve.bench.<module>.main``, imported when the subcommand runs."""
+    """``<module>.main``, imported when the subcommand runs."""
 
     def run(args: argparse.Namespace) -> int:
-        return int(importlib.import_module(f"iterserve.bench.{module}").main(args))
+        return int(importlib.import_module(module).main(args))
 
     return run
 
@@ -68,7 +68,7 @@ def _add_decode(sub: Any) -> None:
     )
     p.add_argument("--output-dir", type=Path, default=None, help=_SMOKE_DIR_HELP)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, 2 iterations (tests)")
-    p.set_defaults(func=_main_of("decode"))
+    p.set_defaults(func=_main_of("iterserve.bench.roofline"))
 
 
 def _add_offline(sub: Any) -> None:
@@ -81,7 +81,7 @@ def _add_offline(sub: Any) -> None:
     p.add_argument("--no-roofline", action="store_true")
     p.add_argument("--smoke", action="store_true", help="8 short requests (tests)")
     p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
-    p.set_defaults(func=_main_of("offline"))
+    p.set_defaults(func=_main_of("iterserve.bench.offline"))
 
 
 def _add_engine_loop(sub: Any) -> None:
@@ -94,7 +94,7 @@ def _add_engine_loop(sub: Any) -> None:
     p.add_argument("--output-dir", type=Path, default=None, help=_SMOKE_DIR_HELP)
     p.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating order")
     p.add_argument("--smoke", action="store_true", help="2 streams of 4 tokens (tests)")
-    p.set_defaults(func=_main_of("engine_loop"))
+    p.set_defaults(func=_main_of("benchmarks.engine_loop"))
 
 
 def _add_serve(sub: Any) -> None:
@@ -127,7 +127,7 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--smoke", action="store_true", help="8 short requests: checks the pipeline")
     p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
-    p.set_defaults(func=_main_of("serve"))
+    p.set_defaults(func=_main_of("iterserve.bench.serve"))
 
 
 def _add_gate(sub: Any) -> None:
@@ -136,7 +136,7 @@ def _add_gate(sub: Any) -> None:
     p.add_argument("candidate", type=Path, help="JSON of `bench serve` (the change)")
     p.add_argument("--max-ttft-p99-regression", type=float, default=0.20)
     p.add_argument("--max-tpot-p50-regression", type=float, default=0.15)
-    p.set_defaults(func=_main_of("gate"))
+    p.set_defaults(func=_main_of("iterserve.bench.gate"))
 
 
 def _add_messages(sub: Any) -> None:
@@ -149,7 +149,7 @@ def _add_messages(sub: Any) -> None:
     p.add_argument("--logprobs", action="store_true", help="requests ask for logprobs=1")
     p.add_argument("--output-dir", type=Path, default=None, help=_SMOKE_DIR_HELP)
     p.add_argument("--smoke", action="store_true", help="output lengths 16 and 64 (tests)")
-    p.set_defaults(func=_main_of("messages"))
+    p.set_defaults(func=_main_of("benchmarks.messages"))
 
 
 def _add_calibrate(sub: Any) -> None:
@@ -170,7 +170,7 @@ def _add_calibrate(sub: Any) -> None:
         help="points, plot (and profile); default: bench-results[/smoke]/calibrate-<time>",
     )
     p.add_argument("--smoke", action="store_true", help="tiny grid, well under a minute (tests)")
-    p.set_defaults(func=_main_of("calibrate"))
+    p.set_defaults(func=_main_of("iterserve.bench.calibrate"))
 
 
 def _add_fidelity(sub: Any) -> None:
@@ -187,7 +187,7 @@ def _add_fidelity(sub: Any) -> None:
     p.add_argument("--production-only", action="store_true", help="only the A100 table")
     p.add_argument("--production-requests", type=int, default=1024)
     p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
-    p.set_defaults(func=_main_of("fidelity"))
+    p.set_defaults(func=_main_of("iterserve.bench.fidelity"))
 
 
 def _add_router(sub: Any) -> None:
@@ -218,7 +218,7 @@ def _add_router(sub: Any) -> None:
     p.add_argument("--base-port", type=int, default=8680, help="first replica; router after")
     p.add_argument("--output-dir", type=Path, default=None, help=_SMOKE_DIR_HELP)
     p.add_argument("--smoke", action="store_true", help="2 replicas, tiny workloads (tests)")
-    p.set_defaults(func=_main_of("router"))
+    p.set_defaults(func=_main_of("benchmarks.router"))
 
 
 def _add_telemetry(sub: Any) -> None:
@@ -231,7 +231,7 @@ def _add_telemetry(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=5, help="runs per mode, alternating order")
     p.add_argument("--output-dir", type=Path, default=None, help=_SMOKE_DIR_HELP)
     p.add_argument("--smoke", action="store_true", help="4 requests of 4 tokens, 1 run (tests)")
-    p.set_defaults(func=_main_of("telemetry"))
+    p.set_defaults(func=_main_of("benchmarks.telemetry"))
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -271,7 +271,7 @@ def _add_overload(sub: Any) -> None:
     p.add_argument("--max-rss-growth-mib", type=float, default=256.0, help="bound on RSS growth")
     p.add_argument("--premium-tier", default="premium", help="tier whose TTFT target is checked")
     p.add_argument("--smoke", action="store_true", help="a few seconds per phase (tests)")
-    p.set_defaults(func=_main_of("overload"))
+    p.set_defaults(func=_main_of("benchmarks.overload"))
 
 
 def _add_soak(sub: Any) -> None:
@@ -293,7 +293,7 @@ def _add_soak(sub: Any) -> None:
         "--drain-timeout-s", type=float, default=120.0, help="after the traffic: to end and idle"
     )
     p.add_argument("--smoke", action="store_true", help="6.5 s, a change every 0.8 s (tests)")
-    p.set_defaults(func=_main_of("soak"))
+    p.set_defaults(func=_main_of("benchmarks.soak"))
 
 
 def _add_gpu(sub: Any) -> None:
@@ -301,11 +301,11 @@ def _add_gpu(sub: Any) -> None:
         "gpu", help="the prepared GPU check: kernels, attention bandwidth, 8B offline, parity"
     )
     add_gpu_args(p)
-    p.set_defaults(func=_main_of("gpu"))
+    p.set_defaults(func=_main_of("benchmarks.gpu"))
 
 
 def add_gpu_args(p: argparse.ArgumentParser) -> None:
-    """Flags of ``iterserve bench gpu`` (also ``python -m iterserve.bench.gpu``). Shape flags
+    """Flags of ``iterserve bench gpu`` (also ``python -m benchmarks.gpu``). Shape flags
     left unset take the full run's values, or ``--quick``'s."""
     p.add_argument("--device", default="cuda", help="cuda (default), or cpu for tests")
     p.add_argument("--quick", action="store_true", help="fewer shapes and requests, 8 layers")

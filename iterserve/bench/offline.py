@@ -177,8 +177,8 @@ def format_targets(rows: list[OfflineRow]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from iterserve.bench.decode import format_table as roofline_table
-    from iterserve.bench.decode import run_decode_bench, warn_if_loaded
+    from iterserve.bench.roofline import format_table as roofline_table
+    from iterserve.bench.roofline import run_decode_bench, warn_if_loaded
     from iterserve.bench.serve import _tokenizer
 
     warn_if_loaded()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.bench.router import BALANCE_POLICIES
+from benchmarks.router import BALANCE_POLICIES
 from iterserve.cli import build_parser
 
 # Ports of this test's replicas and router (bench router's full runs use 8680 and up).

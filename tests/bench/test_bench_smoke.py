@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.bench.decode import DecodeRow, format_table
+from iterserve.bench.roofline import DecodeRow, format_table
 
 
 @pytest.mark.model

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from iterserve.bench.overload import overload_checks, phase_summary
-from iterserve.bench.reliability import Outcome
+from benchmarks.overload import overload_checks, phase_summary
+from benchmarks.reliability import Outcome
 from iterserve.cli import build_parser
 
 # 4 seats and a queue of 8: a few seconds at 2x fill the queue and the excess gets 429s.

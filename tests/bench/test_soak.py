@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from iterserve.bench.reliability import Outcome
-from iterserve.bench.soak import CONFIG_CYCLE, summarize
+from benchmarks.reliability import Outcome
+from benchmarks.soak import CONFIG_CYCLE, summarize
 from iterserve.cli import build_parser
 
 

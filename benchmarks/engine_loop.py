@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.bench.decode import output_dir, warn_if_loaded
+from iterserve.bench.common import output_dir, warn_if_loaded
 from iterserve.config import EngineConfig
 from iterserve.engine.messages import AddRequest, RequestDelta
 from iterserve.engine.sampling_params import SamplingParams

@@ -97,7 +97,7 @@ _FORMATTERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """The report of :func:`iterserve.bench.gpu.main` as text."""
+    """The report of :func:`benchmarks.gpu.main` as text."""
     env = report["environment"]
     lines = [
         f"iterserve bench gpu{' --quick' if report['quick'] else ''}: "

@@ -39,15 +39,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.common import output_dir, warn_if_loaded
-from iterserve.bench.router_fleet import (
+from benchmarks.router_fleet import (
     Fleet,
     client_args,
     cpu_seconds,
     prefix_cache_totals,
     router_counts,
 )
-from iterserve.bench.router_report import format_affinity, format_balance, format_overhead, plot
+from benchmarks.router_report import format_affinity, format_balance, format_overhead, plot
+from iterserve.bench.common import output_dir, warn_if_loaded
 from iterserve.bench.serve import arrival_times, run_load
 from iterserve.sim.profile import load_profile
 from iterserve.sim.replay import replay

@@ -23,7 +23,7 @@ Checks of the overload phase (exit 1 when one fails):
 - p99 TTFT of the admitted ``--premium-tier`` requests is within that tier's
   ``ttft_target_ms`` (read from ``GET /admin/scheduler_config``).
 
-A server it starts gets :data:`~iterserve.bench.reliability.BENCH_TIERS` (premium: queue wait
+A server it starts gets :data:`~benchmarks.reliability.BENCH_TIERS` (premium: queue wait
 at most 1 s, TTFT target 3 s; standard 4 s / 8 s; best-effort 8 s).
 """
 
@@ -38,8 +38,7 @@ from typing import Any
 
 import httpx
 
-from iterserve.bench.common import output_dir, warn_if_loaded
-from iterserve.bench.reliability import (
+from benchmarks.reliability import (
     Outcome,
     Prompts,
     RequestSpec,
@@ -53,7 +52,8 @@ from iterserve.bench.reliability import (
     server_under_test,
     wait_idle,
 )
-from iterserve.bench.reliability_report import check, format_checks, plot_timeline
+from benchmarks.reliability_report import check, format_checks, plot_timeline
+from iterserve.bench.common import output_dir, warn_if_loaded
 from iterserve.workload.stats import percentile
 
 IDLE_TIMEOUT_S = 120.0

@@ -39,8 +39,7 @@ from typing import Any
 
 import httpx
 
-from iterserve.bench.common import output_dir, warn_if_loaded
-from iterserve.bench.reliability import (
+from benchmarks.reliability import (
     Outcome,
     Prompts,
     RequestSpec,
@@ -55,7 +54,8 @@ from iterserve.bench.reliability import (
     server_under_test,
     wait_idle,
 )
-from iterserve.bench.reliability_report import check, format_checks, plot_timeline
+from benchmarks.reliability_report import check, format_checks, plot_timeline
+from iterserve.bench.common import output_dir, warn_if_loaded
 
 TIER_MIX = {"premium": 0.2, "standard": 0.5, "best-effort": 0.3}
 STREAM_SHARE = 0.7

@@ -231,7 +231,7 @@ def run_engine_parity(
     Raises:
         SectionFailed: some completion's token ids differ (the results are attached).
     """
-    from iterserve.bench.gpu_kernels import SectionFailed
+    from benchmarks.gpu_kernels import SectionFailed
 
     hf = random_hf_llama(llama_config(PARITY_SHAPE, 128), torch.float32, torch.device("cpu"), seed)
     models = {
