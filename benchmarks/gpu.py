@@ -1,4 +1,4 @@
-"""``iterserve bench gpu``: the prepared check of a lent GPU (issue 16), in one run.
+"""``python -m benchmarks.gpu``: the prepared check of a lent GPU, in one run.
 
 Run on the GPU machine from the repository root (nothing installed there but torch, triton and
 transformers; no model files, no downloads)::
@@ -181,7 +181,7 @@ def main(args: argparse.Namespace) -> int:
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("iterserve bench gpu: error: no CUDA device (use --device cpu)", file=sys.stderr)
+        print("benchmarks.gpu: error: no CUDA device (use --device cpu)", file=sys.stderr)
         return 2
     plan = make_plan(args)
     start = time.perf_counter()
@@ -244,14 +244,14 @@ def _exit(code: int) -> None:
     sys.stderr.flush()
     others = [t for t in threading.enumerate() if t is not threading.main_thread()]
     if any(t.is_alive() and not t.daemon for t in others):
-        print("iterserve bench gpu: a thread still runs; exiting without it", file=sys.stderr)
+        print("benchmarks.gpu: a thread still runs; exiting without it", file=sys.stderr)
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
 
 
 def _parser() -> argparse.ArgumentParser:
-    from iterserve.bench.cli_args import add_gpu_args
+    from benchmarks.cli_args import add_gpu_args
 
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.gpu",

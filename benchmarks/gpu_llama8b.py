@@ -1,4 +1,4 @@
-"""``iterserve bench gpu`` sections 3 and 4 on a randomly initialised Llama-3-8B-shaped model:
+"""``python -m benchmarks.gpu`` sections 3 and 4 on a randomly initialised Llama-3-8B-shaped model:
 offline throughput of iterserve against ``transformers``' continuous batching, and the decode
 iteration time at batch 64 against its weight-and-KV read floor.
 

@@ -1,4 +1,4 @@
-"""``iterserve bench overload``: open-loop load at 2x the measured capacity (issue 15).
+"""``python -m benchmarks.overload``: open-loop load at 2x the measured capacity.
 
 Three phases against one server, its RSS (process tree) and ``/load`` sampled throughout:
 
@@ -214,7 +214,7 @@ async def _phases(target: Target, model: str, args: argparse.Namespace) -> dict[
         start_s = phases["capacity"]["start_s"]
         capacity = capacity_of(cap, start_s, start_s + args.capacity_s)
         if capacity <= 0:
-            raise SystemExit("bench overload: nothing completed in the capacity phase")
+            raise SystemExit("benchmarks.overload: nothing completed in the capacity phase")
         if args.baseline_s > 0:
             await phase("1x", capacity, args.baseline_s)
         await phase("overload", args.load_factor * capacity, args.duration)
@@ -330,3 +330,9 @@ def main(args: argparse.Namespace) -> int:
     plot_timeline(run["samples"], outcomes, marks, out_dir / "overload.png", "overload")
     print(f"wrote {out_dir / 'overload.json'} and overload.png")
     return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    from benchmarks.cli_args import parse_args
+
+    raise SystemExit(main(parse_args("overload")))

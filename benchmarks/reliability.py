@@ -1,5 +1,5 @@
-"""What ``bench overload`` and ``bench soak`` share: a server under test, its RSS and ``/load``
-sampled over time, and requests whose every outcome is classified (torch-free).
+"""What ``benchmarks.overload`` and ``benchmarks.soak`` share: a server under test, its RSS
+and ``/load`` sampled over time, and requests whose every outcome is classified (torch-free).
 
 A server is either started by the benchmark (``iterserve serve`` as a subprocess with the
 benchmark's tiers file and admin token, then ``--server-args``: the real default model, or

@@ -1,4 +1,4 @@
-"""Checks table and timeline plot of ``bench overload`` and ``bench soak``."""
+"""Checks table and timeline plot of ``benchmarks.overload`` and ``benchmarks.soak``."""
 
 from __future__ import annotations
 

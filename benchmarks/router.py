@@ -1,4 +1,4 @@
-"""``iterserve bench router``: what the router costs and what its policies buy (issue 12).
+"""``python -m benchmarks.router``: what the router costs and what its policies buy.
 
 Three parts in one run, over simulated replicas (``serve --simulate cpu-smollm2``) and routers
 started as subprocesses (replicas on ``--base-port`` and up, the router on the next port):
@@ -329,7 +329,7 @@ def main(args: argparse.Namespace) -> int:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
-        print(f"iterserve bench router: error: --parts must name some of {PARTS}, got {unknown}")
+        print(f"benchmarks.router: error: --parts must name some of {PARTS}, got {unknown}")
         return 2
     warn_if_loaded()
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -359,3 +359,9 @@ def main(args: argparse.Namespace) -> int:
     png = plot(result, out_dir / "router.png")
     print(f"wrote {json_path} and {png} in {result['wall_s']:.0f} s")
     return 0
+
+
+if __name__ == "__main__":
+    from benchmarks.cli_args import parse_args
+
+    raise SystemExit(main(parse_args("router")))

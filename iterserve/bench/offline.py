@@ -15,7 +15,7 @@ Each row reports useful output tokens per second (a request's own output tokens;
 tokens past a request's length in row 4 do not count) and its ratio to row 4. A roofline
 table follows: the memory floor of one decode iteration (weight bytes + KV bytes read, over
 the bandwidth of a copy measured in the same run) against the measured iteration time at
-batch 32/64/128 with 512-token contexts (``iterserve bench decode``'s measurement).
+batch 32/64/128 with 512-token contexts (:mod:`iterserve.bench.roofline`).
 """
 
 from __future__ import annotations
@@ -177,8 +177,9 @@ def format_targets(rows: list[OfflineRow]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    from iterserve.bench.common import warn_if_loaded
     from iterserve.bench.roofline import format_table as roofline_table
-    from iterserve.bench.roofline import run_decode_bench, warn_if_loaded
+    from iterserve.bench.roofline import run_decode_bench
     from iterserve.bench.serve import _tokenizer
 
     warn_if_loaded()

@@ -1,5 +1,5 @@
 """A ``sys.meta_path`` finder that makes iterserve's own imports of packages the lent GPU
-machine lacks fail, as they would there (``iterserve bench gpu``'s import test).
+machine lacks fail, as they would there (``python -m benchmarks.gpu``'s import test).
 
 Only imports made by iterserve's code (or ``__main__``) are checked: what torch or
 transformers import in turn is theirs, installed with them on that machine.
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 
-# Top-level modules the lent machine has besides the standard library (issue 16).
+# Top-level modules the lent machine has besides the standard library.
 ALLOWED = frozenset(
     {
         "iterserve",

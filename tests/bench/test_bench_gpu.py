@@ -1,4 +1,4 @@
-"""``iterserve bench gpu`` on a CPU: every section end to end on tiny shapes (Triton under its
+"""``python -m benchmarks.gpu`` on a CPU: every section end to end on tiny shapes (Triton under its
 interpreter), run as the lent GPU machine runs it (``python -m benchmarks.gpu``) behind an
 import blocker that fails any import of iterserve's that machine could not satisfy."""
 

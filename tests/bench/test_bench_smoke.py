@@ -1,4 +1,6 @@
-"""The decode micro-benchmark runs end to end (smoke size) and writes its table, JSON and plot."""
+"""The one-off benchmarks of ``benchmarks/`` (decode, engine loop, messages, telemetry) run end
+to end at smoke size, as ``python -m benchmarks.<name>`` from the repository root, and write
+their table, JSON and plot."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import pytest
 
 from iterserve.bench.roofline import DecodeRow, format_table
 
+ROOT = Path(__file__).parents[2]  # `python -m benchmarks.<name>` runs from the checkout
+
 
 @pytest.mark.model
 def test_smoke_run_writes_json_and_plot(tmp_path: Path) -> None:
@@ -18,9 +22,7 @@ def test_smoke_run_writes_json_and_plot(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "iterserve.cli",
-            "bench",
-            "decode",
+            "benchmarks.decode",
             "--smoke",
             "--output-dir",
             str(tmp_path),
@@ -28,6 +30,7 @@ def test_smoke_run_writes_json_and_plot(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         check=True,
+        cwd=ROOT,
     )
     assert "x linears" in proc.stdout and "x floor" in proc.stdout
     data = json.loads((tmp_path / "decode.json").read_text())
@@ -53,9 +56,7 @@ def test_engine_loop_smoke(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "iterserve.cli",
-            "bench",
-            "engine-loop",
+            "benchmarks.engine_loop",
             "--smoke",
             "--output-dir",
             str(tmp_path),
@@ -63,6 +64,7 @@ def test_engine_loop_smoke(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         check=True,
+        cwd=ROOT,
         timeout=300,
     )
     assert "thread / process throughput" in proc.stdout
@@ -74,11 +76,12 @@ def test_engine_loop_smoke(tmp_path: Path) -> None:
 def test_messages_bench_shows_constant_bytes_per_token_for_deltas(tmp_path: Path) -> None:
     """Bytes are deterministic (not timings): deltas stay flat, cumulative outputs grow."""
     proc = subprocess.run(
-        [sys.executable, "-m", "iterserve.cli", "bench", "messages", "--smoke", "--logprobs",
+        [sys.executable, "-m", "benchmarks.messages", "--smoke", "--logprobs",
          "--output-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         check=True,
+        cwd=ROOT,
         timeout=300,
     )  # fmt: skip
     assert "cumulative" in proc.stdout
@@ -94,9 +97,10 @@ def test_messages_bench_shows_constant_bytes_per_token_for_deltas(tmp_path: Path
 
 def test_telemetry_bench_smoke(tmp_path: Path) -> None:
     """Both modes run the same iterations; only ``on`` writes rows, one per iteration."""
-    from iterserve.cli import main
+    from benchmarks.cli_args import parse_args
+    from benchmarks.telemetry import main
 
-    assert main(["bench", "telemetry", "--smoke", "--output-dir", str(tmp_path)]) == 0
+    assert main(parse_args("telemetry", ["--smoke", "--output-dir", str(tmp_path)])) == 0
     data = json.loads((tmp_path / "telemetry.json").read_text())
     (off,), (on,) = data["off"]["runs"], data["on"]["runs"]
     assert off["iterations"] == on["iterations"] > 0

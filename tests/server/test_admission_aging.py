@@ -1,5 +1,5 @@
 """Admission's expected queue wait follows the scheduler's order, aging included (found by
-``bench overload``: at 2x capacity premium requests were admitted with "nothing ahead" and
+``benchmarks.overload``: at 2x capacity premium requests were admitted with "nothing ahead" and
 then waited 6-9 s behind standard and best-effort requests that had aged to premium)."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_requests_that_age_past_it_during_the_wait_count_too() -> None:
 
 
 def test_more_urgent_arrivals_overtake_a_lower_tier_until_it_ages() -> None:
-    """Found by ``bench overload`` on the real model: best-effort work promised the wait of
+    """Found by ``benchmarks.overload`` on the real model: best-effort work promised the wait of
     the queue ahead of it was overtaken by every premium arrival until it aged to premium,
     waited 10 s against an 8 s limit, and then took the seats of new premium requests."""
     clock = Clock()
