@@ -50,10 +50,12 @@ def save(rows: list[DecodeRow], meta: dict[str, Any], out_dir: Path) -> tuple[Pa
 def main(args: argparse.Namespace) -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     iters = args.iters
-    if args.smoke:
-        shapes, iters = [(1, 16), (4, 32)], 2
+    copy_bytes = 256 << 20
+    if args.smoke:  # the bandwidth of a small copy: the smoke checks the pipeline only
+        shapes, iters, copy_bytes = [(1, 16), (4, 32)], 2, 16 << 20
     warn_if_loaded()
-    rows, meta = run_decode_bench([(b, c) for b, c in shapes], args.dtype, iters, args.model)
+    pairs = [(b, c) for b, c in shapes]
+    rows, meta = run_decode_bench(pairs, args.dtype, iters, args.model, copy_bytes)
     print(f"copy bandwidth {meta['copy_bandwidth_gb_s']:.1f} GB/s (read + write), {meta['dtype']}")
     print(format_table(rows))
     json_path, png_path = save(rows, meta, output_dir(args))

@@ -214,7 +214,8 @@ def main(args: argparse.Namespace) -> int:
     meta: dict[str, Any] = {}
     if not args.no_roofline:
         shapes = [(1, 16), (4, 32)] if args.smoke else [(32, 512), (64, 512), (128, 512)]
-        roofline, meta = run_decode_bench(shapes, args.dtype, 2 if args.smoke else 5)
+        iters, copy_bytes = (2, 16 << 20) if args.smoke else (5, 256 << 20)
+        roofline, meta = run_decode_bench(shapes, args.dtype, iters, copy_bytes=copy_bytes)
         print(f"roofline (copy bandwidth {meta['copy_bandwidth_gb_s']:.1f} GB/s):")
         print(roofline_table(roofline))
     args.output_dir.mkdir(parents=True, exist_ok=True)

@@ -107,8 +107,15 @@ def linears_only(model: Any, batch: int) -> Callable[[], None]:
 
 
 def run_decode_bench(
-    shapes: list[tuple[int, int]], dtype: str, iters: int, model: str = "default"
+    shapes: list[tuple[int, int]],
+    dtype: str,
+    iters: int,
+    model: str = "default",
+    copy_bytes: int = 256 << 20,
 ) -> tuple[list[DecodeRow], dict[str, Any]]:
+    """One :class:`DecodeRow` per (batch, context) of ``shapes`` on ``model`` in ``dtype``
+    (median of ``iters`` timings each), and the run's facts (``copy_bandwidth_gb_s`` of a
+    ``copy_bytes`` copy, dtype, torch version, threads, machine, load average)."""
     from iterserve.executor.build import build
 
     block_size = 16
@@ -120,7 +127,7 @@ def run_decode_bench(
     )
     runner = loaded.runner
     weight_bytes = runner.model.weight_bytes()
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(copy_bytes)
     rows = []
     for batch, context in shapes:
         out = decode_batch(batch, context, block_size)
