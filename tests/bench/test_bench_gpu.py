@@ -24,7 +24,7 @@ TINY_ARGS = [
     "--attention-shapes", "2x32", "--attention-geometry", "4:2:64",
     "--llama-shape", "64:2:4:2:128:512", "--num-requests", "4", "--prompt-len", "16",
     "--output-len", "8", "--decode-batch", "4", "--decode-context", "32", "--decode-steps", "4",
-    "--parity-requests", "6", "--parity-tokens", "8", "--copy-mib", "1",
+    "--parity-requests", "6", "--parity-tokens", "4", "--copy-mib", "1",
 ]  # fmt: skip
 
 # Installs the blocker, runs the script as ``python -m`` would, and reports what was blocked.
