@@ -1,6 +1,6 @@
 """``iterserve simulate``: replay a trace under candidate configs; one table, JSON and a plot.
 
-The JSON (``--json OUT``) is DESIGN.md's ``{"runs": [{"config", "summary", "by_tier",
+The JSON (``--json OUT``) is ``{"runs": [{"config", "summary", "by_tier",
 "num_preemptions", "num_rejected", ...}]}``: ``summary`` and ``by_tier`` carry ``bench
 serve``'s fields (``output_tokens_per_s``, ``ttft_ms``, ``tpot_ms``, ``itl_ms``, ``e2e_ms``
 as ``{p50, p90, p99, mean}``, ...) plus ``queue_ms``, so a simulated and a measured run

@@ -1,5 +1,5 @@
-"""``iterserve report --db FILE``: what an operator asks of the telemetry tables (DESIGN.md,
-"Telemetry data model").
+"""``iterserve report --db FILE``: what an operator asks of the telemetry tables
+(:mod:`iterserve.telemetry.schema`).
 
 Per tenant and per priority tier: requests, preemptions, and p50/p99 of TTFT, TPOT and queue
 time; then the iterations whose prefill tokens exceeded a ceiling (the failure mode "chunked

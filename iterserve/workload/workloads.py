@@ -12,7 +12,7 @@ Workloads (``--workload``):
 - ``long-prompt``: one request in ten with a 3,000-4,000-token prompt, the rest 100-300.
 - ``shared-prefix``: one 500-token system prompt shared by all, plus 50-200 tokens each.
 
-Trace (JSONL, one request per line, DESIGN.md): ``{"timestamp": s, "prompt": str,
+Trace (JSONL, one request per line): ``{"timestamp": s, "prompt": str,
 "max_tokens": int}`` plus optional ``min_tokens``, ``priority`` (tier name or integer),
 ``tenant``, ``messages`` (chat, instead of ``prompt``) and ``prompt_len`` (tokens; an entry
 may give it instead of a prompt, which ``iterserve simulate`` accepts and ``bench serve``

@@ -131,7 +131,7 @@ def test_trace_round_trip(tmp_path: Path, tokenizer: Any) -> None:
     path.write_text('{"prompt": "no max_tokens"}\n')
     with pytest.raises(ValueError, match=r"trace\.jsonl:1"):
         load_trace(path)
-    # DESIGN.md's optional fields: chat messages, min_tokens, tenant, a length-only entry.
+    # The trace's optional fields: chat messages, min_tokens, tenant, a length-only entry.
     path.write_text(
         '{"timestamp": 0, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, '
         '"min_tokens": 2, "tenant": "acme"}\n{"timestamp": 1, "prompt_len": 300, "max_tokens": 8}\n'
