@@ -51,8 +51,8 @@ generate: install
 	$(VENV)/bin/iterserve generate --chat $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check iterserve tests tools
-	$(VENV)/bin/ruff format --check iterserve tests tools
+	$(VENV)/bin/ruff check iterserve benchmarks tests tools
+	$(VENV)/bin/ruff format --check iterserve benchmarks tests tools
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 

@@ -51,9 +51,10 @@ DECODE_STEPS = 16  # iterations in which a decode cell's whole batch decodes
 DECODE_BUDGET = 512  # max_num_batched_tokens of the decode cells (their prefill chunks)
 PREFILL_REACH = 2048  # the prefill cells' chunks start at offsets up to this (tokens)
 SWAP_SPACE_GIB = 0.05  # host pool for timing KV swaps (all of it is copied out and back)
-# --smoke: a tiny grid (the test's), well under a minute
-SMOKE_GRID = {"batch_sizes": "1,8", "contexts": "32,128", "chunk_sizes": "32"}
-SMOKE_REACH = 128
+# --smoke: a tiny grid (the test's), well under a minute; 4 x 160 prompt tokens exceed one
+# DECODE_BUDGET iteration, so that cell has mixed (decode + prefill) iterations too.
+SMOKE_GRID = {"batch_sizes": "1,4", "contexts": "32,160", "chunk_sizes": "32"}
+SMOKE_REACH = 64
 
 
 class TimingRunner:

@@ -33,11 +33,11 @@ import httpx
 
 from iterserve.bench.common import warn_if_loaded
 from iterserve.bench.serve import arrival_times, run_load
-from iterserve.bench.stats import SLO, summarize
-from iterserve.bench.workloads import BenchRequest, make_workload, save_trace
 from iterserve.sim.profile import load_profile
 from iterserve.sim.replay import replay
 from iterserve.sim.tokenizer import FileTokenizer
+from iterserve.workload.stats import SLO, summarize
+from iterserve.workload.workloads import BenchRequest, make_workload, save_trace
 
 LOAD_FACTORS = (0.6, 1.5)
 # (metric, key, tolerance) compared as simulated / measured.

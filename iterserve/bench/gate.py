@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.stats import gate
+from iterserve.workload.stats import gate
 
 
 def _summary(path: Path) -> dict[str, Any]:

@@ -15,7 +15,7 @@ Each row reports useful output tokens per second (a request's own output tokens;
 tokens past a request's length in row 4 do not count) and its ratio to row 4. A roofline
 table follows: the memory floor of one decode iteration (weight bytes + KV bytes read, over
 the bandwidth of a copy measured in the same run) against the measured iteration time at
-batch 32/64/128 with 512-token contexts (``iterserve bench decode``'s measurement).
+batch 32/64/128 with 512-token contexts (:mod:`iterserve.bench.roofline`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.workloads import make_workload
+from iterserve.workload.workloads import make_workload
 
 ROW_NAMES = {
     1: "iterserve continuous + chunked prefill",
@@ -177,8 +177,9 @@ def format_targets(rows: list[OfflineRow]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from iterserve.bench.decode import format_table as roofline_table
-    from iterserve.bench.decode import run_decode_bench, warn_if_loaded
+    from iterserve.bench.common import warn_if_loaded
+    from iterserve.bench.roofline import format_table as roofline_table
+    from iterserve.bench.roofline import run_decode_bench
     from iterserve.bench.serve import _tokenizer
 
     warn_if_loaded()
@@ -213,7 +214,8 @@ def main(args: argparse.Namespace) -> int:
     meta: dict[str, Any] = {}
     if not args.no_roofline:
         shapes = [(1, 16), (4, 32)] if args.smoke else [(32, 512), (64, 512), (128, 512)]
-        roofline, meta = run_decode_bench(shapes, args.dtype, 2 if args.smoke else 5)
+        iters, copy_bytes = (2, 16 << 20) if args.smoke else (5, 256 << 20)
+        roofline, meta = run_decode_bench(shapes, args.dtype, iters, copy_bytes=copy_bytes)
         print(f"roofline (copy bandwidth {meta['copy_bandwidth_gb_s']:.1f} GB/s):")
         print(roofline_table(roofline))
     args.output_dir.mkdir(parents=True, exist_ok=True)

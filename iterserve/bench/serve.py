@@ -25,14 +25,14 @@ from typing import Any
 
 import httpx
 
-from iterserve.bench.stats import (
+from iterserve.workload.stats import (
     SLO,
     RequestRecord,
     cost_per_million_tokens,
     summarize,
     summarize_by_tier,
 )
-from iterserve.bench.workloads import BenchRequest, load_trace, make_workload
+from iterserve.workload.workloads import BenchRequest, load_trace, make_workload
 
 
 def _body(req: BenchRequest, model: str, endpoint: str, plain: bool) -> dict[str, Any]:
@@ -284,6 +284,55 @@ def _model_name(url: str, api_key: str | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run ``bench serve``'s load (one rate, or each rate of ``--sweep``) against
+    ``--url``; print the table, write ``serve-<time>.json`` and ``.png`` in ``--output-dir``.
+    Returns 0, or 2 for a trace a real server cannot replay (entries without prompt text)."""
+    requests = _requests(args)
+    if requests is None:
+        return 2
+    rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
+    if args.save_trace is not None:
+        from iterserve.workload.workloads import save_trace
+
+        save_trace(_with_arrivals(requests, rates[0], args), args.save_trace)
+        print(f"wrote {args.save_trace}")
+    url = args.url.rstrip("/")
+    model = args.model or _model_name(url, args.api_key)
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    runs = []
+    print(TABLE_HEADER)
+    for rate in rates:
+        records, wall, cpu = asyncio.run(run_load(url, requests, model, args, rate))
+        runs.append(_run_report(records, wall, cpu, rate, slo, args))
+        _print_run(runs[-1], slo)
+    result: dict[str, Any] = {
+        "url": url,
+        "model": model,
+        "workload": str(args.trace) if args.trace else args.workload,
+        "num_requests": len(requests),
+        "endpoint": args.endpoint,
+        "plain": args.plain,
+        "concurrency": args.concurrency,
+        "slo": asdict(slo),
+        "runs": runs,
+        # The last (or only) run's summary, what ``bench gate`` compares.
+        "summary": runs[-1]["summary"],
+    }
+    if args.sweep:
+        result["best_rate"] = _best_rate(runs, args.slo_attainment)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"serve-{time.strftime('%Y%m%d-%H%M%S')}"
+    json_path = args.output_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(result, indent=2))
+    png = plot(runs, args.output_dir, stem)
+    print(f"wrote {json_path} and {png}")
+    return 0
+
+
+def _requests(args: argparse.Namespace) -> list[BenchRequest] | None:
+    """The requests to send (``--trace``, else the seeded ``--workload``; ``--smoke``: 8 of at
+    most 16 output tokens), with their ``--tier-mix`` tiers; None (and the error printed)
+    for a trace with entries that have only ``prompt_len``."""
     if args.smoke:
         args.num_requests, max_output = 8, 16
     else:
@@ -301,84 +350,70 @@ def main(args: argparse.Namespace) -> int:
             "server needs prompt text (iterserve simulate accepts them)",
             file=sys.stderr,
         )
-        return 2
-    requests = _assign_tiers(requests, args.tier_mix, args.seed)
-    rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
-    if args.save_trace is not None:
-        from iterserve.bench.workloads import save_trace
+        return None
+    return _assign_tiers(requests, args.tier_mix, args.seed)
 
-        save_trace(_with_arrivals(requests, rates[0], args), args.save_trace)
-        print(f"wrote {args.save_trace}")
-    url = args.url.rstrip("/")
-    model = args.model or _model_name(url, args.api_key)
-    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
-    runs = []
-    print(TABLE_HEADER)
-    for rate in rates:
-        records, wall, cpu = asyncio.run(run_load(url, requests, model, args, rate))
-        summary = summarize(records, wall, slo)
-        label = args.label or (f"c={args.concurrency}" if args.concurrency else f"rate {rate:g}")
-        if args.sweep:
-            label = f"rate {rate:g}"
-        run: dict[str, Any] = {
-            "label": label,
-            "rate": rate if not math.isinf(rate) else None,
-            "summary": summary,
-            "by_tier": summarize_by_tier(records, wall, slo),
-            "client_cpu_s": cpu,
-            "client_cpu_fraction": cpu / max(wall, 1e-9),
-            "slo_attainment": sum(slo.met(r) for r in records) / max(1, len(records)),
-            "errors": [r.error for r in records if r.error][:10],
-            "samples_ms": {
-                "ttft": [r.ttft_s * 1000 for r in records if r.ok and r.ttft_s is not None],
-                "tpot": [t * 1000 for r in records if r.ok and (t := r.tpot_s) is not None],
-                "itl": [g * 1000 for r in records if r.ok for g in r.itl_s],
-            },
-        }
-        if args.cost_per_hour is not None:
-            run["cost_per_1m_output_tokens"] = cost_per_million_tokens(
-                args.cost_per_hour, summary["output_tokens_per_s"]
-            )
-        runs.append(run)
-        print(format_summary(label, summary))
-        if len(run["by_tier"]) > 1:
-            for tier, tier_summary in run["by_tier"].items():
-                print(format_summary(f"  {tier}", tier_summary))
-        print(
-            f"{'':>14} client CPU {cpu:.1f} s ({run['client_cpu_fraction']:.0%} of a core), "
-            f"SLO (TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms) met by "
-            f"{run['slo_attainment']:.0%}"
-            + (
-                f", ${run['cost_per_1m_output_tokens']:.2f} per 1M output tokens"
-                if "cost_per_1m_output_tokens" in run
-                else ""
-            )
-        )
-    result: dict[str, Any] = {
-        "url": url,
-        "model": model,
-        "workload": str(args.trace) if args.trace else args.workload,
-        "num_requests": len(requests),
-        "endpoint": args.endpoint,
-        "plain": args.plain,
-        "concurrency": args.concurrency,
-        "slo": asdict(slo),
-        "runs": runs,
-        # The last (or only) run's summary, what ``bench gate`` compares.
-        "summary": runs[-1]["summary"],
-    }
+
+def _run_report(
+    records: list[RequestRecord],
+    wall: float,
+    cpu: float,
+    rate: float,
+    slo: SLO,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One run's entry of the JSON: label, summary (per tier too), client CPU (seconds),
+    SLO attainment (fraction), first errors, latency samples (ms) and cost."""
+    summary = summarize(records, wall, slo)
+    label = args.label or (f"c={args.concurrency}" if args.concurrency else f"rate {rate:g}")
     if args.sweep:
-        good = [r for r in runs if r["slo_attainment"] >= args.slo_attainment]
-        best = max(good, key=lambda r: r["rate"] or math.inf) if good else None
-        result["best_rate"] = best["rate"] if best else None
-        print(
-            f"highest rate meeting the SLO for {args.slo_attainment:.0%} of requests: "
-            + (best["label"] if best else "none of the rates tried")
+        label = f"rate {rate:g}"
+    run: dict[str, Any] = {
+        "label": label,
+        "rate": rate if not math.isinf(rate) else None,
+        "summary": summary,
+        "by_tier": summarize_by_tier(records, wall, slo),
+        "client_cpu_s": cpu,
+        "client_cpu_fraction": cpu / max(wall, 1e-9),
+        "slo_attainment": sum(slo.met(r) for r in records) / max(1, len(records)),
+        "errors": [r.error for r in records if r.error][:10],
+        "samples_ms": {
+            "ttft": [r.ttft_s * 1000 for r in records if r.ok and r.ttft_s is not None],
+            "tpot": [t * 1000 for r in records if r.ok and (t := r.tpot_s) is not None],
+            "itl": [g * 1000 for r in records if r.ok for g in r.itl_s],
+        },
+    }
+    if args.cost_per_hour is not None:
+        run["cost_per_1m_output_tokens"] = cost_per_million_tokens(
+            args.cost_per_hour, summary["output_tokens_per_s"]
         )
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"serve-{time.strftime('%Y%m%d-%H%M%S')}"
-    json_path = args.output_dir / f"{stem}.json"
-    json_path.write_text(json.dumps(result, indent=2))
-    png = plot(runs, args.output_dir, stem)
-    print(f"wrote {json_path} and {png}")
-    return 0
+    return run
+
+
+def _print_run(run: dict[str, Any], slo: SLO) -> None:
+    """The run's table row (and one per tier when there are several), then its client CPU,
+    SLO attainment and cost."""
+    print(format_summary(run["label"], run["summary"]))
+    if len(run["by_tier"]) > 1:
+        for tier, tier_summary in run["by_tier"].items():
+            print(format_summary(f"  {tier}", tier_summary))
+    cost = run.get("cost_per_1m_output_tokens")
+    print(
+        f"{'':>14} client CPU {run['client_cpu_s']:.1f} s "
+        f"({run['client_cpu_fraction']:.0%} of a core), "
+        f"SLO (TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms) met by "
+        f"{run['slo_attainment']:.0%}"
+        + (f", ${cost:.2f} per 1M output tokens" if cost is not None else "")
+    )
+
+
+def _best_rate(runs: list[dict[str, Any]], attainment: float) -> float | None:
+    """The highest rate (req/s; None for an unbounded one) whose runs met the SLO for at least
+    ``attainment`` of requests, printed; None when no rate did."""
+    good = [r for r in runs if r["slo_attainment"] >= attainment]
+    best = max(good, key=lambda r: r["rate"] or math.inf) if good else None
+    print(
+        f"highest rate meeting the SLO for {attainment:.0%} of requests: "
+        + (best["label"] if best else "none of the rates tried")
+    )
+    return best["rate"] if best else None

@@ -5,7 +5,7 @@ computes. Commands from the event loop go to the engine thread through a queue a
 at the next iteration boundary; each step's result is handed to the event loop in one
 callback. One process per replica: what simulated replicas use (their runner sleeps instead of
 computing). The real server defaults to :class:`~iterserve.engine.process_engine.ProcessEngine`
-(measured faster, ``iterserve bench engine-loop``).
+(measured faster, ``python -m benchmarks.engine_loop``).
 """
 
 from __future__ import annotations

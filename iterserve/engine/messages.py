@@ -48,7 +48,7 @@ _FIELD_GETTERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
 class _Positional:
     """Pickles as its class and field values, without field names: the messages sent every
     iteration take about a third fewer bytes and half the time of a slotted dataclass's
-    default pickling (``iterserve bench messages``). For dataclasses of two or more fields."""
+    default pickling (``python -m benchmarks.messages``). For dataclasses of two or more fields."""
 
     __slots__ = ()
 

@@ -3,8 +3,8 @@
 The child builds the engine with a factory named by ``"module:function"`` (so this module
 imports no torch) and runs :class:`~iterserve.engine.engine_core.EngineCore`; commands go down
 one pipe, each step's result comes back pickled on another, read by a thread that hands it to
-the event loop. Measured faster than the thread on the development machine (``iterserve bench
-engine-loop``): the engine's Python work does not share the GIL with the HTTP handlers.
+the event loop. Measured faster than the thread on the development machine (``python -m
+benchmarks.engine_loop``): the engine's Python work does not share the GIL with the HTTP handlers.
 
 Either side may die without warning (SIGKILL, the OOM killer, a segfault). The child dying ends
 every stream with :class:`~iterserve.engine.messages.EngineDeadError` (its pipe's EOF) and

@@ -1,7 +1,7 @@
 """Correctness checks of the Triton kernels against their torch references, without pytest.
 
 The pytest tests (tests/kernels/test_triton_*.py, under Triton's interpreter on a CPU) and
-``iterserve bench gpu`` (compiled, on a GPU) run the same cases through
+``python -m benchmarks.gpu`` (compiled, on a GPU) run the same cases through
 :func:`check_paged_attention` and :func:`check_write_kv`. Inputs are generated on the CPU
 from a seeded generator and moved to the device, so both see the same numbers.
 

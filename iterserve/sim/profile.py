@@ -39,8 +39,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from iterserve.bench.stats import percentile
 from iterserve.engine.outputs import SchedulerOutput
+from iterserve.workload.stats import percentile
 
 BUILTIN_PROFILES = ("cpu-smollm2", "a100x4-llama3-70b")
 PROFILE_FORMAT_VERSION = 1

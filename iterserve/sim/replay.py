@@ -3,13 +3,16 @@
 Each replica is the real engine (scheduler, block manager, detokenizer) over the simulated
 runner, with the HTTP server's admission control (:class:`~iterserve.server.admission.
 Admission`: ``max_waiting`` and tier queue-wait 429s) in front of it. Nothing sleeps: a
-discrete-event loop moves one virtual clock from event to event::
+discrete-event loop (:class:`Replay`) moves one virtual clock from event to event, each kind
+handled by its own method::
 
-    arrival at t    route to a replica (loads as of its last finished iteration), validate
-                    (400), admit (429) or queue it; an idle replica starts an iteration at t
-    iteration       a replica's engine steps at t; the runner advances the replica's clock by
-                    the profile's forward time plus engine overhead, to t + L; the step's
-                    tokens are delivered at t + L, when the next iteration starts
+    Arrival at t        route to a replica (loads as of its last finished iteration), validate
+                        (400), admit (429) or queue it; an idle replica gets a Wake at t
+    Wake at t           the idle replica's engine steps at t (after every arrival at t); the
+                        runner advances the replica's clock by the profile's forward time plus
+                        engine overhead, to t + L, where the IterationEnd is scheduled
+    IterationEnd at t   the step's tokens are delivered at t; the replica's next iteration
+                        starts at t if it has work
 
 Arrivals at the same instant as an iteration's end join the next iteration (the real engine
 applies commands at iteration boundaries). Tokens are timestamped when their iteration ends,
@@ -25,26 +28,23 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any
 
-from iterserve.bench.stats import SLO, RequestRecord, distribution, summarize, summarize_by_tier
-from iterserve.bench.workloads import BenchRequest
-from iterserve.engine.errors import InvalidRequestError
 from iterserve.engine.llm_engine import IterationError, LLMEngine
-from iterserve.engine.messages import AddRequest, EngineLoad, RequestDelta
-from iterserve.engine.sampling_params import SamplingParams
+from iterserve.engine.messages import EngineLoad, RequestDelta
 from iterserve.router.scoring import LoadReport, Picker, ReplicaState, prefix_key
-from iterserve.server.admission import Admission, Rejected
-from iterserve.server.protocol import APIError
-from iterserve.server.tenants import resolve_tenant
+from iterserve.server.admission import Admission
+from iterserve.sim.front import admit, tier_label
 from iterserve.sim.profile import LatencyProfile
 from iterserve.sim.replica import SimTokenizer, VirtualClock, build_simulated_engine
+from iterserve.sim.result import ReplayResult
 from iterserve.sim.runner import SimulatedModelRunner
+from iterserve.workload.stats import RequestRecord
+from iterserve.workload.workloads import BenchRequest
 
 # The router's policies that make sense without a session header.
 ROUTING_POLICIES = ("least_kv", "round_robin", "random")
-# KV usage samples kept per replica in the result (evenly thinned).
-MAX_KV_SAMPLES = 400
 
 
 @dataclass
@@ -91,96 +91,236 @@ def _pick(picker: Picker, replicas: list[_Replica], req: BenchRequest, t: float)
     return replicas[int(pick.replica.name)]
 
 
-@dataclass
-class ReplayResult:
-    """One candidate config's replay."""
+class EventKind(IntEnum):
+    """What happens at an instant, in the order events of one instant are handled: arrivals
+    first, so that they all join the iteration that starts then."""
 
-    records: list[RequestRecord]
-    queue_s: list[tuple[str, float]]  # (tier, queue time) of requests that were scheduled
-    duration_s: float  # virtual: from 0 to the last response
-    wall_s: float  # real time the replay took
-    num_preemptions: int
-    rejected: dict[str, int]  # reason -> count: 429s (queue_full, queue_wait) and 400s (invalid)
-    kv_usage: list[list[tuple[float, float]]]  # per replica: (time, usage)
-    num_iterations: int
-    busy_s: float  # virtual seconds the replicas spent in iterations, all together
-
-    def report(self, name: str, slo: SLO) -> dict[str, Any]:
-        """``bench serve``'s fields (``summary``, ``by_tier``) plus the simulator's own."""
-        summary = summarize(self.records, self.duration_s, slo)
-        by_tier = summarize_by_tier(self.records, self.duration_s, slo)
-        summary["queue_ms"] = _dist_ms([q for _, q in self.queue_s])
-        for tier, tier_summary in by_tier.items():
-            tier_summary["queue_ms"] = _dist_ms([q for t, q in self.queue_s if t == tier])
-        return {
-            "config": name,
-            "summary": summary,
-            "by_tier": by_tier,
-            "num_preemptions": self.num_preemptions,
-            "num_rejected": sum(self.rejected.values()),
-            "rejected_by_reason": self.rejected,
-            "num_iterations": self.num_iterations,
-            "mean_iteration_ms": self.busy_s / max(1, self.num_iterations) * 1000,
-            "wall_s": self.wall_s,
-            "speedup_vs_real_time": self.duration_s / max(self.wall_s, 1e-9),
-            "kv_usage": [_thin(series) for series in self.kv_usage],
-        }
+    ARRIVAL = 0  # a request reaches the router
+    ITERATION_END = 1  # a replica's iteration ends: its tokens are delivered
+    WAKE = 2  # an idle replica that was just given a request starts an iteration
 
 
-def _dist_ms(values: list[float]) -> dict[str, float]:
-    return distribution([v * 1000 for v in values])
+@dataclass(frozen=True)
+class Arrival:
+    index: int  # position in the trace (the request id)
+    request: BenchRequest
 
 
-def _thin(series: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    step = max(1, len(series) // MAX_KV_SAMPLES)
-    return series[::step]
+@dataclass(frozen=True)
+class IterationEnd:
+    replica: _Replica
+    deltas: list[RequestDelta]
 
 
-def tier_label(priority: str | int | None) -> str:
-    """The tier a record is reported under, as ``bench serve`` labels it."""
-    return "default" if priority is None else str(priority)
+@dataclass(frozen=True)
+class Wake:
+    replica: _Replica
 
 
-def prompt_token_ids(
-    req: BenchRequest,
-    tokenizer: SimTokenizer,
-    rng: random.Random,
-    ordinary: list[int],
-    max_len: int,
-) -> list[int]:
-    """What the server would tokenize: the chat template of ``messages`` (text parts of a
-    content list joined, as the server does), else the prompt; an entry with only
-    ``prompt_len`` gets that many seeded ordinary ids (at most ``max_len``: more is refused
-    anyway).
+Event = Arrival | IterationEnd | Wake
+_KIND_OF: dict[type[Event], EventKind] = {
+    Arrival: EventKind.ARRIVAL,
+    IterationEnd: EventKind.ITERATION_END,
+    Wake: EventKind.WAKE,
+}
 
-    Raises:
-        ValueError: what the server answers 400 to (empty prompt or messages, a content the
-            template or the tokenizer refuses).
+
+@dataclass(frozen=True, order=True)
+class _Scheduled:
+    """An event in the queue, ordered by virtual time (seconds), then kind, then the order in
+    which it was scheduled."""
+
+    time: float
+    kind: EventKind
+    seq: int
+    event: Event = field(compare=False)
+
+
+class Replay:
+    """One replay of a trace in virtual time: the event queue and one handler per event kind.
+
+    See :func:`replay` for the arguments; :meth:`run` runs it once.
     """
-    if req.messages is not None:
-        if not req.messages:
-            raise ValueError("messages is empty")
-        conversation = [
-            {"role": m["role"], "content": _text(m.get("content"))} for m in req.messages
+
+    def __init__(
+        self,
+        trace: list[BenchRequest],
+        profile: LatencyProfile,
+        engine_kwargs: dict[str, Any],
+        tokenizer: SimTokenizer,
+        num_replicas: int = 1,
+        routing: str = "least_kv",
+        seed: int = 0,
+        concurrency: int | None = None,
+        prefix_affinity: bool = True,
+    ) -> None:
+        self.trace = trace
+        self.tokenizer = tokenizer
+        self.concurrency = concurrency
+        self.rng = random.Random(seed)
+        self.ordinary = tokenizer.ordinary_token_ids()
+        self.now = VirtualClock()  # the router's and the admission queues' clock
+        self.replicas = [
+            _build_replica(i, profile, engine_kwargs, tokenizer, self.now)
+            for i in range(num_replicas)
         ]
+        if routing not in ROUTING_POLICIES:
+            raise ValueError(f"unknown routing policy {routing!r}; choose from {ROUTING_POLICIES}")
+        self.picker = Picker(routing, prefix_affinity, seed=seed)
+        self.tracked: dict[str, _Tracked] = {}  # accepted requests
+        self.rejected: dict[str, int] = {}
+        self.records: list[RequestRecord] = []
+        self.queue_s: list[tuple[str, float]] = []
+        self.events: list[_Scheduled] = []
+        self.seq = itertools.count()
+        self.pending = iter(enumerate(trace))
+        self.end = 0.0  # virtual time of the last event handled
+
+    def run(self) -> ReplayResult:
+        """Handle events until none is left; the result of the whole trace."""
+        wall0 = time.perf_counter()
+        if self.concurrency is None:
+            for index, req in self.pending:
+                self._push(req.arrival_s or 0.0, Arrival(index, req))
+        else:
+            for _ in range(self.concurrency):
+                self._send_next(0.0)
+        while self.events:
+            scheduled = heapq.heappop(self.events)
+            t = scheduled.time
+            self.now.now = self.end = max(self.end, t)
+            match scheduled.event:
+                case Arrival() as arrival:
+                    self._on_arrival(arrival, t)
+                case Wake() as wake:
+                    self._on_wake(wake, t)
+                case IterationEnd() as iteration_end:
+                    self._on_iteration_end(iteration_end, t)
+        return self._result(time.perf_counter() - wall0)
+
+    def _push(self, t: float, event: Event) -> None:
+        heapq.heappush(self.events, _Scheduled(t, _KIND_OF[type(event)], next(self.seq), event))
+
+    def _send_next(self, t: float) -> None:
+        """Closed loop: the next request of the trace arrives at ``t``, if one is left."""
+        item = next(self.pending, None)
+        if item is not None:
+            self._push(t, Arrival(*item))
+
+    def _on_arrival(self, arrival: Arrival, t: float) -> None:
+        """Route the request, then refuse it (400, 429) or queue it on its replica; an idle
+        replica is woken once every arrival of this instant is in."""
+        req = arrival.request
+        record = RequestRecord(ok=False, tier=tier_label(req.priority))
+        self.records.append(record)
+        r = _pick(self.picker, self.replicas, req, t)
+        request_id = str(arrival.index)
+        accepted = admit(
+            request_id, req, record, r.engine, r.admission, t, self.tokenizer, self.rng,
+            self.ordinary, self.rejected,
+        )  # fmt: skip
+        if accepted:
+            r.routed_since_report += 1
+            self.tracked[request_id] = _Tracked(record, t, r)
+            if not r.busy:
+                self._push(t, Wake(r))
+        elif self.concurrency is not None:
+            self._send_next(t)
+
+    def _on_wake(self, wake: Wake, t: float) -> None:
+        if not wake.replica.busy:
+            self._start_iteration(wake.replica, t)
+
+    def _on_iteration_end(self, end: IterationEnd, t: float) -> None:
+        """Deliver the iteration's tokens, refresh what the replica's ``/load`` reports, and
+        start its next iteration if it has work."""
+        r = end.replica
+        for delta in end.deltas:
+            self._on_delta(delta, t)
+        r.load = r.engine.load()
+        r.routed_since_report = 0
+        r.kv_usage.append((t, r.load.kv_cache_usage))
+        if r.engine.has_unfinished_requests():
+            self._start_iteration(r, t)
+        else:
+            r.busy = False
+
+    def _start_iteration(self, r: _Replica, t: float) -> None:
+        """Step ``r``'s engine at ``t``; the runner advances its clock by the iteration's
+        latency, when the iteration's end is scheduled. A replica with nothing to run idles."""
+        r.clock.now = t
         try:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-        except Exception as e:  # the template's own checks (jinja raise_exception, ...)
-            raise ValueError(f"the chat template rejects these messages: {e}") from e
-        return list(tokenizer(text, add_special_tokens=False).input_ids)
-    if req.prompt:
-        return list(tokenizer(req.prompt).input_ids)
-    if req.prompt_len < 1:
-        raise ValueError("the prompt is empty")
-    return [rng.choice(ordinary) for _ in range(min(req.prompt_len, max_len))]
+            deltas = r.engine.step_deltas()
+        except IterationError as e:  # the engine aborted the requests of that iteration
+            for request_id in e.request_ids:
+                entry = self.tracked[request_id]
+                entry.record.error, entry.record.status = f"engine error: {e.cause}", 500
+                entry.replica.admission.left_queue(request_id, started=False)
+            deltas = []
+        if r.clock.now == t and not deltas:  # nothing could run: wait for the next arrival
+            r.busy = False
+            return
+        r.busy = True
+        self._push(r.clock.now, IterationEnd(r, deltas))
+
+    def _on_delta(self, delta: RequestDelta, t: float) -> None:
+        """One request's new tokens at ``t``: its queue time, TTFT, ITLs and end."""
+        entry = self.tracked[delta.request_id]
+        rec = entry.record
+        if entry.queue_s is None and delta.first_scheduled_time is not None:
+            entry.queue_s = delta.first_scheduled_time - entry.arrival
+            self.queue_s.append((rec.tier, entry.queue_s))
+        num_new = sum(len(c.new_token_ids) for c in delta.completions)
+        if num_new:
+            if rec.ttft_s is None:
+                rec.ttft_s = t - entry.arrival
+                entry.replica.admission.left_queue(delta.request_id)
+            else:
+                assert entry.last_token_at is not None
+                rec.itl_s.extend([t - entry.last_token_at] * num_new)
+            entry.last_token_at = t
+            rec.output_tokens += num_new
+        if delta.finished:
+            entry.replica.admission.left_queue(delta.request_id, started=False)
+            rec.e2e_s = t - entry.arrival
+            rec.ok = rec.ttft_s is not None
+            rec.status = 200
+            if self.concurrency is not None:
+                self._send_next(t)
+
+    def _result(self, wall_s: float) -> ReplayResult:
+        for entry in self.tracked.values():  # never finished (only if nothing could run them)
+            if entry.record.e2e_s is None:
+                entry.record.ok = False
+                entry.record.error = "did not finish"
+        replicas = self.replicas
+        return ReplayResult(
+            records=self.records,
+            queue_s=self.queue_s,
+            duration_s=self.end,
+            wall_s=wall_s,
+            num_preemptions=sum(r.engine.scheduler.num_preemptions for r in replicas),
+            rejected=self.rejected,
+            kv_usage=[r.kv_usage for r in replicas],
+            num_iterations=sum(r.engine.num_iterations for r in replicas),
+            busy_s=sum(r.runner.busy_s for r in replicas),
+        )
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    raise ValueError(f"message content must be a string or a list of parts, got {content!r}")
+def _build_replica(
+    index: int,
+    profile: LatencyProfile,
+    engine_kwargs: dict[str, Any],
+    tokenizer: SimTokenizer,
+    now: VirtualClock,
+) -> _Replica:
+    """A replica on its own virtual clock, its admission queue on the router's (``now``)."""
+    clock = VirtualClock()
+    engine, _ = build_simulated_engine(
+        profile, engine_kwargs, clock.advance, clock, tokenizer, include_engine_overhead=True
+    )
+    assert isinstance(engine.runner, SimulatedModelRunner)
+    return _Replica(index, engine, engine.runner, clock, Admission(now), engine.load())
 
 
 def replay(
@@ -205,165 +345,16 @@ def replay(
 
     Raises:
         ConfigError, TypeError: settings the engine or the profile refuses.
+        ValueError: an unknown ``routing``.
     """
-    wall0 = time.perf_counter()
-    rng = random.Random(seed)
-    ordinary = tokenizer.ordinary_token_ids()
-    now = VirtualClock()
-    replicas = []
-    for i in range(num_replicas):
-        clock = VirtualClock()
-        engine, _ = build_simulated_engine(
-            profile, engine_kwargs, clock.advance, clock, tokenizer, include_engine_overhead=True
-        )
-        assert isinstance(engine.runner, SimulatedModelRunner)
-        replicas.append(_Replica(i, engine, engine.runner, clock, Admission(now), engine.load()))
-    if routing not in ROUTING_POLICIES:
-        raise ValueError(f"unknown routing policy {routing!r}; choose from {ROUTING_POLICIES}")
-    picker = Picker(routing, prefix_affinity, seed=seed)
-    tracked: dict[str, _Tracked] = {}  # accepted requests
-    rejected: dict[str, int] = {}
-    records: list[RequestRecord] = []
-    queue_s: list[tuple[str, float]] = []
-    # (time, 0 = arrival / 1 = end of an iteration / 2 = wake an idle replica, sequence,
-    # payload): at one instant, arrivals first, so they all join the iteration that starts.
-    events: list[tuple[float, int, int, Any]] = []
-    seq = itertools.count()
-    pending = iter(enumerate(trace))
-
-    def send_next(t: float) -> None:
-        item = next(pending, None)
-        if item is not None:
-            heapq.heappush(events, (t, 0, next(seq), item))
-
-    if concurrency is None:
-        for i, req in pending:
-            heapq.heappush(events, (req.arrival_s or 0.0, 0, next(seq), (i, req)))
-    else:
-        for _ in range(concurrency):
-            send_next(0.0)
-
-    def start_iteration(r: _Replica, t: float) -> None:
-        r.clock.now = t
-        try:
-            deltas = r.engine.step_deltas()
-        except IterationError as e:  # the engine aborted the requests of that iteration
-            for request_id in e.request_ids:
-                entry = tracked[request_id]
-                entry.record.error, entry.record.status = f"engine error: {e.cause}", 500
-                entry.replica.admission.left_queue(request_id, started=False)
-            deltas = []
-        if r.clock.now == t and not deltas:  # nothing could run: wait for the next arrival
-            r.busy = False
-            return
-        r.busy = True
-        heapq.heappush(events, (r.clock.now, 1, next(seq), (r, deltas)))
-
-    def on_delta(delta: RequestDelta, t: float) -> None:
-        entry = tracked[delta.request_id]
-        rec = entry.record
-        if entry.queue_s is None and delta.first_scheduled_time is not None:
-            entry.queue_s = delta.first_scheduled_time - entry.arrival
-            queue_s.append((rec.tier, entry.queue_s))
-        num_new = sum(len(c.new_token_ids) for c in delta.completions)
-        if num_new:
-            if rec.ttft_s is None:
-                rec.ttft_s = t - entry.arrival
-                entry.replica.admission.left_queue(delta.request_id)
-            else:
-                assert entry.last_token_at is not None
-                rec.itl_s.extend([t - entry.last_token_at] * num_new)
-            entry.last_token_at = t
-            rec.output_tokens += num_new
-        if delta.finished:
-            entry.replica.admission.left_queue(delta.request_id, started=False)
-            rec.e2e_s = t - entry.arrival
-            rec.ok = rec.ttft_s is not None
-            rec.status = 200
-            if concurrency is not None:
-                send_next(t)
-
-    end = 0.0
-    while events:
-        t, kind, _, payload = heapq.heappop(events)
-        now.now = end = max(end, t)
-        if kind == 0:
-            index, req = payload
-            record = RequestRecord(ok=False, tier=tier_label(req.priority))
-            records.append(record)
-            r = _pick(picker, replicas, req, t)
-            if _admit(str(index), req, record, r, t, tokenizer, rng, ordinary, rejected):
-                tracked[str(index)] = _Tracked(record, t, r)
-                if not r.busy:  # start once every arrival of this instant is in
-                    heapq.heappush(events, (t, 2, next(seq), r))
-            elif concurrency is not None:
-                send_next(t)
-            continue
-        if kind == 2:
-            if not payload.busy:
-                start_iteration(payload, t)
-            continue
-        r, deltas = payload
-        for delta in deltas:
-            on_delta(delta, t)
-        r.load = r.engine.load()
-        r.routed_since_report = 0
-        r.kv_usage.append((t, r.load.kv_cache_usage))
-        if r.engine.has_unfinished_requests():
-            start_iteration(r, t)
-        else:
-            r.busy = False
-    for entry in tracked.values():  # never finished (only if nothing could ever run them)
-        if entry.record.e2e_s is None:
-            entry.record.ok = False
-            entry.record.error = "did not finish"
-    return ReplayResult(
-        records=records,
-        queue_s=queue_s,
-        duration_s=end,
-        wall_s=time.perf_counter() - wall0,
-        num_preemptions=sum(r.engine.scheduler.num_preemptions for r in replicas),
-        rejected=rejected,
-        kv_usage=[r.kv_usage for r in replicas],
-        num_iterations=sum(r.engine.num_iterations for r in replicas),
-        busy_s=sum(r.runner.busy_s for r in replicas),
-    )
-
-
-def _admit(
-    request_id: str,
-    req: BenchRequest,
-    record: RequestRecord,
-    replica: _Replica,
-    t: float,
-    tokenizer: SimTokenizer,
-    rng: random.Random,
-    ordinary: list[int],
-    rejected: dict[str, int],
-) -> bool:
-    """The replica's HTTP front, as ``serving.py``: validate (400), admit (429), queue.
-    False when the request was refused (``record`` says why)."""
-    engine = replica.engine
-    min_tokens = req.output_len if req.min_tokens is None else req.min_tokens
-    try:
-        token_ids = prompt_token_ids(req, tokenizer, rng, ordinary, engine.max_model_len + 1)
-        record.prompt_tokens = len(token_ids)
-        params = SamplingParams(
-            max_tokens=req.output_len, min_tokens=min_tokens, ignore_eos=True, temperature=0.0
-        )
-        priority = engine.resolve_priority(req.priority)
-        engine.validate(token_ids, params)
-        tenant = resolve_tenant(None, req.tenant)  # the trace's tenant, as the user field
-        replica.admission.check(engine.scheduler.config, priority, tenant=tenant)
-    except Rejected as e:
-        record.status, record.error = e.status, e.reason
-        rejected[e.reason] = rejected.get(e.reason, 0) + 1
-        return False
-    except (InvalidRequestError, APIError, ValueError, KeyError) as e:  # ValueError: encoding too
-        record.status, record.error = 400, str(e)
-        rejected["invalid"] = rejected.get("invalid", 0) + 1  # as the server's metric counts
-        return False
-    replica.admission.enqueue(request_id, priority, tenant)
-    replica.routed_since_report += 1
-    engine.add(AddRequest(request_id, token_ids, params, priority, t, tenant=tenant))
-    return True
+    return Replay(
+        trace,
+        profile,
+        engine_kwargs,
+        tokenizer,
+        num_replicas,
+        routing,
+        seed,
+        concurrency,
+        prefix_affinity,
+    ).run()

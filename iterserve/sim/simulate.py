@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.stats import SLO
-from iterserve.bench.workloads import load_trace
 from iterserve.config import (
     ENGINE_CONFIG_CLASSES,
     ConfigError,
@@ -30,6 +28,8 @@ from iterserve.config import (
 from iterserve.sim.profile import ProfileError, load_profile
 from iterserve.sim.replay import replay
 from iterserve.sim.tokenizer import load_tokenizer
+from iterserve.workload.stats import SLO
+from iterserve.workload.workloads import load_trace
 
 _HEADER = (
     f"{'config':<22}{'tier':<13}{'reqs':>5}{'tok/s':>8}{'TTFT p50':>10}{'p99':>8}"

@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.stats import percentile
 from iterserve.telemetry.schema import check_columns, parse_utc
+from iterserve.workload.stats import percentile
 
 _METRICS = ("ttft_ms", "tpot_ms", "queue_ms")
 

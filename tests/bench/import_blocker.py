@@ -1,5 +1,5 @@
 """A ``sys.meta_path`` finder that makes iterserve's own imports of packages the lent GPU
-machine lacks fail, as they would there (``iterserve bench gpu``'s import test).
+machine lacks fail, as they would there (``python -m benchmarks.gpu``'s import test).
 
 Only imports made by iterserve's code (or ``__main__``) are checked: what torch or
 transformers import in turn is theirs, installed with them on that machine.
@@ -16,6 +16,7 @@ from types import ModuleType
 ALLOWED = frozenset(
     {
         "iterserve",
+        "benchmarks",
         "torch",
         "triton",
         "transformers",
@@ -60,7 +61,7 @@ class ImportBlocker:
         if top in ALLOWED or top in sys.stdlib_module_names:
             return None
         importer = _importer_name()
-        if importer.partition(".")[0] in ("iterserve", "__main__"):
+        if importer.partition(".")[0] in ("iterserve", "benchmarks", "__main__"):
             self.blocked.append((fullname, importer))
             raise ImportError(f"{fullname} is not on the lent GPU machine (imported by {importer})")
         return None

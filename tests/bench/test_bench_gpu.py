@@ -1,5 +1,5 @@
-"""``iterserve bench gpu`` on a CPU: every section end to end on tiny shapes (Triton under its
-interpreter), run as the lent GPU machine runs it (``python -m iterserve.bench.gpu``) behind an
+"""``python -m benchmarks.gpu`` on a CPU: every section end to end on tiny shapes (Triton under its
+interpreter), run as the lent GPU machine runs it (``python -m benchmarks.gpu``) behind an
 import blocker that fails any import of iterserve's that machine could not satisfy."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from iterserve.bench import gpu
-from iterserve.bench.gpu_kernels import SectionFailed
+from benchmarks import gpu
+from benchmarks.gpu_kernels import SectionFailed
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -24,7 +24,7 @@ TINY_ARGS = [
     "--attention-shapes", "2x32", "--attention-geometry", "4:2:64",
     "--llama-shape", "64:2:4:2:128:512", "--num-requests", "4", "--prompt-len", "16",
     "--output-len", "8", "--decode-batch", "4", "--decode-context", "32", "--decode-steps", "4",
-    "--parity-requests", "6", "--parity-tokens", "8", "--copy-mib", "1",
+    "--parity-requests", "6", "--parity-tokens", "4", "--copy-mib", "1",
 ]  # fmt: skip
 
 # Installs the blocker, runs the script as ``python -m`` would, and reports what was blocked.
@@ -33,9 +33,9 @@ import json, runpy, sys
 sys.path.insert(0, {here!r})
 import import_blocker
 blocker = import_blocker.install()
-sys.argv = ["iterserve.bench.gpu", *{args!r}]
+sys.argv = ["benchmarks.gpu", *{args!r}]
 try:
-    runpy.run_module("iterserve.bench.gpu", run_name="__main__", alter_sys=True)
+    runpy.run_module("benchmarks.gpu", run_name="__main__", alter_sys=True)
     code = 0
 except SystemExit as e:
     code = e.code
@@ -155,7 +155,7 @@ def test_a_failed_triton_preflight_runs_the_model_sections_on_torch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A machine where Triton cannot build its launcher (no C compiler): `auto` falls back.
-    from iterserve.bench import gpu_kernels
+    from benchmarks import gpu_kernels
 
     def no_triton(device: Any) -> dict[str, Any]:
         error = "RuntimeError('Failed to find C compiler')"
@@ -176,8 +176,8 @@ def test_transformers_stops_at_its_timeout_without_finishing_the_requests() -> N
 
     import torch
 
-    from iterserve.bench.gpu_models import LlamaShape, llama_config, random_hf_llama
-    from iterserve.bench.gpu_transformers import transformers_throughput
+    from benchmarks.gpu_models import LlamaShape, llama_config, random_hf_llama
+    from benchmarks.gpu_transformers import transformers_throughput
 
     cpu = torch.device("cpu")
     hf = random_hf_llama(llama_config(LlamaShape(64, 2, 4, 2, 128, 512), 64), torch.float32, cpu, 0)

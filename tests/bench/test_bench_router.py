@@ -1,4 +1,4 @@
-"""``iterserve bench router --smoke`` runs its three parts over simulated replicas and a router
+"""``python -m benchmarks.router --smoke`` runs its three parts over simulated replicas and a router
 (subprocesses, no model files) and writes a JSON with finite numbers and a plot."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.bench.router import BALANCE_POLICIES
-from iterserve.cli import build_parser
+from benchmarks.cli_args import parse_args
+from benchmarks.router import BALANCE_POLICIES, main
 
 # Ports of this test's replicas and router (bench router's full runs use 8680 and up).
 BASE_PORT = 8690
@@ -21,9 +21,8 @@ def _finite(run: dict[str, float], keys: tuple[str, ...]) -> bool:
 
 
 def test_smoke_run_writes_three_parts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "router", "--smoke", "--output-dir", str(tmp_path)]
-    args = build_parser().parse_args([*argv, "--base-port", str(BASE_PORT)])
-    assert args.func(args) == 0
+    argv = ["--smoke", "--output-dir", str(tmp_path), "--base-port", str(BASE_PORT)]
+    assert main(parse_args("router", argv)) == 0
     (json_path,) = tmp_path.glob("router-*/router.json")
     data = json.loads(json_path.read_text())
 

@@ -1,4 +1,6 @@
-"""The decode micro-benchmark runs end to end (smoke size) and writes its table, JSON and plot."""
+"""The one-off benchmarks of ``benchmarks/`` (decode, engine loop, messages, telemetry) run end
+to end at smoke size (their ``main``; messages as ``python -m benchmarks.messages`` from the
+repository root) and write their table, JSON and plot."""
 
 from __future__ import annotations
 
@@ -9,27 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.bench.decode import DecodeRow, format_table
+from benchmarks.cli_args import parse_args
+from iterserve.bench.roofline import DecodeRow, format_table
+
+ROOT = Path(__file__).parents[2]  # `python -m benchmarks.<name>` runs from the checkout
 
 
 @pytest.mark.model
-def test_smoke_run_writes_json_and_plot(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "iterserve.cli",
-            "bench",
-            "decode",
-            "--smoke",
-            "--output-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert "x linears" in proc.stdout and "x floor" in proc.stdout
+def test_smoke_run_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.decode import main
+
+    assert main(parse_args("decode", ["--smoke", "--output-dir", str(tmp_path)])) == 0
+    out = capsys.readouterr().out
+    assert "x linears" in out and "x floor" in out
     data = json.loads((tmp_path / "decode.json").read_text())
     assert [(r["batch"], r["context"]) for r in data["rows"]] == [(1, 16), (4, 32)]
     for row in data["rows"]:
@@ -48,24 +42,12 @@ def test_table_ratios() -> None:
 
 
 @pytest.mark.model
-def test_engine_loop_smoke(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "iterserve.cli",
-            "bench",
-            "engine-loop",
-            "--smoke",
-            "--output-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    assert "thread / process throughput" in proc.stdout
+def test_engine_loop_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.engine_loop import main
+
+    assert main(parse_args("engine_loop", ["--smoke", "--output-dir", str(tmp_path)])) == 0
+    out = capsys.readouterr().out
+    assert "thread / process throughput" in out
     rows = json.loads((tmp_path / "engine_loop.json").read_text())
     assert [r["mode"] for r in rows] == ["thread", "process"]
     assert all(r["output_tokens"] == 2 * 4 for r in rows)
@@ -74,11 +56,12 @@ def test_engine_loop_smoke(tmp_path: Path) -> None:
 def test_messages_bench_shows_constant_bytes_per_token_for_deltas(tmp_path: Path) -> None:
     """Bytes are deterministic (not timings): deltas stay flat, cumulative outputs grow."""
     proc = subprocess.run(
-        [sys.executable, "-m", "iterserve.cli", "bench", "messages", "--smoke", "--logprobs",
+        [sys.executable, "-m", "benchmarks.messages", "--smoke", "--logprobs",
          "--output-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         check=True,
+        cwd=ROOT,
         timeout=300,
     )  # fmt: skip
     assert "cumulative" in proc.stdout
@@ -94,9 +77,9 @@ def test_messages_bench_shows_constant_bytes_per_token_for_deltas(tmp_path: Path
 
 def test_telemetry_bench_smoke(tmp_path: Path) -> None:
     """Both modes run the same iterations; only ``on`` writes rows, one per iteration."""
-    from iterserve.cli import main
+    from benchmarks.telemetry import main
 
-    assert main(["bench", "telemetry", "--smoke", "--output-dir", str(tmp_path)]) == 0
+    assert main(parse_args("telemetry", ["--smoke", "--output-dir", str(tmp_path)])) == 0
     data = json.loads((tmp_path / "telemetry.json").read_text())
     (off,), (on,) = data["off"]["runs"], data["on"]["runs"]
     assert off["iterations"] == on["iterations"] > 0

@@ -1,4 +1,4 @@
-"""``iterserve bench overload --smoke`` against a simulated replica it starts: every check of
+"""``python -m benchmarks.overload --smoke`` against a simulated replica it starts: every check of
 the overload phase passes and the JSON has the documented figures; the checks fail on the
 outcomes they exist to catch."""
 
@@ -11,18 +11,17 @@ from typing import Any
 
 import pytest
 
-from iterserve.bench.overload import overload_checks, phase_summary
-from iterserve.bench.reliability import Outcome
-from iterserve.cli import build_parser
+from benchmarks.cli_args import parse_args
+from benchmarks.overload import main, overload_checks, phase_summary
+from benchmarks.reliability import Outcome
 
 # 4 seats and a queue of 8: a few seconds at 2x fill the queue and the excess gets 429s.
 SERVER_ARGS = "--simulate cpu-smollm2 --max-num-seqs 4 --max-waiting 8"
 
 
 def test_smoke_run_passes_its_checks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "overload", "--smoke", "--output-dir", str(tmp_path)]
-    args = build_parser().parse_args([*argv, "--server-args", SERVER_ARGS])
-    assert args.func(args) == 0, capsys.readouterr().out
+    argv = ["--smoke", "--output-dir", str(tmp_path), "--server-args", SERVER_ARGS]
+    assert main(parse_args("overload", argv)) == 0, capsys.readouterr().out
     (json_path,) = tmp_path.glob("overload-*/overload.json")
     data = json.loads(json_path.read_text())
 
@@ -46,7 +45,7 @@ def _outcome(kind: str, status: int, **kw: Any) -> Outcome:
 
 
 def test_checks_fail_on_a_429_without_retry_after_and_an_unfinished_stream() -> None:
-    args = build_parser().parse_args(["bench", "overload"])
+    args = parse_args("overload", [])
     samples = [{"t_s": 0.0, "phase": "overload", "rss_mib": 100.0}]
     outcomes = [
         _outcome("completed", 200, ttft_s=0.1),

@@ -17,7 +17,8 @@ from server_utils import run_server
 from transformers import AutoTokenizer
 
 from iterserve.bench.serve import _body, arrival_times
-from iterserve.bench.stats import (
+from iterserve.models.loader import resolve_model_dir
+from iterserve.workload.stats import (
     SLO,
     RequestRecord,
     cost_per_million_tokens,
@@ -26,8 +27,7 @@ from iterserve.bench.stats import (
     summarize,
     summarize_by_tier,
 )
-from iterserve.bench.workloads import load_trace, make_workload, save_trace
-from iterserve.models.loader import resolve_model_dir
+from iterserve.workload.workloads import load_trace, make_workload, save_trace
 
 RECORDS = [
     RequestRecord(ok=True, output_tokens=11, ttft_s=0.1, e2e_s=1.1, itl_s=[0.1] * 10, tier="a"),
@@ -179,29 +179,32 @@ def test_arrivals_and_plain_bodies(tokenizer: Any) -> None:
 
 
 @pytest.mark.model
-def test_bench_serve_smoke_and_gate_end_to_end(tmp_path: Path) -> None:
+def test_bench_serve_smoke_and_gate_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``iterserve bench serve`` over HTTP against a real server (in this process: the
+    command's own main, as the CLI runs it), then ``bench gate`` on its JSON."""
+    from iterserve.cli import main
+
     with run_server("--num-kv-blocks", "256", "--max-num-seqs", "8") as server:
-        cmd = [sys.executable, "-m", "iterserve.cli", "bench", "serve", "--url", server.url]
-        cmd += ["--smoke", "--no-progress", "--output-dir", str(tmp_path)]
-        out = subprocess.run(
-            [*cmd, "--tier-mix", "premium=1,best-effort=1", "--cost-per-hour", "2.0"],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        assert "TTFT p99" in out.stdout and "per 1M output tokens" in out.stdout
-        sweep = subprocess.run(
-            [*cmd, "--sweep", "2,inf", "--endpoint", "chat", "--plain"],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        assert "highest rate meeting the SLO" in sweep.stdout
-    results = sorted(tmp_path.glob("serve-*.json"))
-    assert len(results) == 2 and len(list(tmp_path.glob("serve-*.png"))) == 2
+        cmd = ["bench", "serve", "--url", server.url, "--smoke", "--no-progress", "--output-dir"]
+        tiers = ["--tier-mix", "premium=1,best-effort=1", "--cost-per-hour", "2.0"]
+        assert main([*cmd, str(tmp_path / "one"), *tiers]) == 0
+        out = capsys.readouterr().out
+        assert "TTFT p99" in out and "per 1M output tokens" in out
+        # 8 requests at 16 req/s arrive within about half a second, then all at once.
+        sweep = ["--sweep", "16,inf", "--endpoint", "chat", "--plain"]
+        assert main([*cmd, str(tmp_path / "two"), *sweep]) == 0
+        assert "highest rate meeting the SLO" in capsys.readouterr().out
+    results = [*tmp_path.glob("one/serve-*.json"), *tmp_path.glob("two/serve-*.json")]
+    assert len(results) == 2 and len(list(tmp_path.glob("*/serve-*.png"))) == 2
     first = json.loads(results[0].read_text())
     run = first["runs"][0]
     assert run["summary"]["num_ok"] == 8 and 8 * 8 <= run["summary"]["output_tokens"] <= 8 * 16
     assert set(run["by_tier"]) == {"premium", "best-effort"}
     assert run["summary"]["ttft_ms"]["p50"] > 0 and run["client_cpu_s"] >= 0
     second = json.loads(results[1].read_text())
-    assert [r["rate"] for r in second["runs"]] == [2.0, None]
+    assert [r["rate"] for r in second["runs"]] == [16.0, None]
     # The gate reads the recorded result's summary: candidates derived from it by a known
     # factor pass within the limits (+20% p99 TTFT, +15% p50 TPOT) and fail beyond.
     assert first["summary"]["ttft_ms"]["p99"] > 0 and first["summary"]["tpot_ms"]["p50"] > 0
@@ -214,25 +217,20 @@ def test_bench_serve_smoke_and_gate_end_to_end(tmp_path: Path) -> None:
         path.write_text(json.dumps(data))
         return path
 
-    gate = [sys.executable, "-m", "iterserve.cli", "bench", "gate", str(results[0])]
-    within = subprocess.run(
-        [*gate, str(candidate("within.json", 1.1, 1.1))], capture_output=True, text=True
-    )
-    assert within.returncode == 0 and "gate: passed" in within.stdout
-    regressed = subprocess.run(
-        [*gate, str(candidate("regressed.json", 1.5, 1.0))], capture_output=True, text=True
-    )
-    assert regressed.returncode == 1
-    assert "gate: FAILED (ttft_ms.p99)" in regressed.stdout
+    gate = ["bench", "gate", str(results[0])]
+    assert main([*gate, str(candidate("within.json", 1.1, 1.1))]) == 0
+    assert "gate: passed" in capsys.readouterr().out
+    assert main([*gate, str(candidate("regressed.json", 1.5, 1.0))]) == 1
+    assert "gate: FAILED (ttft_ms.p99)" in capsys.readouterr().out
 
 
 @pytest.mark.model
-def test_bench_offline_smoke(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "iterserve.cli", "bench", "offline", "--smoke"]
-    out = subprocess.run(
-        [*cmd, "--output-dir", str(tmp_path)], capture_output=True, text=True, check=True
-    )
-    assert "target row 1 >= 10x row 4" in out.stdout and "x floor" in out.stdout
+def test_bench_offline_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from iterserve.cli import main
+
+    assert main(["bench", "offline", "--smoke", "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "target row 1 >= 10x row 4" in out and "x floor" in out
     data = json.loads((tmp_path / "offline-smoke.json").read_text())
     rows = {r["row"]: r for r in data["rows"]}
     assert sorted(rows) == [1, 2, 3, 4, 5]

@@ -1,4 +1,4 @@
-"""``iterserve bench soak --smoke`` against a simulated replica it starts: mixed traffic, a
+"""``python -m benchmarks.soak --smoke`` against a simulated replica it starts: mixed traffic, a
 live config change every 0.8 s (the whole cycle, the restore included), every check passes
 and the JSON has the figures; the checks fail on a leaked block, a stuck request, RSS growth."""
 
@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from iterserve.bench.reliability import Outcome
-from iterserve.bench.soak import CONFIG_CYCLE, summarize
-from iterserve.cli import build_parser
+from benchmarks.cli_args import parse_args
+from benchmarks.reliability import Outcome
+from benchmarks.soak import CONFIG_CYCLE, main, summarize
 
 
 def test_smoke_run_passes_its_checks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "soak", "--smoke", "--output-dir", str(tmp_path)]
-    args = build_parser().parse_args([*argv, "--server-args", "--simulate cpu-smollm2"])
-    assert args.func(args) == 0, capsys.readouterr().out
+    argv = ["--smoke", "--output-dir", str(tmp_path), "--server-args", "--simulate cpu-smollm2"]
+    args = parse_args("soak", argv)
+    assert main(args) == 0, capsys.readouterr().out
     (json_path,) = tmp_path.glob("soak-*/soak.json")
     data = json.loads(json_path.read_text())
 
@@ -42,9 +42,8 @@ def test_a_run_too_short_for_its_warm_up_is_refused_up_front(
     """45 s against the default warm-up (one config cycle, 7 changes 60 s apart: 420 s)
     would measure nothing after it: refused with the flags to change, before any server
     starts."""
-    argv = ["bench", "soak", "--duration", "45", "--output-dir", str(tmp_path)]
-    args = build_parser().parse_args(argv)
-    assert args.func(args) == 2
+    args = parse_args("soak", ["--duration", "45", "--output-dir", str(tmp_path)])
+    assert main(args) == 2
     err = capsys.readouterr().err
     assert "--duration 45 s leaves no time after the warm-up (420 s" in err
     assert "--config-interval" in err and "--warmup-s" in err
@@ -69,7 +68,7 @@ def _run(**overrides: Any) -> dict[str, Any]:
 
 
 def _failed(run: dict[str, Any]) -> set[str]:
-    args = build_parser().parse_args(["bench", "soak", "--warmup-s", "120"])
+    args = parse_args("soak", ["--warmup-s", "120"])
     return {c["check"] for c in summarize(run, args)["checks"] if not c["passed"]}
 
 

@@ -1,7 +1,7 @@
 """The Triton ragged paged-attention kernel against its torch reference computed in float64,
 on random inputs (under Triton's interpreter without a GPU: tests/conftest.py sets
 ``TRITON_INTERPRET=1``). The interpreter computes with numpy, which has no bfloat16: bfloat16
-runs only on a GPU (``iterserve bench gpu`` runs these cases there, in bfloat16 too). The cases
+runs only on a GPU (``python -m benchmarks.gpu`` runs these cases there, in bfloat16 too). The cases
 and the comparison live in :mod:`iterserve.kernels.triton_checks`. Shapes stay tiny because the
 interpreter runs every program in Python."""
 

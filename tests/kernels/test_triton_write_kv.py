@@ -1,6 +1,7 @@
 """The Triton KV-cache write against its torch reference (exact: it copies), under Triton's
 interpreter without a GPU (tests/conftest.py sets ``TRITON_INTERPRET=1``); the check itself is
-:func:`iterserve.kernels.triton_checks.check_write_kv`, which ``iterserve bench gpu`` also runs."""
+:func:`iterserve.kernels.triton_checks.check_write_kv`, which ``python -m benchmarks.gpu``
+also runs."""
 
 from __future__ import annotations
 

@@ -8,4 +8,4 @@ from iterserve.kernels.triton_checks import check_write_kv_padding
 
 
 def test_negative_slots_are_skipped(device: torch.device) -> None:
-    check_write_kv_padding(device)  # shared with `iterserve bench gpu` section 1
+    check_write_kv_padding(device)  # shared with `python -m benchmarks.gpu` section 1

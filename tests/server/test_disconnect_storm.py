@@ -20,7 +20,7 @@ import httpx
 import psutil
 from fake_engine import serve_in_process, until
 
-from iterserve.bench.reliability import disconnect_storm
+from benchmarks.reliability import disconnect_storm
 from iterserve.config import ServerConfig
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.request import RequestStatus

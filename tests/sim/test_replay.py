@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from sim_profiles import make_profile, write_profile
 
-from iterserve.bench.workloads import BenchRequest, save_trace
 from iterserve.cli import main
 from iterserve.sim.profile import LatencyProfile
 from iterserve.sim.replay import replay
 from iterserve.sim.tokenizer import CharTokenizer
+from iterserve.workload.workloads import BenchRequest, save_trace
 
 
 def _trace(*entries: tuple[float, int, int]) -> list[BenchRequest]:
@@ -76,7 +76,7 @@ def _comparable(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_replay_is_deterministic_for_a_seed() -> None:
-    from iterserve.bench.stats import SLO
+    from iterserve.workload.stats import SLO
 
     slo = SLO(500, 50)
     runs = [_run(_burst(60), max_num_seqs=8, seed=s).report("x", slo) for s in (1, 1, 2)]
@@ -201,7 +201,7 @@ def test_requests_the_server_would_refuse_are_400s_and_the_rest_run() -> None:
 
 
 def test_bad_trace_lines_are_reported_with_their_line(tmp_path: Path) -> None:
-    from iterserve.bench.workloads import load_trace
+    from iterserve.workload.workloads import load_trace
 
     path = tmp_path / "t.jsonl"
     for line, message in [

@@ -17,8 +17,8 @@ import pytest
 from server_utils import Server, run_server
 from sim_profiles import make_profile, write_profile
 
-from iterserve.bench.workloads import BenchRequest, save_trace
 from iterserve.cli import main
+from iterserve.workload.workloads import BenchRequest, save_trace
 
 # 40 ms per iteration (+1 ms per decode token): gaps a client can measure on a busy machine.
 FIXED_S = 0.040

@@ -1,4 +1,4 @@
-"""``iterserve bench router``: what the router costs and what its policies buy.
+"""``python -m benchmarks.router``: what the router costs and what its policies buy.
 
 Three parts in one run, over simulated replicas (``serve --simulate cpu-smollm2``) and routers
 started as subprocesses (replicas on ``--base-port`` and up, the router on the next port):
@@ -39,22 +39,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.common import output_dir, warn_if_loaded
-from iterserve.bench.router_fleet import (
+from benchmarks.router_fleet import (
     Fleet,
     client_args,
     cpu_seconds,
     prefix_cache_totals,
     router_counts,
 )
-from iterserve.bench.router_report import format_affinity, format_balance, format_overhead, plot
+from benchmarks.router_report import format_affinity, format_balance, format_overhead, plot
+from iterserve.bench.common import output_dir, warn_if_loaded
 from iterserve.bench.serve import arrival_times, run_load
-from iterserve.bench.stats import SLO, RequestRecord, percentile, summarize
-from iterserve.bench.workloads import BenchRequest, PromptCutter, make_workload
 from iterserve.sim.profile import load_profile
 from iterserve.sim.replay import replay
 from iterserve.sim.replica import SimTokenizer
 from iterserve.sim.tokenizer import CharTokenizer, FileTokenizer
+from iterserve.workload.stats import SLO, RequestRecord, percentile, summarize
+from iterserve.workload.workloads import BenchRequest, PromptCutter, make_workload
 
 PARTS = ("overhead", "balance", "affinity")
 BALANCE_POLICIES = ("least_kv", "round_robin", "random")
@@ -329,7 +329,7 @@ def main(args: argparse.Namespace) -> int:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
-        print(f"iterserve bench router: error: --parts must name some of {PARTS}, got {unknown}")
+        print(f"benchmarks.router: error: --parts must name some of {PARTS}, got {unknown}")
         return 2
     warn_if_loaded()
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -359,3 +359,9 @@ def main(args: argparse.Namespace) -> int:
     png = plot(result, out_dir / "router.png")
     print(f"wrote {json_path} and {png} in {result['wall_s']:.0f} s")
     return 0
+
+
+if __name__ == "__main__":
+    from benchmarks.cli_args import parse_args
+
+    raise SystemExit(main(parse_args("router")))

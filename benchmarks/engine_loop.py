@@ -11,7 +11,7 @@ it (plus ``--extra-us`` of busy Python, to model a heavier HTTP stack).
   child process; commands and each iteration's outputs cross pipes, pickled, as vLLM v1's
   engine-core process does).
 
-Run: ``iterserve bench engine-loop``.
+Run: ``python -m benchmarks.engine_loop``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.bench.decode import output_dir, warn_if_loaded
+from iterserve.bench.common import output_dir, warn_if_loaded
 from iterserve.config import EngineConfig
 from iterserve.engine.messages import AddRequest, RequestDelta
 from iterserve.engine.sampling_params import SamplingParams
@@ -178,3 +178,9 @@ def main(args: argparse.Namespace) -> int:
     )
     print(f"wrote {path}")
     return 0
+
+
+if __name__ == "__main__":
+    from benchmarks.cli_args import parse_args
+
+    raise SystemExit(main(parse_args("engine_loop")))

@@ -1,5 +1,5 @@
 """Random Llama models and iterserve engines built without a model directory or tokenizer,
-for ``iterserve bench gpu`` (section 5 here: the engine on the device against the CPU).
+for ``python -m benchmarks.gpu`` (section 5 here: the engine on the device against the CPU).
 
 The weights come from ``transformers``' own ``LlamaForCausalLM``, randomly initialised on the
 device (its ``_init_weights``: normal(0, 0.02) linears and embeddings, unit norms), and load
@@ -221,7 +221,7 @@ def run_engine_parity(
     Raises:
         SectionFailed: some completion's token ids differ (the results are attached).
     """
-    from iterserve.bench.gpu_kernels import SectionFailed
+    from benchmarks.gpu_kernels import SectionFailed
 
     hf = random_hf_llama(llama_config(PARITY_SHAPE, 128), torch.float32, torch.device("cpu"), seed)
     models = {

@@ -1,4 +1,4 @@
-"""``iterserve bench soak``: a long run of mixed traffic under live config changes.
+"""``python -m benchmarks.soak``: a long run of mixed traffic under live config changes.
 
 Open-loop Poisson arrivals at ``--request-rate`` for ``--duration`` seconds: tiers (premium 20%,
 standard 50%, best-effort 30%), prompts of 16-1024 tokens (log-normal, median 200), outputs of
@@ -39,8 +39,7 @@ from typing import Any
 
 import httpx
 
-from iterserve.bench.common import output_dir, warn_if_loaded
-from iterserve.bench.reliability import (
+from benchmarks.reliability import (
     Outcome,
     Prompts,
     RequestSpec,
@@ -55,7 +54,8 @@ from iterserve.bench.reliability import (
     server_under_test,
     wait_idle,
 )
-from iterserve.bench.reliability_report import check, format_checks, plot_timeline
+from benchmarks.reliability_report import check, format_checks, plot_timeline
+from iterserve.bench.common import output_dir, warn_if_loaded
 
 TIER_MIX = {"premium": 0.2, "standard": 0.5, "best-effort": 0.3}
 STREAM_SHARE = 0.7
@@ -145,7 +145,7 @@ async def _change_config(
 async def _run(target: Target, model: str, args: argparse.Namespace) -> dict[str, Any]:
     initial = scheduler_settings(target)
     if initial is None:
-        raise SystemExit("bench soak: live changes need the admin token (--admin-token)")
+        raise SystemExit("benchmarks.soak: live changes need the admin token (--admin-token)")
     sampler = Sampler(target, args.sample_interval)
     t0 = sampler.t0
     stop = asyncio.Event()
@@ -321,3 +321,9 @@ def main(args: argparse.Namespace) -> int:
     )
     print(f"wrote {out_dir / 'soak.json'} and soak.png")
     return 0 if summary["passed"] else 1
+
+
+if __name__ == "__main__":
+    from benchmarks.cli_args import parse_args
+
+    raise SystemExit(main(parse_args("soak")))

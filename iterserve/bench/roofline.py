@@ -1,33 +1,30 @@
-"""Decode-iteration micro-benchmark: the full iteration against its parts, in one run.
+"""Decode-iteration roofline: the full iteration against its parts, in one run.
 
-For each (batch, context) the script times, on the same loaded model:
+For each (batch, context) :func:`run_decode_bench` times, on the same loaded model:
 
 - ``iteration``: one real decode iteration through the model runner (input preparation,
-  forward with paged attention, logits, sampling), median of ``--iters``;
+  forward with paged attention, logits, sampling), median of ``iters`` runs;
 - ``linears``: the model's own linear layers alone at that batch (fused qkv, o, gate-up,
   down in every layer, and the LM head);
 - ``floor``: the memory floor, (weight bytes + KV bytes read) / the bandwidth of a large
   copy measured in the same run (read + write counted, as the design notes do).
 
-It prints a table, writes JSON and a PNG bar chart. Run: ``iterserve bench decode``.
+``iterserve bench offline`` prints these rows under its throughput table; the repository's
+``python -m benchmarks.decode`` runs them alone and plots them.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from iterserve.bench.common import output_dir, warn_if_loaded
 from iterserve.config import EngineConfig
 from iterserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from iterserve.engine.sampling_params import SamplingParams
@@ -110,8 +107,15 @@ def linears_only(model: Any, batch: int) -> Callable[[], None]:
 
 
 def run_decode_bench(
-    shapes: list[tuple[int, int]], dtype: str, iters: int, model: str = "default"
+    shapes: list[tuple[int, int]],
+    dtype: str,
+    iters: int,
+    model: str = "default",
+    copy_bytes: int = 256 << 20,
 ) -> tuple[list[DecodeRow], dict[str, Any]]:
+    """One :class:`DecodeRow` per (batch, context) of ``shapes`` on ``model`` in ``dtype``
+    (median of ``iters`` timings each), and the run's facts (``copy_bandwidth_gb_s`` of a
+    ``copy_bytes`` copy, dtype, torch version, threads, machine, load average)."""
     from iterserve.executor.build import build
 
     block_size = 16
@@ -123,7 +127,7 @@ def run_decode_bench(
     )
     runner = loaded.driver
     weight_bytes = runner.model.weight_bytes()
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(copy_bytes)
     rows = []
     for batch, context in shapes:
         out = decode_batch(batch, context, block_size)
@@ -162,48 +166,3 @@ def format_table(rows: list[DecodeRow]) -> str:
             f"{r.vs_linears:>9.2f} {r.floor_ms:>9.1f} {r.vs_floor:>8.2f}"
         )
     return "\n".join(lines)
-
-
-def save(rows: list[DecodeRow], meta: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "decode.json"
-    data = {
-        "meta": meta,
-        "rows": [asdict(r) | {"vs_linears": r.vs_linears, "vs_floor": r.vs_floor} for r in rows],
-    }
-    json_path.write_text(json.dumps(data, indent=2))
-    labels = [f"b{r.batch}/ctx{r.context}" for r in rows]
-    xs = range(len(rows))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.27
-    ax.bar([x - width for x in xs], [r.iteration_ms for r in rows], width, label="iteration")
-    ax.bar(list(xs), [r.linears_ms for r in rows], width, label="linears alone")
-    ax.bar([x + width for x in xs], [r.floor_ms for r in rows], width, label="memory floor")
-    ax.set_xticks(list(xs), labels)
-    ax.set_ylabel("ms per decode iteration")
-    ax.set_title(f"Decode iteration, {meta['dtype']}, {meta['threads']} threads")
-    ax.legend()
-    fig.tight_layout()
-    png_path = out_dir / "decode.png"
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-    return json_path, png_path
-
-
-def main(args: argparse.Namespace) -> int:
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    iters = args.iters
-    if args.smoke:
-        shapes, iters = [(1, 16), (4, 32)], 2
-    warn_if_loaded()
-    rows, meta = run_decode_bench([(b, c) for b, c in shapes], args.dtype, iters, args.model)
-    print(f"copy bandwidth {meta['copy_bandwidth_gb_s']:.1f} GB/s (read + write), {meta['dtype']}")
-    print(format_table(rows))
-    json_path, png_path = save(rows, meta, output_dir(args))
-    print(f"wrote {json_path} and {png_path}")
-    return 0

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """A disconnect storm against a running replica (docs/reliability.md, "Disconnect storm").
 
 Streams whose clients hang up at random points (uniform in [0, --max-hang-up-s]), at most
@@ -6,7 +5,7 @@ Streams whose clients hang up at random points (uniform in [0, --max-hang-up-s])
 to be idle and prints what ``GET /load`` says, and (with --pid) how the server process's
 memory, threads and open files moved between the end of the warm-up and the end of the storm.
 
-    scripts/disconnect_storm.py --url http://127.0.0.1:8000 --pid 1234 --num-streams 200
+    python -m benchmarks.disconnect_storm --url http://127.0.0.1:8000 --pid 1234 --num-streams 200
 
 Exit code 1 when a KV block or a request is left behind.
 """
@@ -24,7 +23,7 @@ from typing import Any
 import httpx
 import psutil
 
-from iterserve.bench.reliability import disconnect_storm
+from benchmarks.reliability import disconnect_storm
 
 
 async def storm(

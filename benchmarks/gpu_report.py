@@ -1,4 +1,4 @@
-"""The table ``iterserve bench gpu`` prints: one headline per section, then its details."""
+"""The table ``python -m benchmarks.gpu`` prints: one headline per section, then its details."""
 
 from __future__ import annotations
 
@@ -97,10 +97,10 @@ _FORMATTERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """The report of :func:`iterserve.bench.gpu.main` as text."""
+    """The report of :func:`benchmarks.gpu.main` as text."""
     env = report["environment"]
     lines = [
-        f"iterserve bench gpu{' --quick' if report['quick'] else ''}: "
+        f"benchmarks.gpu{' --quick' if report['quick'] else ''}: "
         f"{env.get('device_name', env['device'])}, torch {env['torch']}, triton "
         f"{env['triton']}, transformers {env['transformers']}, {report['wall_s']:.0f} s"
     ]

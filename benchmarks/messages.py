@@ -9,7 +9,7 @@ script runs a batch of requests through the real ``LLMEngine`` (scheduler, detok
 checks) on a runner that samples fixed words (no model: only the messages are measured), and
 times ``pickle.dumps`` + ``pickle.loads`` of every iteration's message, as the pipe does.
 
-Run: ``iterserve bench messages``. Prints a table, writes ``messages.json`` and a plot.
+Run: ``python -m benchmarks.messages``. Prints a table, writes ``messages.json`` and a plot.
 """
 
 from __future__ import annotations
@@ -199,3 +199,9 @@ def _plot(rows: list[MessageRow], path: Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":
+    from benchmarks.cli_args import parse_args
+
+    raise SystemExit(main(parse_args("messages")))

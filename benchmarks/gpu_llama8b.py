@@ -1,4 +1,4 @@
-"""``iterserve bench gpu`` sections 3 and 4 on a randomly initialised Llama-3-8B-shaped model:
+"""``python -m benchmarks.gpu`` sections 3 and 4 on a randomly initialised Llama-3-8B-shaped model:
 offline throughput of iterserve against ``transformers``' continuous batching, and the decode
 iteration time at batch 64 against its weight-and-KV read floor.
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from iterserve.bench.gpu_kernels import SectionFailed, copy_bandwidth
-from iterserve.bench.gpu_models import (
+from benchmarks.gpu_kernels import SectionFailed, copy_bandwidth
+from benchmarks.gpu_models import (
     DTYPE_NAMES,
     LlamaShape,
     iterserve_llama,
@@ -30,7 +30,7 @@ from iterserve.bench.gpu_models import (
     random_hf_llama,
     run_engine,
 )
-from iterserve.bench.gpu_transformers import transformers_throughput
+from benchmarks.gpu_transformers import transformers_throughput
 from iterserve.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16

@@ -1,4 +1,4 @@
-"""transformers' own continuous batching on the prompts of ``iterserve bench gpu`` section 3,
+"""transformers' own continuous batching on the prompts of ``python -m benchmarks.gpu`` section 3,
 defensive about the transformers version (the lent machine's may be older than this one's)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Simulated replicas and a router as subprocesses, for ``iterserve bench router``.
+"""Simulated replicas and a router as subprocesses, for ``python -m benchmarks.router``.
 
 :meth:`Fleet.running` starts N replicas (``python -m iterserve.cli serve --simulate``) and a
 router in front of them (``python -m iterserve.cli router --backend ...``), waits until every

@@ -1,4 +1,4 @@
-"""``iterserve bench overload``: open-loop load at 2x the measured capacity.
+"""``python -m benchmarks.overload``: open-loop load at 2x the measured capacity.
 
 Three phases against one server, its RSS (process tree) and ``/load`` sampled throughout:
 
@@ -23,7 +23,7 @@ Checks of the overload phase (exit 1 when one fails):
 - p99 TTFT of the admitted ``--premium-tier`` requests is within that tier's
   ``ttft_target_ms`` (read from ``GET /admin/scheduler_config``).
 
-A server it starts gets :data:`~iterserve.bench.reliability.BENCH_TIERS` (premium: queue wait
+A server it starts gets :data:`~benchmarks.reliability.BENCH_TIERS` (premium: queue wait
 at most 1 s, TTFT target 3 s; standard 4 s / 8 s; best-effort 8 s).
 """
 
@@ -38,8 +38,7 @@ from typing import Any
 
 import httpx
 
-from iterserve.bench.common import output_dir, warn_if_loaded
-from iterserve.bench.reliability import (
+from benchmarks.reliability import (
     Outcome,
     Prompts,
     RequestSpec,
@@ -53,8 +52,9 @@ from iterserve.bench.reliability import (
     server_under_test,
     wait_idle,
 )
-from iterserve.bench.reliability_report import check, format_checks, plot_timeline
-from iterserve.bench.stats import percentile
+from benchmarks.reliability_report import check, format_checks, plot_timeline
+from iterserve.bench.common import output_dir, warn_if_loaded
+from iterserve.workload.stats import percentile
 
 IDLE_TIMEOUT_S = 120.0
 
@@ -214,7 +214,7 @@ async def _phases(target: Target, model: str, args: argparse.Namespace) -> dict[
         start_s = phases["capacity"]["start_s"]
         capacity = capacity_of(cap, start_s, start_s + args.capacity_s)
         if capacity <= 0:
-            raise SystemExit("bench overload: nothing completed in the capacity phase")
+            raise SystemExit("benchmarks.overload: nothing completed in the capacity phase")
         if args.baseline_s > 0:
             await phase("1x", capacity, args.baseline_s)
         await phase("overload", args.load_factor * capacity, args.duration)
@@ -330,3 +330,9 @@ def main(args: argparse.Namespace) -> int:
     plot_timeline(run["samples"], outcomes, marks, out_dir / "overload.png", "overload")
     print(f"wrote {out_dir / 'overload.json'} and overload.png")
     return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    from benchmarks.cli_args import parse_args
+
+    raise SystemExit(main(parse_args("overload")))

@@ -1,10 +1,10 @@
-"""``iterserve bench gpu`` sections 1 and 2: the Triton kernel checks on the device, and the
+"""``python -m benchmarks.gpu`` sections 1 and 2: the Triton kernel checks on the device, and the
 paged-attention decode kernel's achieved bandwidth against a device copy.
 
 Bandwidth counts the bytes a decode must move at least: every context token's key and value
 (all KV heads), the queries, the output and the block tables, over the kernel's time; the
 copy's bandwidth counts read + write (``2 * bytes / time`` of a large ``copy_``), as
-``iterserve bench decode`` does.
+``python -m benchmarks.decode`` does.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Checks table and timeline plot of ``bench overload`` and ``bench soak``."""
+"""Checks table and timeline plot of ``benchmarks.overload`` and ``benchmarks.soak``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.reliability import Outcome
+from benchmarks.reliability import Outcome
 
 MIN_BIN_S = 5.0  # throughput bins of the timeline plot: at least this, at most 100 bins
 

@@ -1,10 +1,10 @@
-"""``iterserve bench gpu``: the prepared check of a lent GPU, in one run.
+"""``python -m benchmarks.gpu``: the prepared check of a lent GPU, in one run.
 
 Run on the GPU machine from the repository root (nothing installed there but torch, triton and
 transformers; no model files, no downloads)::
 
-    PYTHONPATH=. python -m iterserve.bench.gpu --output-dir $OUT          # under 5 min, H200
-    PYTHONPATH=. python -m iterserve.bench.gpu --quick --output-dir $OUT  # under 2 min
+    PYTHONPATH=. python -m benchmarks.gpu --output-dir $OUT          # under 5 min, H200
+    PYTHONPATH=. python -m benchmarks.gpu --quick --output-dir $OUT  # under 2 min
 
 Sections, each on its own (one failing leaves the others' results; the exit status is 1 if
 any failed):
@@ -68,8 +68,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     """Resolve the flags left unset to the full run's values or ``--quick``'s."""
     import torch
 
-    from iterserve.bench.gpu_llama8b import LlamaBenchSettings
-    from iterserve.bench.gpu_models import LlamaShape
+    from benchmarks.gpu_llama8b import LlamaBenchSettings
+    from benchmarks.gpu_models import LlamaShape
 
     quick = args.quick
     shapes = args.attention_shapes or (
@@ -115,7 +115,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
 def run_section(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``fn``'s result as ``{"status": "ok", "result": ...}``, or its error and traceback
     (``"failed"``) with whatever results a failed check carried."""
-    from iterserve.bench.gpu_kernels import SectionFailed
+    from benchmarks.gpu_kernels import SectionFailed
 
     start = time.perf_counter()
     entry: dict[str, Any]
@@ -131,7 +131,7 @@ def run_section(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def _section_functions(plan: Plan, device: Any) -> dict[int, Callable[[], dict[str, Any]]]:
-    from iterserve.bench import gpu_kernels, gpu_llama8b, gpu_models
+    from benchmarks import gpu_kernels, gpu_llama8b, gpu_models
 
     heads, kv_heads, head_dim = plan.attention_geometry
     shapes = [
@@ -181,7 +181,7 @@ def main(args: argparse.Namespace) -> int:
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("iterserve bench gpu: error: no CUDA device (use --device cpu)", file=sys.stderr)
+        print("benchmarks.gpu: error: no CUDA device (use --device cpu)", file=sys.stderr)
         return 2
     plan = make_plan(args)
     start = time.perf_counter()
@@ -198,7 +198,7 @@ def main(args: argparse.Namespace) -> int:
             f"--quick: sections 3 and 4 use {plan.llama.shape.num_layers} of Llama-3-8B's 32 "
             f"layers and fewer, shorter requests"
         )
-    from iterserve.bench.gpu_kernels import triton_preflight
+    from benchmarks.gpu_kernels import triton_preflight
 
     preflight = triton_preflight(device)
     report["triton_preflight"] = preflight
@@ -211,7 +211,7 @@ def main(args: argparse.Namespace) -> int:
     functions = _section_functions(plan, device)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     path = args.output_dir / ("gpu-quick.json" if args.quick else "gpu.json")
-    from iterserve.bench.gpu_report import format_report, format_section
+    from benchmarks.gpu_report import format_report, format_section
 
     for number in plan.sections:
         name = SECTIONS[number]
@@ -244,17 +244,17 @@ def _exit(code: int) -> None:
     sys.stderr.flush()
     others = [t for t in threading.enumerate() if t is not threading.main_thread()]
     if any(t.is_alive() and not t.daemon for t in others):
-        print("iterserve bench gpu: a thread still runs; exiting without it", file=sys.stderr)
+        print("benchmarks.gpu: a thread still runs; exiting without it", file=sys.stderr)
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
 
 
 def _parser() -> argparse.ArgumentParser:
-    from iterserve.bench.cli_args import add_gpu_args
+    from benchmarks.cli_args import add_gpu_args
 
     parser = argparse.ArgumentParser(
-        prog="python -m iterserve.bench.gpu",
+        prog="python -m benchmarks.gpu",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,4 +1,4 @@
-"""``iterserve bench telemetry``: iterations per second of the engine loop with and without
+"""``python -m benchmarks.telemetry``: iterations per second of the engine loop with and without
 ``--telemetry-db``, in one invocation on the same workload.
 
 The engine is the real scheduler and block manager over the simulated runner in virtual time
@@ -11,7 +11,7 @@ rows (``record_us_per_iteration``: the producer's side, measured around each cal
 thread's share of the GIL shows only in iterations/s). The HTTP process's rows (one per
 request, not per iteration) are not timed.
 
-Run: ``iterserve bench telemetry``.
+Run: ``python -m benchmarks.telemetry``.
 """
 
 from __future__ import annotations
@@ -132,3 +132,9 @@ def main(args: argparse.Namespace) -> int:
     (out / "telemetry.json").write_text(json.dumps(result, indent=2))
     print(f"wrote {out / 'telemetry.json'}")
     return 0
+
+
+if __name__ == "__main__":
+    from benchmarks.cli_args import parse_args
+
+    raise SystemExit(main(parse_args("telemetry")))

@@ -1,5 +1,5 @@
-"""What ``bench overload`` and ``bench soak`` share: a server under test, its RSS and ``/load``
-sampled over time, and requests whose every outcome is classified (torch-free).
+"""What ``benchmarks.overload`` and ``benchmarks.soak`` share: a server under test, its RSS
+and ``/load`` sampled over time, and requests whose every outcome is classified (torch-free).
 
 A server is either started by the benchmark (``iterserve serve`` as a subprocess with the
 benchmark's tiers file and admin token, then ``--server-args``: the real default model, or
@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import yaml
 
-from iterserve.bench.workloads import corpus_text
+from iterserve.workload.workloads import corpus_text
 
 ADMIN_TOKEN = "bench-admin-token"
 READY_TIMEOUT_S = 300.0  # the real model loads in tens of seconds on a loaded machine

@@ -1,4 +1,4 @@
-"""Tables and the plot of ``iterserve bench router`` (from its JSON parts)."""
+"""Tables and the plot of ``python -m benchmarks.router`` (from its JSON parts)."""
 
 from __future__ import annotations
 
