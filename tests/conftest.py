@@ -14,7 +14,17 @@ import time
 from typing import Any
 
 import pytest
-import torch
+
+# Under pytest-xdist the workers share the cores: each worker's torch (and every server it
+# starts, which inherits the variable) gets its share of threads. Oversubscribed OpenMP pools
+# spin against each other and run several times slower than the same work in turn.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _cores = len(os.sched_getaffinity(0))
+    os.environ["OMP_NUM_THREADS"] = str(
+        max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    )
+
+import torch  # after OMP_NUM_THREADS
 from helpers import SHARED_NUM_KV_BLOCKS
 
 from iterserve.config import EngineConfig
