@@ -13,8 +13,10 @@ TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip --disable-pip-version-check
 # helm and kubectl for the chart's tests (from npm: scripts/fetch-k8s-tools).
 TOOLS ?= .tools/bin
-# The suite's 30 slowest tests close its log: where its time goes, run by run.
-PYTEST_ARGS ?= --durations=30
+# Two workers (pytest-xdist), whole modules each, the cores' threads split between them
+# (tests/conftest.py); the 30 slowest tests and the time against the suite's 12-minute budget
+# close the log.
+PYTEST_ARGS ?= -n 2 --durations=30
 
 .PHONY: run generate test lint install tools k8s cluster
 

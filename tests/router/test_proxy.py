@@ -50,7 +50,10 @@ def test_new_requests_go_to_the_idle_replica(profile_file: Path) -> None:
     with replicas(profile_file, 2) as (busy, idle):
 
         async def run() -> None:
-            async with router(*_backends([busy, idle]), "--no-prefix-affinity") as (url, app):
+            # Reports stay fresh for 5 s: on a busy machine a poll can come late, and two stale
+            # reports tie (both scored saturated), which is not what this test is about.
+            flags = ("--no-prefix-affinity", "--stale-after-ms", "5000")
+            async with router(*_backends([busy, idle]), *flags) as (url, app):
                 pool = pool_of(app)
                 await until(lambda: len(pool.ready()) == 2, "both replicas ready")
                 async with httpx.AsyncClient(timeout=60) as http:
