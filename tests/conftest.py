@@ -74,7 +74,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    if hasattr(config, "workerinput"):  # an xdist worker: the controller reports
+    if hasattr(config, "workerinput") or config.option.collectonly:  # nothing ran here
         return
     elapsed_s = time.monotonic() - _session_start
     verdict = "within" if elapsed_s <= SUITE_BUDGET_S else "OVER"
