@@ -48,6 +48,8 @@ class LLM:
         # Holds ``loaded``, never ``self``: collecting this LLM closes the model.
         self._finalizer = weakref.finalize(self, loaded.close)
         self._ids = itertools.count()
+        # Why this LLM can no longer generate, though it is open (None: it can).
+        self._broken: str | None = None
 
     @property
     def config(self) -> EngineConfig:
@@ -85,10 +87,13 @@ class LLM:
 
         Raises:
             InvalidRequestError: some prompt can never be served; nothing was run.
-            RuntimeError: this ``LLM`` is closed.
+            RuntimeError: this ``LLM`` is closed, or a tensor-parallel step of it was
+                interrupted (its ranks are out of step: close it and build a new one).
         """
         if self.closed:
             raise RuntimeError("this LLM is closed: build a new one to generate")
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -165,7 +170,7 @@ class LLM:
                 order[request_id] = i
             pending = len(order)
             while pending:
-                for out in self.engine.step():
+                for out in self._step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         pending -= 1
@@ -173,6 +178,20 @@ class LLM:
             # On any error, leave nothing of this call queued in the engine.
             self.engine.abort_request([r for r, i in order.items() if results[i] is None])
         return [r for r in results if r is not None]
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step. A tensor-parallel step that does not return (an interrupt, an
+        error) may leave the ranks in different collectives: the LLM then refuses to generate
+        rather than send the next step into a desynchronised process group."""
+        try:
+            return self.engine.step()
+        except BaseException as e:
+            if self.config.parallel.tensor_parallel_size > 1:
+                self._broken = (
+                    f"this LLM's tensor-parallel step was interrupted ({type(e).__name__}): its "
+                    "ranks are out of step; close() it and build a new one"
+                )
+            raise
 
 
 def _token_ids(prompt: object) -> list[int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel
@@ -89,11 +90,19 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+def authorization_header(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """The one ``Authorization`` header of raw ASGI ``headers`` (names lower-case); ``b""``
+    when there is none or more than one (two keys are no key: the request is refused)."""
+    values = [value for name, value in headers if name == b"authorization"]
+    return values[0] if len(values) == 1 else b""
+
+
 def bearer_credentials(authorization: bytes) -> bytes | None:
     """The credentials of an ``Authorization`` header value whose scheme is ``Bearer`` (any
-    case), as sent; None for another scheme or no header (``b""``)."""
+    case; one or more spaces after it, RFC 9110), as sent; None for another scheme or no
+    header (``b""``)."""
     scheme, _, credentials = authorization.partition(b" ")
-    return credentials if scheme.lower() == b"bearer" else None
+    return credentials.lstrip(b" ") if scheme.lower() == b"bearer" else None
 
 
 def bearer_matches(authorization: bytes, key: str) -> bool:

@@ -237,6 +237,20 @@ def test_tensor_parallel_llms_one_after_another_in_one_process() -> None:
     second = LLM(**kwargs)
     try:
         got = second.generate("The capital of France is", params)[0].outputs[0].token_ids
+        # An interrupt that escapes a step (Ctrl-C reaching the driver alone): the next
+        # generate refuses with a clear error instead of entering a desynchronised group.
+        real_step = second.engine.step
+
+        def interrupted() -> Any:
+            real_step()
+            raise KeyboardInterrupt
+
+        second.engine.step = interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            second.generate("Hello", params)
+        second.engine.step = real_step  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="out of step; close"):
+            second.generate("Hello", params)
     finally:
         second.close()
     assert got == want

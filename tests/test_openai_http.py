@@ -9,6 +9,7 @@ import pytest
 from iterserve.openai_http import (
     APIError,
     ErrorResponse,
+    authorization_header,
     bearer_credentials,
     bearer_matches,
     error_body,
@@ -51,7 +52,7 @@ def test_invalid_api_key_is_the_servers_401() -> None:
         (b"bearer k1", b"k1"),  # the scheme is case-insensitive (RFC 9110)
         (b"BEARER k1", b"k1"),
         (b"BeArEr k1", b"k1"),
-        (b"Bearer  k1", b" k1"),  # the credentials as sent
+        (b"Bearer   k1", b"k1"),  # one or more spaces after the scheme (RFC 9110's 1*SP)
         (b"Bearer", b""),
         (b"Basic azE=", None),
         (b"Bearerk1", None),
@@ -72,3 +73,12 @@ def test_bearer_matches_only_the_key_itself() -> None:
     # A non-ASCII key is compared as its UTF-8 bytes, as a client sends it.
     assert bearer_matches("Bearer clé".encode(), "clé")
     assert not bearer_matches("Bearer clé".encode("latin-1"), "clé")
+
+
+def test_two_authorization_headers_are_no_key() -> None:
+    """A wrong key and the right one together must not pass because one of them is right."""
+    one = [(b"host", b"x"), (b"authorization", b"Bearer k")]
+    two = [(b"authorization", b"Bearer wrong"), (b"authorization", b"Bearer k")]
+    assert authorization_header(one) == b"Bearer k"
+    assert authorization_header(two) == b""
+    assert authorization_header([]) == b""

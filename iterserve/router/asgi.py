@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.openai_http import APIError
+from iterserve.openai_http import APIError, authorization_header
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -24,6 +24,7 @@ FORWARD_HEADERS = frozenset((
 ))  # fmt: skip
 BACK_HEADERS = frozenset((
     "content-type", "content-encoding", "x-request-id", "retry-after", "cache-control", "location",
+    "allow",
 ))  # fmt: skip
 RETRY_AFTER_S = "1"
 
@@ -37,6 +38,7 @@ class ProxiedRequest:
     raw_path: str  # without the leading slash, as the client encoded it
     query: str
     headers: dict[str, str]  # lower-case names, values decoded as latin-1
+    authorization: bytes = b""  # the one Authorization header, b"" for none or several
     body: bytes = b""
     # Set when the client has gone away; closes the upstream response it was reading.
     gone: asyncio.Event = field(default_factory=asyncio.Event)
@@ -56,6 +58,7 @@ class ProxiedRequest:
             raw_path=_raw_path(scope),
             query=scope.get("query_string", b"").decode("latin-1"),
             headers={k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]},
+            authorization=authorization_header(scope["headers"]),
         )
 
     def abort(self) -> None:

@@ -143,10 +143,13 @@ class Proxy:
             return shutting_down()
         allowed = ("GET", "POST") if request.path.startswith("v1/") else ("POST",)
         if request.method not in allowed:
-            return APIError(405, f"{request.method} is not allowed on /{request.path}")
+            return APIError(
+                405,
+                f"{request.method} is not allowed on /{request.path}",
+                headers={"allow": ", ".join(allowed)},
+            )
         key = self.config.api_key
-        authorization = request.headers.get("authorization", "").encode("latin-1")
-        if key is not None and not bearer_matches(authorization, key):
+        if key is not None and not bearer_matches(request.authorization, key):
             return invalid_api_key()
         if any(part in (".", "..") for part in request.path.split("/")):
             return APIError(404, f"no such path /{request.path}", "not_found_error")

@@ -113,6 +113,7 @@ def merge(
         raise LiveConfigError(
             f"unknown settings {unknown}; live settings: {list(LIVE_SCHEDULER_KEYS)}"
         )
+    changes = {k: _as_current_type(v, getattr(current.config, k)) for k, v in changes.items()}
     try:
         if "tiers" in changes:
             if not isinstance(changes["tiers"], list):
@@ -134,3 +135,12 @@ def merge(
         return None
     new_version = version if version is not None and version > current.version else None
     return VersionedSettings(config, new_version or current.version + 1)
+
+
+def _as_current_type(value: Any, current: Any) -> Any:
+    """A JSON number with no fractional part (``2.0``) as an int where the setting is one (JSON
+    Schema's ``integer`` includes it, as the request API takes it); anything else as it came."""
+    is_int = isinstance(current, int) and not isinstance(current, bool)
+    if is_int and isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return value

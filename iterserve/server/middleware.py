@@ -14,7 +14,12 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iterserve.config import ServerConfig
-from iterserve.openai_http import APIError, bearer_matches, invalid_api_key
+from iterserve.openai_http import (
+    APIError,
+    authorization_header,
+    bearer_matches,
+    invalid_api_key,
+)
 from iterserve.server.state import ServerState
 
 access_logger = logging.getLogger("iterserve.access")
@@ -42,9 +47,9 @@ class ServerMiddleware:
         self.get_state = get_state
         self.server_config = server_config
 
-    def _auth_error(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
+    def _auth_error(self, path: str, raw_headers: list[tuple[bytes, bytes]]) -> APIError | None:
         """Checked before the body is parsed, so a bad key is 401 whatever the body."""
-        authorization = headers.get(b"authorization", b"")
+        authorization = authorization_header(raw_headers)
         if path.startswith("/admin/"):
             token = self.server_config.admin_token
             if token is None:
@@ -98,7 +103,7 @@ class ServerMiddleware:
                 ]
             await send(message)
 
-        auth_error = self._auth_error(scope["path"], headers)
+        auth_error = self._auth_error(scope["path"], scope["headers"])
         if auth_error is not None:
             await error_response(auth_error)(scope, receive, send_with_id)
             self._log(scope, status, start)

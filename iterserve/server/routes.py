@@ -111,6 +111,8 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     serving.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+    if req.messages is not None and not req.messages:  # as chat completions refuse it
+        raise APIError(400, "messages must hold at least one message", param="messages")
     if req.messages is not None:
         prompt = await serving.chat_prompt_async(req.messages, req.add_generation_prompt)
         tokens = prompt.token_ids

@@ -151,6 +151,21 @@ def test_refusals() -> None:
     ]:
         error = proxy.refusal(request)
         assert error is not None and error.status == status, (request, error)
+    # A 405 names what the path takes.
+    error = proxy.refusal(_request("PUT", "/v1/completions", **ok))
+    assert error is not None and error.headers == {"allow": "GET, POST"}
+    error = proxy.refusal(_request("GET", "/tokenize", **ok))
+    assert error is not None and error.headers == {"allow": "POST"}
+    # Two Authorization headers, one of them right, are no key.
+    scope = {
+        "method": "POST",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "headers": [(b"authorization", b"Bearer x"), (b"authorization", b"Bearer k")],
+    }
+    error = proxy.refusal(ProxiedRequest.from_scope(scope))
+    assert error is not None and error.status == 401
     proxy.abort_active()
     error = proxy.refusal(_request(**ok))
     assert error is not None and (error.status, error.headers) == (503, {"retry-after": "1"})

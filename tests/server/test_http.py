@@ -294,6 +294,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     (CHAT, "bad max_tokens", {"messages": MSG, "max_tokens": -1, "max_completion_tokens": 5}, 400,
      "max_tokens"),
     ("/tokenize", "neither prompt nor messages", {}, 400, "prompt"),
+    ("/tokenize", "no messages", {"messages": []}, 400, "messages"),
     ("/detokenize", "token out of vocab", {"tokens": [-1]}, 400, "tokens"),
 ]  # fmt: skip
 

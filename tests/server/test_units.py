@@ -104,6 +104,16 @@ def test_merge_validates_the_whole_result() -> None:
     assert merged is not None and merged.config.max_num_seqs == 100 and merged.version == 4
 
 
+def test_merge_takes_integral_floats_for_integer_settings() -> None:
+    """JSON Schema's ``integer`` includes ``2.0`` (the schema says integer): it is 2; ``2.5``
+    is still refused."""
+    merged = merge(current(), {"max_num_seqs": 2.0}, swap_space=0, max_model_len=2048)
+    assert merged is not None and merged.config.max_num_seqs == 2
+    assert type(merged.config.max_num_seqs) is int
+    with pytest.raises(LiveConfigError, match="max_num_seqs"):
+        merge(current(), {"max_num_seqs": 2.5}, swap_space=0, max_model_len=2048)
+
+
 def test_merge_without_chunked_prefill_keeps_the_budget_over_max_model_len() -> None:
     base = current(enable_chunked_prefill=False, max_num_batched_tokens=2048)
     with pytest.raises(LiveConfigError, match="max_model_len"):
