@@ -127,6 +127,13 @@ class OpenAIServing:
             items = list(prompt)  # type: ignore[arg-type]
         if not items:
             raise APIError(400, "the prompt is empty", param="prompt")
+        if len(items) > MAX_SEQUENCES_PER_REQUEST:  # before any of them is tokenized
+            raise APIError(
+                400,
+                f"{len(items)} prompts are over {MAX_SEQUENCES_PER_REQUEST} sequences per "
+                "request; split the batch",
+                param="prompt",
+            )
         prompts = []
         for item in items:
             if isinstance(item, str):

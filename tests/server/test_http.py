@@ -295,6 +295,8 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
      "max_tokens"),
     ("/tokenize", "neither prompt nor messages", {}, 400, "prompt"),
     ("/tokenize", "no messages", {"messages": []}, 400, "messages"),
+    ("/v1/completions", "too many prompts", {"prompt": ["a"] * 257}, 400, "prompt"),
+    ("/v1/completions", "prompts x n", {"prompt": ["a"] * 129, "n": 2}, 400, "prompt"),
     ("/detokenize", "token out of vocab", {"tokens": [-1]}, 400, "tokens"),
 ]  # fmt: skip
 
@@ -514,3 +516,29 @@ def test_a_dead_engine_fails_health_and_requests_with_503(tokenizer: Any) -> Non
 
     server_config = ServerConfig(api_key=API_KEY, admin_token="admin")
     run_with_server(tokenizer, check, server_config, step_interval_s=0.005)
+
+
+def test_too_many_prompts_are_refused_before_any_is_tokenized(tokenizer: Any) -> None:
+    """A batch over the sequence limit costs no tokenizer time (a 100,000-prompt body would
+    otherwise hold a core for seconds before its 400)."""
+    encoded: list[Any] = []
+
+    class CountingTokenizer:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tokenizer, name)
+
+        def __len__(self) -> int:
+            return len(tokenizer)
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            encoded.append(args)
+            return tokenizer(*args, **kwargs)
+
+    async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
+        r = await post_bad(http, CMPL, {"prompt": ["a"] * 300})
+        assert r.status_code == 400 and "split the batch" in r.json()["error"]["message"]
+        assert encoded == []
+        r = await http.post(CMPL, json={"prompt": "Hi", "max_tokens": 2}, headers=AUTH)
+        assert r.status_code == 200 and len(encoded) == 1
+
+    run_with_server(CountingTokenizer(), check, CONFIG)
