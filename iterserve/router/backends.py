@@ -16,7 +16,9 @@ sglang     ``GET /metrics`` ``sglang:token_usage`` (0-1), ``sglang:num_queue_req
 =========  ===============  ==================================================================
 
 Series with several label sets (one per served model) are summed (queues) or averaged
-(usage). ``auto`` asks ``/load`` first and falls back to ``/metrics``, remembering what worked.
+(usage). ``auto`` asks ``/load`` first and takes it when it has iterserve's shape (vLLM also
+answers ``GET /load``, with ``{"server_load": N}``; SGLang has none), else reads ``/metrics``;
+it remembers what worked.
 """
 
 from __future__ import annotations

@@ -197,13 +197,21 @@ class ReplicaPool:
     async def _fetch(self, b: Backend, headers: dict[str, str]) -> Any:
         assert self.fetch is not None, "the pool polls through a fetch function"
         now = self.clock
-        if b.kind in ("auto", "iterserve"):
+        if b.kind == "iterserve":
             status, body = await self.fetch(b.url + "/load", headers)
-            if status == 200 or b.kind == "iterserve":
-                _check_status(status, "/load")
-                report = parse_iterserve_load(json.loads(body), now())
-                b.kind = "iterserve"
-                return report
+            _check_status(status, "/load")
+            return parse_iterserve_load(json.loads(body), now())
+        if b.kind == "auto":
+            # By shape, not status: vLLM answers GET /load too (200, {"server_load": N}).
+            status, body = await self.fetch(b.url + "/load", headers)
+            if status == 200:
+                try:
+                    report = parse_iterserve_load(json.loads(body), now())
+                except ValueError:  # not JSON, or another server's /load: try /metrics
+                    pass
+                else:
+                    b.kind = "iterserve"
+                    return report
         status, body = await self.fetch(b.url + "/metrics", headers)
         _check_status(status, "/metrics")
         text = body.decode("utf-8", "replace")

@@ -62,3 +62,78 @@ def test_the_count_since_the_report_never_goes_below_zero() -> None:
     b.state.in_flight_since_report = 0  # as a poll that saw the request leaves it
     pool.end_attempt(attempt)
     assert (b.in_flight, b.state.in_flight_since_report) == (0, 0)
+
+
+# What the other servers answer, as vLLM and SGLang document their endpoints: vLLM serves
+# GET /load (its in-flight count, not iterserve's report) and the Gateway API inference
+# protocol's metrics; SGLang has no /load and its own metric names. One label set per model.
+VLLM_LOAD = b'{"server_load": 3}'
+VLLM_METRICS = b"""\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 5.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.25
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="8000"} 1.0
+"""
+SGLANG_METRICS = b"""\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="Qwen/Qwen2.5-7B-Instruct"} 4.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="Qwen/Qwen2.5-7B-Instruct"} 1.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="Qwen/Qwen2.5-7B-Instruct"} 0.5
+"""
+
+
+def _auto_pool(answers: dict[str, tuple[int, bytes]]) -> tuple[ReplicaPool, Backend, list[str]]:
+    asked: list[str] = []
+
+    async def fetch(url: str, headers: dict[str, str]) -> tuple[int, bytes]:
+        path = url.removeprefix(URL)
+        asked.append(path)
+        return answers.get(path, (404, b'{"detail":"Not Found"}'))
+
+    pool = ReplicaPool(fetch)  # backend_type "auto"
+    pool.set_urls([URL])
+    return pool, pool.backends[URL], asked
+
+
+def test_auto_detection_reads_a_vllm_replica_from_its_metrics_though_it_serves_load() -> None:
+    pool, b, asked = _auto_pool({"/load": (200, VLLM_LOAD), "/metrics": (200, VLLM_METRICS)})
+    asyncio.run(pool.poll(b))
+    assert b.kind == "vllm" and b.state.ready and b.poll_failures == 0
+    report = b.state.report
+    assert report is not None
+    assert (report.num_running, report.num_waiting, report.kv_cache_usage) == (2, 5, 0.25)
+    assert report.num_total_blocks == 8000
+    asyncio.run(pool.poll(b))  # remembered: /metrics only from now on
+    assert asked == ["/load", "/metrics", "/metrics"]
+
+
+def test_auto_detection_reads_an_sglang_replica_without_load() -> None:
+    pool, b, asked = _auto_pool({"/metrics": (200, SGLANG_METRICS)})
+    asyncio.run(pool.poll(b))
+    assert b.kind == "sglang" and b.state.ready
+    report = b.state.report
+    assert report is not None
+    assert (report.num_running, report.num_waiting, report.kv_cache_usage) == (4, 1, 0.5)
+    assert asked == ["/load", "/metrics"]
+
+
+def test_auto_detection_keeps_iterserve_on_load() -> None:
+    body = {"kv_cache_usage": 0.5, "num_running": 1, "num_waiting": 2, "num_total_blocks": 64}
+    pool, b, asked = _auto_pool({"/load": (200, json.dumps(body).encode())})
+    asyncio.run(pool.poll(b))
+    assert b.kind == "iterserve" and b.state.report is not None
+    assert b.state.report.num_waiting == 2
+    assert asked == ["/load"]
