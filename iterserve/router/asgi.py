@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from iterserve.credentials import TRUSTED_HEADERS, Grant
 from iterserve.openai_http import APIError, authorization_header
 
 Scope = MutableMapping[str, Any]
@@ -39,6 +40,7 @@ class ProxiedRequest:
     query: str
     headers: dict[str, str]  # lower-case names, values decoded as latin-1
     authorization: bytes = b""  # the one Authorization header, b"" for none or several
+    grant: Grant | None = None  # what its key allows (router.auth), once checked
     body: bytes = b""
     # Set when the client has gone away; closes the upstream response it was reading.
     gone: asyncio.Event = field(default_factory=asyncio.Event)
@@ -109,14 +111,19 @@ async def watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
     gone.set()
 
 
-def forward_headers(request: ProxiedRequest, backend_api_key: str | None) -> dict[str, str]:
+def forward_headers(
+    request: ProxiedRequest, authorization: str | None, trusted: dict[str, str] | None = None
+) -> dict[str, str]:
     """The headers sent to the replica: the client's :data:`FORWARD_HEADERS` (not its key),
-    the replicas' key if any, and ``accept-encoding: identity`` unless the client asked
-    otherwise (the answer is relayed as encoded)."""
+    the replicas' ``authorization`` if any, and ``accept-encoding: identity`` unless the
+    client asked otherwise (the answer is relayed as encoded). ``trusted`` (the router's
+    tenant and tier headers) replaces whatever the client sent of those."""
     headers = {k: _as_sent(v) for k, v in request.headers.items() if k in FORWARD_HEADERS}
     headers.setdefault("accept-encoding", "identity")
-    if backend_api_key:
-        headers["authorization"] = f"Bearer {backend_api_key}"
+    if trusted is not None:
+        headers = {k: v for k, v in headers.items() if k not in TRUSTED_HEADERS} | trusted
+    if authorization:
+        headers["authorization"] = authorization
     return headers
 
 

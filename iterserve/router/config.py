@@ -99,6 +99,24 @@ class RouterConfig:
             "(env ITERSERVE_BACKEND_API_KEY)"
         },
     )
+    api_keys_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "YAML list of {key, tenant, tiers, default_tier}: clients send one of its "
+            "keys; the router sets their tenant and refuses tiers their key may not use; "
+            "re-read on change (instead of --api-key)",
+            "metavar": "PATH",
+        },
+    )
+    router_token_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "file holding the router's token, sent to the replicas as their key and "
+            "trusted by them for the tenant and tier headers; re-read on change (instead of "
+            "--backend-api-key)",
+            "metavar": "PATH",
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.backend and not self.k8s_service:
@@ -115,19 +133,26 @@ class RouterConfig:
             _check_url(url)
         if self.eject_after < 1:
             raise ValueError("--eject-after must be >= 1")
+        if self.api_key and self.api_keys_file:
+            raise ValueError("give --api-key (one key) or --api-keys-file, not both")
+        if self.backend_api_key and self.router_token_file:
+            raise ValueError("give --backend-api-key or --router-token-file, not both")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
         """The settings from parsed flags; an unset ``--api-key`` / ``--backend-api-key``
-        falls back to ``ITERSERVE_API_KEY`` / ``ITERSERVE_BACKEND_API_KEY``.
+        falls back to ``ITERSERVE_API_KEY`` / ``ITERSERVE_BACKEND_API_KEY`` unless
+        ``--api-keys-file`` / ``--router-token-file`` takes its place.
 
         Raises:
             ValueError: as the constructor.
         """
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
         values["backend"] = tuple(values["backend"])
-        values["api_key"] = values["api_key"] or envs.ITERSERVE_API_KEY
-        values["backend_api_key"] = values["backend_api_key"] or envs.ITERSERVE_BACKEND_API_KEY
+        if not values["api_keys_file"]:
+            values["api_key"] = values["api_key"] or envs.ITERSERVE_API_KEY
+        if not values["router_token_file"]:
+            values["backend_api_key"] = values["backend_api_key"] or envs.ITERSERVE_BACKEND_API_KEY
         return cls(**values)
 
 

@@ -24,11 +24,12 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import yarl
 
-from iterserve.openai_http import APIError, bearer_matches, invalid_api_key
+from iterserve.openai_http import APIError
 from iterserve.router.asgi import (
     BodyTooLarge,
     ClientGone,
@@ -44,6 +45,7 @@ from iterserve.router.asgi import (
     shutting_down,
     watch_disconnect,
 )
+from iterserve.router.auth import AS_SENT, RouterAuth
 from iterserve.router.config import RouterConfig
 from iterserve.router.metrics import RouterMetrics
 from iterserve.router.pool import Backend, ReplicaPool
@@ -78,6 +80,7 @@ class Proxy:
         self.config = config
         self.metrics = metrics
         self.retry = retry or RetryPolicy()
+        self.auth = RouterAuth(config)
         self.session_header = config.session_header.lower()
         self.active: set[ProxiedRequest] = set()
         self.aborting = False
@@ -138,7 +141,7 @@ class Proxy:
     def refusal(self, request: ProxiedRequest) -> APIError | None:
         """The answer to a request that goes to no replica, or None: the router is shutting
         down (503), a method the path does not take (405), no or a wrong key (401), a ``.``
-        or ``..`` path segment (404)."""
+        or ``..`` path segment (404). Sets ``request.grant``."""
         if self.aborting:
             return shutting_down()
         allowed = ("GET", "POST") if request.path.startswith("v1/") else ("POST",)
@@ -148,9 +151,10 @@ class Proxy:
                 f"{request.method} is not allowed on /{request.path}",
                 headers={"allow": ", ".join(allowed)},
             )
-        key = self.config.api_key
-        if key is not None and not bearer_matches(request.authorization, key):
-            return invalid_api_key()
+        try:
+            request.grant = self.auth.grant_for(request.authorization)
+        except APIError as e:
+            return e
         if any(part in (".", "..") for part in request.path.split("/")):
             return APIError(404, f"no such path /{request.path}", "not_found_error")
         return None
@@ -180,10 +184,19 @@ class Proxy:
 
     async def route(self, request: ProxiedRequest, send: Send, arrival: float) -> None:
         """Attempts until one answers the client or the retry policy stops; then the best
-        answer the failures left (:func:`answer_after`)."""
-        key = _prefix_key(request.body) if request.method == "POST" else None
+        answer the failures left (:func:`answer_after`); first, a tier the client's key may
+        not use is refused (403)."""
+        body = _json_object(request.body) if request.method == "POST" else None
+        grant = request.grant or AS_SENT
+        if (refusal := self.auth.tier_refusal(grant, body)) is not None:
+            await send_error(send, refusal)
+            return
+        key = _prefix_key(body) if body is not None else None
         session = request.headers.get(self.session_header)
-        headers = forward_headers(request, self.config.backend_api_key)
+        auth = self.auth
+        headers = forward_headers(
+            request, auth.upstream_authorization(), auth.trusted_headers(grant)
+        )
         attempts = Attempts(self.retry)
         while attempts.may_start(request.gone.is_set()):
             backend = self.pick(attempts, key, session)
@@ -318,14 +331,17 @@ def answer_after(attempts: Attempts) -> UpstreamAnswer | APIError:
     return retry_later(503, "no ready replica; retry later", "service_unavailable_error")
 
 
-def _prefix_key(body: bytes) -> bytes | None:
-    """The prefix key of a generation body; None when it is not a JSON object."""
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    """A body's JSON object; None when it is not one."""
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):
         return None
-    if not isinstance(data, dict):
-        return None
+    return data if isinstance(data, dict) else None
+
+
+def _prefix_key(data: dict[str, Any]) -> bytes | None:
+    """The prefix key of a generation body (a JSON object)."""
     messages = data.get("messages")
     prompt = data.get("prompt")
     if isinstance(messages, list):

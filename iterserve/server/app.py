@@ -29,6 +29,7 @@ from iterserve.engine.messages import (
     IterationStats,
 )
 from iterserve.server.admission import Admission
+from iterserve.server.identity import ServerAuth
 from iterserve.server.live_config import VersionedSettings
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.middleware import ServerMiddleware, error_response
@@ -79,8 +80,12 @@ def build_app(
             ``model_dir`` once it has started).
         clock: monotonic seconds for arrival times, latencies and admission (tests pass a
             fake one).
+
+    Raises:
+        ConfigError: ``--api-keys-file`` or ``--router-token-file`` unreadable or invalid.
     """
     server_config = server_config or ServerConfig()
+    auth = ServerAuth(server_config)  # a bad keys or token file fails here, before any start
     holder: dict[str, ServerState] = {}
 
     @asynccontextmanager
@@ -104,7 +109,10 @@ def build_app(
 
     app = FastAPI(title="iterserve", version=iterserve.__version__, lifespan=lifespan)
     app.add_middleware(
-        ServerMiddleware, get_state=lambda: holder.get("state"), server_config=server_config
+        ServerMiddleware,
+        get_state=lambda: holder.get("state"),
+        server_config=server_config,
+        auth=auth,
     )
     _add_error_handlers(app, holder)
     app.include_router(router)

@@ -14,19 +14,16 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iterserve.config import ServerConfig
-from iterserve.openai_http import (
-    APIError,
-    authorization_header,
-    bearer_matches,
-    invalid_api_key,
-)
+from iterserve.openai_http import APIError, authorization_header, bearer_matches
+from iterserve.server.identity import ServerAuth
 from iterserve.server.state import ServerState
 
 access_logger = logging.getLogger("iterserve.access")
 
 # Requests that hold engine work: the drain on SIGTERM waits for these.
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-# Behind --api-key (the operational endpoints /health, /ready, /load, /metrics are not).
+# Behind --api-key / --api-keys-file (the operational endpoints /health, /ready, /load,
+# /metrics are not).
 API_KEY_PATHS = ("/v1/", "/tokenize", "/detokenize", "/version")
 
 
@@ -42,10 +39,17 @@ class ServerMiddleware:
     """Pure ASGI middleware: request ids, the body-size limit, the drain's count of active
     generation requests, and one structured (JSON) access-log line per request."""
 
-    def __init__(self, app: ASGIApp, get_state: Any, server_config: ServerConfig) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        get_state: Any,
+        server_config: ServerConfig,
+        auth: ServerAuth | None = None,
+    ) -> None:
         self.app = app
         self.get_state = get_state
         self.server_config = server_config
+        self.auth = auth or ServerAuth(server_config)
 
     def _auth_error(self, path: str, raw_headers: list[tuple[bytes, bytes]]) -> APIError | None:
         """Checked before the body is parsed, so a bad key is 401 whatever the body."""
@@ -62,9 +66,16 @@ class ServerMiddleware:
             if not bearer_matches(authorization, token):
                 return APIError(401, "invalid or missing admin token", type="authentication_error")
             return None
-        key = self.server_config.api_key
-        if key is not None and path.startswith(API_KEY_PATHS):
-            return None if bearer_matches(authorization, key) else invalid_api_key()
+        return None
+
+    def _api_auth_error(self, scope: Scope) -> APIError | None:
+        """The API paths' Bearer check (:class:`ServerAuth`); the caller's grant goes to
+        ``scope["state"]["grant"]``."""
+        try:
+            grant = self.auth.grant_for(authorization_header(scope["headers"]), scope["headers"])
+        except APIError as e:
+            return e
+        scope["state"]["grant"] = grant
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -104,6 +115,8 @@ class ServerMiddleware:
             await send(message)
 
         auth_error = self._auth_error(scope["path"], scope["headers"])
+        if auth_error is None and scope["path"].startswith(API_KEY_PATHS):
+            auth_error = self._api_auth_error(scope)
         if auth_error is not None:
             await error_response(auth_error)(scope, receive, send_with_id)
             self._log(scope, status, start)

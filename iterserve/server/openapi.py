@@ -275,8 +275,9 @@ def _schema(app: FastAPI, server_config: ServerConfig, state: ServerState | None
         schemas.setdefault(name, definition)
     bearer = {"type": "http", "scheme": "bearer"}
     components["securitySchemes"] = {"adminToken": {**bearer, "description": "--admin-token"}}
-    if server_config.api_key is not None:
-        components["securitySchemes"]["apiKey"] = {**bearer, "description": "--api-key"}
+    if _requires_key(server_config):
+        description = "--api-key or a key of --api-keys-file"
+        components["securitySchemes"]["apiKey"] = {**bearer, "description": description}
     for path, item in schema["paths"].items():
         for operation in item.values():
             # FastAPI's own 422 (answered 400, app.py); the admin PUT's is an ErrorResponse.
@@ -293,9 +294,13 @@ def _auth_scheme(path: str, server_config: ServerConfig) -> str | None:
     """The bearer scheme the middleware checks on ``path``, if any."""
     if path.startswith("/admin/"):
         return "adminToken"
-    if path.startswith(API_KEY_PATHS) and server_config.api_key is not None:
+    if path.startswith(API_KEY_PATHS) and _requires_key(server_config):
         return "apiKey"
     return None
+
+
+def _requires_key(server_config: ServerConfig) -> bool:
+    return server_config.api_key is not None or server_config.api_keys_file is not None
 
 
 def _unauthorized(scheme: str) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from iterserve.server.generation import (
     bad_request,
     engine_error,
 )
+from iterserve.server.identity import AS_SENT, resolve_granted_priority
 from iterserve.server.protocol import (
     MAX_CHAT_TOP_LOGPROBS,
     MAX_COMPLETION_LOGPROBS,
@@ -212,7 +213,10 @@ class OpenAIServing:
         try:
             for p in prompts:
                 limits.validate(p.token_ids, params)
-            priority = limits.resolve_priority(req.priority)
+            grant = getattr(raw.state, "grant", AS_SENT)
+            priority, tier = resolve_granted_priority(
+                req.priority, grant, limits, state.settings.config
+            )
         except InvalidRequestError as e:
             raise bad_request(e) from e
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -225,14 +229,14 @@ class OpenAIServing:
             prompts=prompts,
             params=params,
             priority=priority,
-            tier=state.settings.config.tier_for(priority).name,
+            tier=tier,
             arrival_time=raw.state.arrival_time,
             created=int(time.time()),
             stream=req.stream,
             include_usage=include_usage,
             echo=getattr(req, "echo", False),
             logprobs=logprobs,
-            tenant=resolve_tenant(raw.headers.get(TENANT_HEADER), req.user),
+            tenant=grant.tenant or resolve_tenant(raw.headers.get(TENANT_HEADER), req.user),
         )
 
     # ----------------------------------------------------------------- endpoints
