@@ -1,0 +1,202 @@
+"""API keys at the router (``--api-keys-file``, ``--router-token-file``) over a fake upstream:
+the tenant set from the key, client tenant and tier headers stripped, a tier the key may not
+use refused before any replica is tried, and both files re-read after a Kubernetes-style
+Secret swap (a bad rewrite keeps the last good version)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from iterserve.credentials import CredentialsError
+from iterserve.router.config import RouterConfig
+from iterserve.router.metrics import RouterMetrics
+from iterserve.router.pool import ReplicaPool
+from iterserve.router.proxy import Proxy
+from iterserve.router.scoring import Picker
+
+A = "http://a:1"
+KEYS = """
+- key: sk-acme-0001
+  tenant: acme
+  tiers: [standard, best-effort]
+  default_tier: standard
+- {key: sk-bob-00001, tenant: bob}
+"""
+TOKEN = "router-token-1"
+
+
+class SecretVolume:
+    """A directory laid out as kubelet mounts a Secret: ``NAME -> ..data/NAME``, ``..data ->
+    ..<version>``; :meth:`write` swaps ``..data`` to a new version atomically."""
+
+    def __init__(self, root: Path, files: dict[str, str]) -> None:
+        self.root = root
+        self.version = 0
+        root.mkdir()
+        self.write(files)
+        for name in files:
+            (root / name).symlink_to(f"..data/{name}")
+
+    def write(self, files: dict[str, str]) -> None:
+        self.version += 1
+        target = self.root / f"..v{self.version}"
+        target.mkdir()
+        for name, text in files.items():
+            (target / name).write_text(text)
+        (self.root / "..tmp").symlink_to(target.name)
+        os.replace(self.root / "..tmp", self.root / "..data")
+
+    def path(self, name: str) -> str:
+        return str(self.root / name)
+
+
+class FakeHTTP:
+    """The upstream session: records what was sent, answers 200 ``{}``."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    async def request(self, method: str, url: Any, **kwargs: Any) -> Any:
+        self.sent.append(kwargs["headers"])
+        return _Answer()
+
+
+class _Answer:
+    status = 200
+    headers = {"content-type": "application/json"}  # noqa: RUF012
+
+    def __init__(self) -> None:
+        self.content = self
+
+    async def read(self) -> bytes:
+        return b"{}"
+
+    async def iter_any(self) -> Any:
+        yield b"{}"
+
+    def close(self) -> None:
+        pass
+
+
+def _proxy(tmp_path: Path) -> tuple[Proxy, FakeHTTP, SecretVolume]:
+    volume = SecretVolume(tmp_path / "auth", {"keys.yaml": KEYS, "token": TOKEN})
+    config = RouterConfig(
+        backend=(A,),
+        api_keys_file=volume.path("keys.yaml"),
+        router_token_file=volume.path("token"),
+    )
+    pool = ReplicaPool()
+    pool.set_urls([A])
+    pool.backends[A].state.ready = True
+    proxy = Proxy(pool, Picker("round_robin"), config, RouterMetrics())
+    http = FakeHTTP()
+    proxy.http = http  # type: ignore[assignment]
+    return proxy, http, volume
+
+
+def _call(proxy: Proxy, key: str, body: dict[str, Any], **headers: str) -> tuple[int, Any]:
+    """One POST /v1/completions through the proxy: (status, JSON body)."""
+    raw = [(k.replace("_", "-").encode(), v.encode()) for k, v in headers.items()]
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "headers": [(b"authorization", f"Bearer {key}".encode()), *raw],
+    }
+    messages = [{"type": "http.request", "body": json.dumps(body).encode()}]
+    sent: list[Any] = []
+
+    async def receive() -> Any:
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()  # the client stays
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    asyncio.run(proxy(scope, receive, send))
+    answer = b"".join(m.get("body", b"") for m in sent[1:])
+    return sent[0]["status"], json.loads(answer)
+
+
+def test_the_tenant_is_the_keys_and_client_sent_tenant_and_tier_headers_are_stripped(
+    tmp_path: Path,
+) -> None:
+    proxy, http, _ = _proxy(tmp_path)
+    forged = {
+        "x_tenant_id": "bob",
+        "x_iterserve_tiers": '["premium"]',
+        "x_iterserve_default_tier": '"premium"',
+    }
+    assert _call(proxy, "sk-acme-0001", {"prompt": "hi"}, **forged)[0] == 200
+    assert _call(proxy, "sk-bob-00001", {"prompt": "hi", "priority": "premium"}, **forged)[0] == 200
+    acme, bob = http.sent
+    assert acme["x-tenant-id"] == "acme"
+    assert json.loads(acme["x-iterserve-tiers"]) == ["best-effort", "standard"]
+    assert json.loads(acme["x-iterserve-default-tier"]) == "standard"
+    assert acme["authorization"] == f"Bearer {TOKEN}"  # the router's token, not the client's
+    # A key with any tier: no tier headers at all (the forged ones are gone too).
+    assert bob["x-tenant-id"] == "bob" and bob["authorization"] == f"Bearer {TOKEN}"
+    assert "x-iterserve-tiers" not in bob and "x-iterserve-default-tier" not in bob
+    status, answer = _call(proxy, "sk-not-a-key", {"prompt": "hi"})
+    assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+    assert len(http.sent) == 2
+
+
+def test_a_tier_name_the_key_may_not_use_is_403_and_no_replica_is_tried(tmp_path: Path) -> None:
+    proxy, http, _ = _proxy(tmp_path)
+    status, answer = _call(proxy, "sk-acme-0001", {"prompt": "hi", "priority": "premium"})
+    assert status == 403
+    assert answer["error"] == {
+        "message": "this API key may not use tier 'premium' (its tiers: ['best-effort', "
+        "'standard'])",
+        "type": "permission_error",
+        "param": "priority",
+        "code": "tier_not_allowed",
+    }
+    assert http.sent == [] and proxy.pool.backends[A].in_flight == 0
+    # A tier it may use, and an integer (the server maps it to a tier and checks), go on.
+    for priority in ("best-effort", 0):
+        assert _call(proxy, "sk-acme-0001", {"prompt": "hi", "priority": priority})[0] == 200
+    assert len(http.sent) == 2
+
+
+def test_the_files_are_re_read_after_a_secret_swap_and_a_bad_rewrite_keeps_the_last(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy, http, volume = _proxy(tmp_path)
+    assert proxy.auth.keys is not None and proxy.auth.token is not None
+    proxy.auth.keys.check_interval_s = proxy.auth.token.check_interval_s = 0.0
+    assert _call(proxy, "sk-acme-0001", {"prompt": "hi"})[0] == 200
+    volume.write({"keys.yaml": "- {key: sk-carol-001, tenant: carol}", "token": "router-token-2"})
+    assert _call(proxy, "sk-acme-0001", {"prompt": "hi"})[0] == 401  # revoked
+    assert _call(proxy, "sk-carol-001", {"prompt": "hi"})[0] == 200
+    assert http.sent[-1]["x-tenant-id"] == "carol"
+    assert http.sent[-1]["authorization"] == "Bearer router-token-2"
+    with caplog.at_level(logging.ERROR, "iterserve.credentials"):
+        volume.write({"keys.yaml": "- {key: sk-dave-0001}", "token": " "})
+        assert _call(proxy, "sk-carol-001", {"prompt": "hi"})[0] == 200
+    assert http.sent[-1]["authorization"] == "Bearer router-token-2"
+    assert "entry 0: tenant: Field required" in caplog.text
+    assert "keeping the last good version" in caplog.text
+
+
+def test_a_bad_keys_file_at_start_names_the_file_and_the_entry(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text(KEYS + "- {key: sk-acme-0001, tenant: again}\n")
+    with pytest.raises(CredentialsError, match=rf"{path}: entry 2: the key of entry 0 again"):
+        Proxy(ReplicaPool(), Picker("round_robin"), RouterConfig((A,), api_keys_file=str(path)),
+              RouterMetrics())  # fmt: skip
+    with pytest.raises(ValueError, match="--api-key .* or --api-keys-file, not both"):
+        RouterConfig((A,), api_key="k", api_keys_file=str(path))
+    with pytest.raises(ValueError, match="--backend-api-key or --router-token-file"):
+        RouterConfig((A,), backend_api_key="k", router_token_file=str(path))
