@@ -194,9 +194,9 @@ def test_a_bad_keys_file_at_start_names_the_file_and_the_entry(tmp_path: Path) -
     path = tmp_path / "keys.yaml"
     path.write_text(KEYS + "- {key: sk-acme-0001, tenant: again}\n")
     with pytest.raises(CredentialsError, match=rf"{path}: entry 2: the key of entry 0 again"):
-        Proxy(ReplicaPool(), Picker("round_robin"), RouterConfig((A,), api_keys_file=str(path)),
-              RouterMetrics())  # fmt: skip
-    with pytest.raises(ValueError, match="--api-key .* or --api-keys-file, not both"):
+        config = RouterConfig((A,), api_keys_file=str(path))
+        Proxy(ReplicaPool(), Picker("round_robin"), config, RouterMetrics())
+    with pytest.raises(ValueError, match=r"--api-key \(one key\) or --api-keys-file, not both"):
         RouterConfig((A,), api_key="k", api_keys_file=str(path))
     with pytest.raises(ValueError, match="--backend-api-key or --router-token-file"):
         RouterConfig((A,), backend_api_key="k", router_token_file=str(path))
