@@ -12,7 +12,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from router_utils import pool_of, router, until
+from server_utils import run_server
+from sim_profiles import make_profile, write_profile
 
 from iterserve.credentials import CredentialsError
 from iterserve.router.config import RouterConfig
@@ -200,3 +204,34 @@ def test_a_bad_keys_file_at_start_names_the_file_and_the_entry(tmp_path: Path) -
         RouterConfig((A,), api_key="k", api_keys_file=str(path))
     with pytest.raises(ValueError, match="--backend-api-key or --router-token-file"):
         RouterConfig((A,), backend_api_key="k", router_token_file=str(path))
+
+
+def test_through_the_real_router_the_replica_counts_the_keys_tenant(tmp_path: Path) -> None:
+    """End to end: ``iterserve router`` in front of a simulated replica (``serve --simulate``),
+    both given the keys and the router token; the replica's per-tenant metric counts the key's
+    tenant, whatever tenant the client claims, through the router or directly."""
+    profile = write_profile(tmp_path / "profile.json", make_profile(fixed_s=0.002))
+    volume = SecretVolume(tmp_path / "auth", {"keys.yaml": KEYS, "token": TOKEN})
+    files = ("--api-keys-file", volume.path("keys.yaml"))
+    files += ("--router-token-file", volume.path("token"))
+    with run_server("--simulate", str(profile), *files) as replica:
+
+        async def run() -> None:
+            async with (
+                router("--backend", replica.url, *files) as (url, app),
+                httpx.AsyncClient(timeout=30) as http,
+            ):
+                await until(lambda: len(pool_of(app).ready()) == 1, "ready")
+                claims = {"Authorization": "Bearer sk-acme-0001", "X-Tenant-Id": "bob"}
+                body = {"prompt": "hi", "max_tokens": 2, "user": "bob"}
+                for base in (url, url, replica.url):  # twice routed, once direct
+                    r = await http.post(base + "/v1/completions", json=body, headers=claims)
+                    assert r.status_code == 200, r.text
+                r = await http.post(url + "/v1/completions", json=body)
+                assert r.status_code == 401  # no key: refused at the router
+                metrics = (await http.get(replica.url + "/metrics")).text
+            count = "iterserve_tenant_request_queue_time_seconds_count"
+            assert f'{count}{{tenant="acme"}} 3.0' in metrics
+            assert 'tenant="bob"' not in metrics
+
+        asyncio.run(run())
