@@ -5,8 +5,9 @@ references and apply what these return, and ``iterserve operator render`` prints
 Names derive from the resource's name ``N`` (docs/kubernetes.md): ConfigMap ``N-scheduler``, server
 Deployment ``N`` behind the headless Service ``N-server``, router Deployment, Service,
 ServiceAccount, Role and RoleBinding ``N-router``, PodDisruptionBudget ``N``, HPA or KEDA
-ScaledObject ``N``; the Secrets ``N-admin`` (key ``token``) and ``N-api-key`` (key
-``api-key``) are referenced, and created by the operator when absent.
+ScaledObject ``N``; the Secrets ``N-admin`` (key ``token``), ``N-api-key`` (key
+``api-key``) and ``N-router-token`` (key ``token``) are referenced, and created by the operator
+when absent; ``spec.auth.apiKeysSecret`` (key ``keys.yaml``) is the user's.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ ROUTER_GRACE_S = 30
 STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES = 10, 90
 QUEUE_METRIC = "iterserve_num_requests_waiting"
 NON_ROOT_UID = 10001  # the images' user (Dockerfile; docs/images.md)
+# Credentials are mounted as files (a Secret volume is updated in place; env is not), so the
+# router and the servers re-read them on change: spec.auth.apiKeysSecret and N-router-token.
+API_KEYS_DIR, API_KEYS_KEY = "/var/run/iterserve/api-keys", "keys.yaml"
+ROUTER_TOKEN_DIR, ROUTER_TOKEN_KEY = "/var/run/iterserve/router-token", "token"
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,10 @@ def admin_secret_name(name: str) -> str:
 
 def api_key_secret_name(name: str) -> str:
     return f"{name}-api-key"
+
+
+def router_token_secret_name(name: str) -> str:
+    return f"{name}-router-token"
 
 
 def server_service_name(name: str) -> str:
@@ -166,7 +175,41 @@ def server_args(spec: LLMDeploymentSpec, model_dir: str) -> list[str]:
     ]  # fmt: skip
     if e.maxModelLen is not None:
         args += ["--max-model-len", str(e.maxModelLen)]
-    return args + list(spec.pod.extraArgs)
+    return args + _auth_args(spec) + list(spec.pod.extraArgs)
+
+
+def _auth_args(spec: LLMDeploymentSpec) -> list[str]:
+    """The credential files' flags, the same on the router and the server."""
+    args = ["--router-token-file", f"{ROUTER_TOKEN_DIR}/{ROUTER_TOKEN_KEY}"]
+    if spec.auth.apiKeysSecret is not None:
+        args += ["--api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_KEY}"]
+    return args
+
+
+def _auth_volumes(ctx: Context, spec: LLMDeploymentSpec) -> tuple[list[Any], list[Any]]:
+    """(volumes, mounts) of the files :func:`_auth_args` names."""
+    secrets = [("router-token", router_token_secret_name(ctx.name), ROUTER_TOKEN_KEY)]
+    dirs = {"router-token": ROUTER_TOKEN_DIR, "api-keys": API_KEYS_DIR}
+    if spec.auth.apiKeysSecret is not None:
+        secrets.append(("api-keys", spec.auth.apiKeysSecret, API_KEYS_KEY))
+    volumes = [
+        {
+            "name": volume,
+            "secret": {"secretName": secret, "items": [{"key": key, "path": key}]},
+        }
+        for volume, secret, key in secrets
+    ]
+    mounts = [
+        {"name": volume, "mountPath": dirs[volume], "readOnly": True} for volume, _, _ in secrets
+    ]
+    return volumes, mounts
+
+
+def _api_key_env(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
+    """The one generated key of ``N-api-key``, without spec.auth.apiKeysSecret."""
+    if spec.auth.apiKeysSecret is not None:
+        return []
+    return [_secret_env("ITERSERVE_API_KEY", api_key_secret_name(ctx.name), "api-key")]
 
 
 def quantity(value: float) -> str:
@@ -280,14 +323,17 @@ def server_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
     (those are pushed live), so a scheduler change never rolls it. ``spec.replicas`` is left
     out while an autoscaler owns the count."""
     model_dir, volumes, mounts, init = _model_volume(spec)
+    auth_volumes, auth_mounts = _auth_volumes(ctx, spec)
     volumes = [
         *volumes,
+        *auth_volumes,
         {"name": "config", "configMap": {"name": f"{ctx.name}-scheduler"}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "cache", "emptyDir": {}},
     ]
     mounts = [
         *mounts,
+        *auth_mounts,
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "cache", "mountPath": "/var/cache/iterserve"},
@@ -297,7 +343,7 @@ def server_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     env = [
         _secret_env("ITERSERVE_ADMIN_TOKEN", admin_secret_name(ctx.name), "token"),
-        _secret_env("ITERSERVE_API_KEY", api_key_secret_name(ctx.name), "api-key"),
+        *_api_key_env(ctx, spec),
         {"name": "XDG_CACHE_HOME", "value": "/var/cache/iterserve"},
         # An empty value is dropped by the API server (omitempty): as built, it would read
         # back different and be patched on every pass.
@@ -385,7 +431,7 @@ def server_service(ctx: Context) -> dict[str, Any]:
 
 def router_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
     name = router_name(ctx.name)
-    secret = api_key_secret_name(ctx.name)
+    volumes, mounts = _auth_volumes(ctx, spec)
     args = [
         "router",
         "--host", "0.0.0.0",
@@ -395,17 +441,15 @@ def router_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
         "--k8s-port-name", "http",
         "--policy", spec.router.policy,
         "--shutdown-grace-period-s", str(ROUTER_GRACE_S),
+        *_auth_args(spec),
     ]  # fmt: skip
-    container = {
+    container: dict[str, Any] = {
         "name": "router",
         "image": spec.router.image or ctx.control_image,
         "command": ["iterserve"],
         "args": args,
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
-        "env": [
-            _secret_env("ITERSERVE_API_KEY", secret, "api-key"),
-            _secret_env("ITERSERVE_BACKEND_API_KEY", secret, "api-key"),
-        ],
+        "volumeMounts": mounts,
         "livenessProbe": _probe("/health", "http", 10, 3),
         # The router's /ready fails while no server pod is ready. Scaled to zero, the router
         # must stay in its Service anyway: the requests it answers 503 are what wake the
@@ -418,6 +462,10 @@ def router_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
         },
         "securityContext": _container_security(),
     }
+    # The replicas are sent the router token, not a client key. No empty env (the API server
+    # drops it: the Deployment would read back drifted).
+    if env := _api_key_env(ctx, spec):
+        container["env"] = env
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -437,6 +485,7 @@ def router_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
                 "spec": {
                     "serviceAccountName": name,
                     "containers": [container],
+                    "volumes": volumes,
                     "securityContext": _pod_security(),
                     "terminationGracePeriodSeconds": ROUTER_GRACE_S
                     + ABORT_WAIT_S

@@ -26,6 +26,7 @@ from iterserve.operator.builders import (
     api_key_secret_name,
     build_all,
     labels,
+    router_token_secret_name,
     router_url,
     selector,
 )
@@ -88,10 +89,11 @@ def adopt(obj: dict[str, Any], body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 async def ensure_secrets(kube: Kube, ctx: Context, body: Mapping[str, Any]) -> str:
-    """The admin-token and API-key Secrets, created with random values when absent (owned by
-    the resource); the admin token."""
+    """The API-key, router-token and admin-token Secrets, created with random values when
+    absent (owned by the resource); the admin token."""
     for name, key in (
         (api_key_secret_name(ctx.name), "api-key"),
+        (router_token_secret_name(ctx.name), "token"),
         (admin_secret_name(ctx.name), "token"),
     ):
         live = await kube.get("v1", "Secret", ctx.namespace, name)

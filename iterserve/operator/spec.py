@@ -377,6 +377,24 @@ class RouterSpec(_Model):
     )
 
 
+class AuthSpec(_Model):
+    """Who may call the model: API keys, each of a tenant and the SLA tiers it may use."""
+
+    apiKeysSecret: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+        description="A Secret in the resource's namespace whose key keys.yaml lists the API "
+        "keys: a YAML list of {key, tenant, tiers, default_tier} (docs/router.md). Mounted "
+        "into the router and server pods and re-read when it changes (no restart): the "
+        "router takes only these keys, sets each request's tenant from its key and refuses "
+        "(403) a tier the key may not use; the servers trust tenant and tier headers only "
+        "from the router. Default: none, one generated key in the Secret NAME-api-key and "
+        "tenants as clients name them.",
+    )
+
+
 class AutoscalingSpec(_Model):
     """Scaling the server pods on their queue depth with a HorizontalPodAutoscaler or a KEDA
     ScaledObject that targets the server Deployment. A change updates the autoscaler object
@@ -461,6 +479,7 @@ class LLMDeploymentSpec(_Model):
         "Default: premium (priority 0), standard (1), best-effort (2).",
     )
     router: RouterSpec = Field(default_factory=RouterSpec)
+    auth: AuthSpec = Field(default_factory=AuthSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
 
     @model_validator(mode="after")

@@ -177,6 +177,7 @@ def test_server_container_args_of_the_example() -> None:
         "--swap-space", "4",
         "--enable-prefix-caching",
         "--shutdown-grace-period-s", "30",
+        "--router-token-file", "/var/run/iterserve/router-token/token",
     ]  # fmt: skip
 
 
@@ -204,6 +205,7 @@ def test_every_engine_flag_and_extra_args_in_order() -> None:
         "--no-enable-prefix-caching",
         "--shutdown-grace-period-s", "30",
         "--max-model-len", "8192",
+        "--router-token-file", "/var/run/iterserve/router-token/token",
         "--seed", "7", "--log-prompts",
     ]  # fmt: skip
 
@@ -254,6 +256,13 @@ def test_server_pod_of_the_example() -> None:
     ]
     assert pod["spec"]["volumes"] == [
         {"name": "model", "persistentVolumeClaim": {"claimName": "models"}},
+        {
+            "name": "router-token",
+            "secret": {
+                "secretName": "chat-70b-router-token",
+                "items": [{"key": "token", "path": "token"}],
+            },
+        },
         {"name": "config", "configMap": {"name": "chat-70b-scheduler"}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "cache", "emptyDir": {}},
@@ -261,6 +270,7 @@ def test_server_pod_of_the_example() -> None:
     ]
     assert container["volumeMounts"] == [
         {"name": "model", "mountPath": "/models", "readOnly": True},
+        {"name": "router-token", "mountPath": "/var/run/iterserve/router-token", "readOnly": True},
         {"name": "config", "mountPath": "/etc/iterserve", "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "cache", "mountPath": "/var/cache/iterserve"},
@@ -315,7 +325,13 @@ def test_minimal_cpu_server_has_no_gpu_no_shm_and_surges() -> None:
     args = container["args"]
     assert args[args.index("--model") + 1] == "/models"
     assert args[args.index("--tensor-parallel-size") + 1] == "1"
-    assert [v["name"] for v in pod["volumes"]] == ["model", "config", "tmp", "cache"]
+    assert [v["name"] for v in pod["volumes"]] == [
+        "model",
+        "router-token",
+        "config",
+        "tmp",
+        "cache",
+    ]
     assert pod["volumes"][0] == {
         "name": "model",
         "hostPath": {"path": "/models/tiny", "type": "Directory"},
@@ -594,9 +610,20 @@ def test_router_deployment() -> None:
     )
     assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     key = {"secretKeyRef": {"name": "chat-70b-api-key", "key": "api-key"}}
-    assert container["env"] == [
-        {"name": "ITERSERVE_API_KEY", "valueFrom": key},
-        {"name": "ITERSERVE_BACKEND_API_KEY", "valueFrom": key},
+    # Clients' key from N-api-key; the replicas are sent the router token (a file).
+    assert container["env"] == [{"name": "ITERSERVE_API_KEY", "valueFrom": key}]
+    assert parsed.router_token_file == "/var/run/iterserve/router-token/token"
+    assert container["volumeMounts"] == [
+        {"name": "router-token", "mountPath": "/var/run/iterserve/router-token", "readOnly": True}
+    ]
+    assert pod["spec"]["volumes"] == [
+        {
+            "name": "router-token",
+            "secret": {
+                "secretName": "chat-70b-router-token",
+                "items": [{"key": "token", "path": "token"}],
+            },
+        }
     ]
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
@@ -605,6 +632,53 @@ def test_router_deployment() -> None:
     custom = with_spec(EXAMPLE, router={"image": "ghcr.io/example/router:1"})
     router = build(custom)["Deployment", "chat-70b-router"]["spec"]["template"]["spec"]
     assert router["containers"][0]["image"] == "ghcr.io/example/router:1"
+
+
+def test_api_keys_secret_is_mounted_on_router_and_server_with_their_flags() -> None:
+    """spec.auth.apiKeysSecret: its keys.yaml and the router token mounted as files (a Secret
+    volume is updated in place, so both re-read them) and named by the same flags on the
+    router and the server; the one generated key (N-api-key) is no longer used."""
+    objects = build(with_spec(EXAMPLE, auth={"apiKeysSecret": "team-keys"}))
+    expected_volumes = [
+        {
+            "name": "router-token",
+            "secret": {
+                "secretName": "chat-70b-router-token",
+                "items": [{"key": "token", "path": "token"}],
+            },
+        },
+        {
+            "name": "api-keys",
+            "secret": {
+                "secretName": "team-keys",
+                "items": [{"key": "keys.yaml", "path": "keys.yaml"}],
+            },
+        },
+    ]
+    files = {
+        "router_token_file": "/var/run/iterserve/router-token/token",
+        "api_keys_file": "/var/run/iterserve/api-keys/keys.yaml",
+    }
+    for name in ("chat-70b", "chat-70b-router"):
+        pod = objects["Deployment", name]["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert [v for v in pod["volumes"] if "secret" in v] == expected_volumes
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["api-keys"] == {
+            "name": "api-keys",
+            "mountPath": "/var/run/iterserve/api-keys",
+            "readOnly": True,
+        }
+        parsed = build_parser().parse_args(container["args"])
+        assert {k: getattr(parsed, k) for k in files} == files
+        env = [e["name"] for e in container.get("env", [])]
+        assert "ITERSERVE_API_KEY" not in env and "ITERSERVE_BACKEND_API_KEY" not in env
+    assert (
+        "env"
+        not in objects["Deployment", "chat-70b-router"]["spec"]["template"]["spec"]["containers"][0]
+    )  # none at all: an empty list would read back drifted
+    with pytest.raises(SpecError, match="spec.auth.apiKeysSecret"):
+        parse_spec(with_spec(EXAMPLE, auth={"apiKeysSecret": "Not_A_Name"})["spec"])
 
 
 def test_router_rbac_reads_endpoint_slices_only() -> None:

@@ -134,6 +134,7 @@ def test_operator_applies_pushes_catches_up_and_refuses(tmp_path: Path) -> None:
                 "PDB": f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/{NAME}",
                 "AdminSecret": f"/api/v1/namespaces/{NS}/secrets/{NAME}-admin",
                 "KeySecret": f"/api/v1/namespaces/{NS}/secrets/{NAME}-api-key",
+                "RouterTokenSecret": f"/api/v1/namespaces/{NS}/secrets/{NAME}-router-token",
             }
             objects = {k: await _wait_for(k8s, p, k) for k, p in paths.items()}
             for kind, obj in objects.items():
