@@ -32,7 +32,7 @@ from iterserve.config import (
     SchedulerConfig,
     ServerConfig,
 )
-from iterserve.server.middleware import API_KEY_PATHS
+from iterserve.server.middleware import API_KEY_PATHS, GENERATION_PATHS
 from iterserve.server.protocol import (
     TIER_NAME_SCHEMA,
     TIER_NAME_SCHEMA_NAME,
@@ -287,6 +287,13 @@ def _schema(app: FastAPI, server_config: ServerConfig, state: ServerState | None
             if scheme is not None:
                 operation["security"] = [{scheme: []}]
                 operation["responses"]["401"] = _unauthorized(scheme)
+            if path in GENERATION_PATHS and (
+                server_config.api_keys_file or server_config.router_token_file
+            ):
+                operation["responses"]["403"] = json_content(
+                    ErrorResponse.__name__,
+                    "A priority tier the caller's key may not use (`tier_not_allowed`).",
+                )
     return schema
 
 

@@ -261,6 +261,7 @@ def test_delete_collects_every_owned_object(cluster: LocalCluster, operator_rele
         "ConfigMap/chat-scheduler",
         "Secret/chat-admin",
         "Secret/chat-api-key",
+        "Secret/chat-router-token",
         "Service/chat-server",
     } <= set(before)
     cluster.kubectl("delete", "llmd", NAME, "-n", namespace, "--wait=true", "--timeout=60s")

@@ -106,6 +106,8 @@ def test_a_direct_key_gets_its_tenant_and_tiers_and_integer_priorities_are_check
                 }
         seen = [(a.tenant, a.priority) for a in fake.added]
         assert seen == [("acme", PRIORITY["standard"]), ("acme", 2), ("acme", 2)]
+        schema = (await http.get("/openapi.json")).json()
+        assert "403" in schema["paths"]["/v1/completions"]["post"]["responses"]
         metrics = (await http.get("/metrics")).text
         assert 'iterserve_tenant_request_queue_time_seconds_count{tenant="acme"} 3.0' in metrics
         assert 'tenant="bob"' not in metrics
