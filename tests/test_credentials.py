@@ -1,0 +1,76 @@
+"""The credentials files (``iterserve/credentials.py``): the keys file's validation messages
+(file and entry named, never the key) and ``WatchedFile``'s re-read at most once per
+interval, in place or by a new inode."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from iterserve.credentials import (
+    CredentialsError,
+    Grant,
+    WatchedFile,
+    parse_api_keys,
+    parse_token,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("- {key: sk-secret-1, tenant: 5}", "entry 0: tenant: Input should be a valid string"),
+        ("- {key: sk-secret-1, tenant: a, tiers: [x]}", "entry 0: default_tier is required"),
+        ("- {key: sk-secret-1, tenant: a, tiers: [x], default_tier: y}", "'y' is not one of"),
+        ("- {key: sk-secret-1, tenant: a, tiers: []}", "entry 0: tiers: List should have"),
+        ("- {key: sk-secret-1, tenant: a, extra: 1}", "entry 0: extra: Extra inputs"),
+        ("- {key: sk-secret-1, tenant: ' a'}", "entry 0: tenant: .*printable"),
+        ("- {key: short, tenant: a}", "entry 0: key: String should have at least 8"),
+        ("- {key: sk-secret-1, tenant: a}\n- {key: sk-secret-1, tenant: b}", "entry 1: the key"),
+        ("{a: 1}", "the file: Input should be a valid list"),
+        ("[", "not YAML"),
+        ("", "no key"),
+    ],
+)
+def test_a_bad_keys_file_names_the_file_and_entry_never_the_key(text: str, message: str) -> None:
+    with pytest.raises(CredentialsError, match=message) as e:
+        parse_api_keys(text.encode(), "/keys.yaml")
+    assert str(e.value).startswith("/keys.yaml: ")
+    assert "sk-secret-1" not in str(e.value)
+
+
+def test_grants_and_tokens() -> None:
+    keys = parse_api_keys(
+        b"- {key: sk-acme-0001, tenant: acme, tiers: [standard], default_tier: standard}", "f"
+    )
+    assert keys.grant_for(b"bearer  sk-acme-0001") == Grant(
+        "acme", frozenset({"standard"}), "standard"
+    )
+    assert keys.grant_for(b"Bearer sk-acme-000") is None and keys.grant_for(b"") is None
+    assert parse_token(b"  tok-12345678\n", "t") == "tok-12345678"
+    with pytest.raises(CredentialsError, match="t: expected one token"):
+        parse_token(b"tok 12345678", "t")
+
+
+def test_a_watched_file_is_stat_ed_at_most_once_per_interval(tmp_path: Path) -> None:
+    now = [100.0]
+    path = tmp_path / "token"
+    path.write_text("token-aaaaaaaa")
+    watched = WatchedFile(str(path), parse_token, check_interval_s=1.0, clock=lambda: now[0])
+    path.write_text("token-bbbbbbbb")  # in place: same inode and size, a new mtime
+    os.utime(path, ns=(1, 1))
+    now[0] += 0.5
+    assert watched.current() == "token-aaaaaaaa"  # not checked yet
+    now[0] += 0.5
+    assert watched.current() == "token-bbbbbbbb"
+    (tmp_path / "new").write_text("token-cccccccc")
+    os.replace(tmp_path / "new", path)  # a new inode
+    now[0] += 1.0
+    assert watched.current() == "token-cccccccc"
+    path.unlink()  # gone: the last good one stays
+    now[0] += 1.0
+    assert watched.current() == "token-cccccccc"
+    with pytest.raises(CredentialsError, match="No such file"):
+        WatchedFile(str(path), parse_token)
