@@ -389,20 +389,6 @@ class ServerConfig:
         default=None,
         metadata={"help": "Bearer token enabling /admin/* (env ITERSERVE_ADMIN_TOKEN)"},
     )
-    api_keys_file: str | None = field(
-        default=None,
-        metadata={
-            "help": "YAML list of {key, tenant, tiers, default_tier}: clients may also send "
-            "these keys, each request then of its key's tenant and tiers (re-read on change)"
-        },
-    )
-    router_token_file: str | None = field(
-        default=None,
-        metadata={
-            "help": "file holding the router's token: requests bearing it are trusted for "
-            "X-Tenant-Id and the router's tier headers, no others are (re-read on change)"
-        },
-    )
     shutdown_grace_period_s: float = field(
         default=30.0, metadata={"help": "seconds running requests get to finish after SIGTERM"}
     )
@@ -454,6 +440,20 @@ class ServerConfig:
         metadata={
             "help": "tenants that keep their name in the per-tenant metrics' tenant label: the "
             "first ones seen; later ones are 'other' (0 = all but 'default' are 'other')"
+        },
+    )
+    api_keys_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "YAML list of {key, tenant, tiers, default_tier}: clients may also send "
+            "these keys, each request then of its key's tenant and tiers (re-read on change)"
+        },
+    )
+    router_token_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "file holding the router's token: requests bearing it are trusted for "
+            "X-Tenant-Id and the router's tier headers, no others are (re-read on change)"
         },
     )
 

@@ -2,7 +2,8 @@
 answers relayed back.
 
 Per request (:meth:`Proxy.__call__`): refuse what must not go on (shutdown, method, key, path),
-read the body (for the prefix key), then per attempt: :meth:`~Proxy.pick` a ready replica not
+read the body (for the prefix key, and a tier the client's key may not use: 403,
+:mod:`iterserve.router.auth`), then per attempt: :meth:`~Proxy.pick` a ready replica not
 tried yet (:mod:`iterserve.router.scoring`), :meth:`~Proxy.forward` the request with the
 replicas' key and relay the answer (:class:`~iterserve.router.relay.Relay`): SSE chunk by chunk
 as the replica writes them, or whole. A client that goes away closes the upstream request, so
