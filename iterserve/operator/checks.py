@@ -30,7 +30,12 @@ _TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
 _AFFINITY_KEYS = {"nodeAffinity", "podAffinity", "podAntiAffinity"}
 # Server flags the operator sets through other means than its arguments: the secrets come
 # from the environment, the live settings from spec.scheduler and spec.slaTiers.
-_RESERVED_DESTS = {"admin_token": "the admin-token Secret", "api_key": "the API-key Secret"}
+_RESERVED_DESTS = {
+    "admin_token": "the admin-token Secret",
+    "admin_token_file": "the admin-token Secret's volume",
+    "admin_port": "the admin port the operator pushes to",
+    "api_key": "the API-key Secret",
+}
 
 
 def check_name(name: Any, namespace: Any) -> None:

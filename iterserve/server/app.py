@@ -28,6 +28,7 @@ from iterserve.engine.messages import (
     EngineStartError,
     IterationStats,
 )
+from iterserve.server.admin_auth import AdminTokens
 from iterserve.server.admission import Admission
 from iterserve.server.live_config import VersionedSettings
 from iterserve.server.metrics import ServerMetrics
@@ -79,6 +80,9 @@ def build_app(
             ``model_dir`` once it has started).
         clock: monotonic seconds for arrival times, latencies and admission (tests pass a
             fake one).
+
+    Raises:
+        ConfigError: ``server_config.admin_token_file`` cannot be read or holds no token.
     """
     server_config = server_config or ServerConfig()
     holder: dict[str, ServerState] = {}
@@ -104,7 +108,11 @@ def build_app(
 
     app = FastAPI(title="iterserve", version=iterserve.__version__, lifespan=lifespan)
     app.add_middleware(
-        ServerMiddleware, get_state=lambda: holder.get("state"), server_config=server_config
+        ServerMiddleware,
+        get_state=lambda: holder.get("state"),
+        server_config=server_config,
+        # Read now: a missing or empty token file is the CLI's exit 2, before the engine starts.
+        admin_tokens=AdminTokens(server_config.admin_token, server_config.admin_token_file),
     )
     _add_error_handlers(app, holder)
     app.include_router(router)
