@@ -466,7 +466,8 @@ class ServerConfig:
         )
         _require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
         _require(
-            self.admin_port is None or (1 <= self.admin_port <= 65535 and self.admin_port != self.port),
+            self.admin_port is None
+            or (1 <= self.admin_port <= 65535 and self.admin_port != self.port),
             f"admin_port must be in [1, 65535] and differ from port, got {self.admin_port}",
         )
         _require(

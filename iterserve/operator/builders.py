@@ -708,8 +708,8 @@ def autoscaler(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any] | None:
 
 
 def build_all(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
-    """Every owned object in render order: ConfigMap, Services, Deployments, RBAC, PDB,
-    autoscaler, NetworkPolicies (Secrets are referenced, not built).
+    """Every owned object in render order: ConfigMap, Services, Deployments, RBAC,
+    NetworkPolicies, PDB, autoscaler (Secrets are referenced, not built).
 
     Raises:
         SpecError: settings the server would refuse.
@@ -726,8 +726,9 @@ def build_all(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
         deployment,
         router_deployment(ctx, spec),
         *router_rbac(ctx),
+        *network_policies(ctx, spec),
         pod_disruption_budget(ctx),
     ]
     if (scaler := autoscaler(ctx, spec)) is not None:
         objects.append(scaler)
-    return objects + network_policies(ctx, spec)
+    return objects

@@ -153,3 +153,26 @@ async def sync_pods(
                 *(sync_pod(http, p, settings, desired_hash, version, admin_tokens) for p in pods)
             )
         )
+
+
+async def pods_refusing(
+    pods: list[PodTarget], admin_token: str, timeout_s: float = 5.0
+) -> list[str]:
+    """The pods whose admin API answers 401 to ``admin_token`` (``GET
+    /admin/scheduler_config``), by name: those whose Secret volume the kubelet has not
+    refreshed yet. A pod that cannot be reached refuses nothing (a push skips it anyway)."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    headers = {"Authorization": f"Bearer {admin_token}"}
+
+    async def refuses(http: aiohttp.ClientSession, pod: PodTarget) -> bool:
+        url = pod.admin + "/admin/scheduler_config"
+        try:
+            async with http.get(url, headers=headers, allow_redirects=False) as r:
+                return r.status == 401
+        except Exception:  # unreachable: not this check's business
+            return False
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+        answers = await asyncio.gather(*(refuses(http, p) for p in pods))
+    return [p.name for p, refused in zip(pods, answers, strict=True) if refused]

@@ -68,6 +68,8 @@ KINDS_IN_ORDER = [
     "ServiceAccount",
     "Role",
     "RoleBinding",
+    "NetworkPolicy",
+    "NetworkPolicy",
     "PodDisruptionBudget",
 ]
 HPA = {"enabled": True, "via": "hpa", "minReplicas": 2, "maxReplicas": 6, "targetQueueDepth": 8}
@@ -136,6 +138,8 @@ def test_names_labels_and_namespace_derive_from_the_resource() -> None:
         ("ServiceAccount", "chat-70b-router"),
         ("Role", "chat-70b-router"),
         ("RoleBinding", "chat-70b-router"),
+        ("NetworkPolicy", "chat-70b-server"),
+        ("NetworkPolicy", "chat-70b-router"),
         ("PodDisruptionBudget", "chat-70b"),
     ]
     router = {"chat-70b-router"}
@@ -177,6 +181,8 @@ def test_server_container_args_of_the_example() -> None:
         "--swap-space", "4",
         "--enable-prefix-caching",
         "--shutdown-grace-period-s", "30",
+        "--admin-port", "8001",
+        "--admin-token-file", "/var/run/secrets/iterserve.io/admin/token",
     ]  # fmt: skip
 
 
@@ -203,6 +209,8 @@ def test_every_engine_flag_and_extra_args_in_order() -> None:
         "--swap-space", "0.5",
         "--no-enable-prefix-caching",
         "--shutdown-grace-period-s", "30",
+        "--admin-port", "8001",
+        "--admin-token-file", "/var/run/secrets/iterserve.io/admin/token",
         "--max-model-len", "8192",
         "--seed", "7", "--log-prompts",
     ]  # fmt: skip
@@ -236,16 +244,15 @@ def test_server_pod_of_the_example() -> None:
         },
     }
     assert container["image"] == "ghcr.io/example/iterserve:0.2.0-cuda"
-    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+        {"name": "admin", "containerPort": 8001, "protocol": "TCP"},
+    ]
     assert container["resources"] == {
         "limits": {"nvidia.com/gpu": "4", "cpu": "8", "memory": "64Gi"},
         "requests": {"nvidia.com/gpu": "4", "cpu": "8", "memory": "64Gi"},
     }
     assert container["env"] == [
-        {
-            "name": "ITERSERVE_ADMIN_TOKEN",
-            "valueFrom": {"secretKeyRef": {"name": "chat-70b-admin", "key": "token"}},
-        },
         {
             "name": "ITERSERVE_API_KEY",
             "valueFrom": {"secretKeyRef": {"name": "chat-70b-api-key", "key": "api-key"}},
@@ -255,6 +262,7 @@ def test_server_pod_of_the_example() -> None:
     assert pod["spec"]["volumes"] == [
         {"name": "model", "persistentVolumeClaim": {"claimName": "models"}},
         {"name": "config", "configMap": {"name": "chat-70b-scheduler"}},
+        {"name": "admin-token", "secret": {"secretName": "chat-70b-admin"}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "cache", "emptyDir": {}},
         {"name": "shm", "emptyDir": {"medium": "Memory"}},
@@ -262,6 +270,7 @@ def test_server_pod_of_the_example() -> None:
     assert container["volumeMounts"] == [
         {"name": "model", "mountPath": "/models", "readOnly": True},
         {"name": "config", "mountPath": "/etc/iterserve", "readOnly": True},
+        {"name": "admin-token", "mountPath": "/var/run/secrets/iterserve.io/admin", "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "cache", "mountPath": "/var/cache/iterserve"},
         {"name": "shm", "mountPath": "/dev/shm"},
@@ -315,7 +324,7 @@ def test_minimal_cpu_server_has_no_gpu_no_shm_and_surges() -> None:
     args = container["args"]
     assert args[args.index("--model") + 1] == "/models"
     assert args[args.index("--tensor-parallel-size") + 1] == "1"
-    assert [v["name"] for v in pod["volumes"]] == ["model", "config", "tmp", "cache"]
+    assert [v["name"] for v in pod["volumes"]] == ["model", "config", "admin-token", "tmp", "cache"]
     assert pod["volumes"][0] == {
         "name": "model",
         "hostPath": {"path": "/models/tiny", "type": "Directory"},
@@ -464,10 +473,7 @@ def test_pod_overrides_pass_through() -> None:
         assert pod["spec"][key] == overrides[key]
     container = pod["spec"]["containers"][0]
     assert container["env"][-1] == {"name": "NCCL_DEBUG", "value": "INFO"}
-    assert [e["name"] for e in container["env"]][:2] == [
-        "ITERSERVE_ADMIN_TOKEN",
-        "ITERSERVE_API_KEY",
-    ]
+    assert [e["name"] for e in container["env"]][:2] == ["ITERSERVE_API_KEY", "XDG_CACHE_HOME"]
     assert container["args"][-2:] == ["--seed", "3"]
     assert pod["metadata"]["annotations"]["example.com/team"] == "chat"
     assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"

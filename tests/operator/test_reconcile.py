@@ -147,7 +147,7 @@ def test_a_users_secret_without_the_key_gets_it_and_keeps_its_type() -> None:
 
 def test_a_token_no_header_can_carry_is_reported() -> None:
     kube = MemoryKube()
-    token = base64.b64encode(b"made-with-echo\n").decode()
+    token = base64.b64encode(b"two words\n").decode()  # one token per line: not two tokens
     kube.objects["Secret", "tiny-admin"] = _secret("tiny-admin", {"token": token})
     with pytest.raises(SpecError, match="whitespace"):
         _reconcile(kube)
