@@ -207,7 +207,16 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
         settings.operator_labels,
     )
     built = build_all(ctx, spec)  # before anything is applied: an invalid spec applies nothing
-    admin_tokens = await ensure_secrets(kube, ctx, body)
+    try:
+        admin_tokens = await ensure_secrets(kube, ctx, body)
+    except ApiException as e:
+        if e.status != 403:
+            raise
+        # The chart grants Secrets per namespace (docs/kubernetes.md, "RBAC"): say which value.
+        raise SpecError(
+            f"the operator may not use Secrets in namespace {ctx.namespace}: add it to the "
+            "chart's value secretNamespaces (or watchNamespaces) and upgrade the release"
+        ) from e
     events = []
     # An autoscaler the spec no longer asks for goes first, before another takes over: KEDA's
     # admission webhook refuses a ScaledObject on a Deployment an HPA already scales, and two

@@ -92,7 +92,9 @@ def install_cluster_wide(cluster: LocalCluster) -> None:
         cluster.kubectl("create", "namespace", RELEASE_NAMESPACE)
     cluster.helm(
         "install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
-        "--set", "operator.resyncIntervalS=2", "--wait", "--timeout", "90s",
+        # Each test's LLMDeployments live in a namespace of its own, made after the install.
+        "--set", "operator.resyncIntervalS=2", "--set", "secretsInAllNamespaces=true",
+        "--wait", "--timeout", "90s",
     )  # fmt: skip
 
 
