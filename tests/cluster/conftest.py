@@ -57,7 +57,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         cwd=REPO,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(REPO / "tools")},
+        # The checkout's code in the pods too (the pod runner passes PYTHONPATH on), not
+        # whatever checkout the virtual environment's editable install points at.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tools")])},
     )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
