@@ -389,6 +389,20 @@ class ServerConfig:
         default=None,
         metadata={"help": "Bearer token enabling /admin/* (env ITERSERVE_ADMIN_TOKEN)"},
     )
+    admin_token_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "file of Bearer tokens enabling /admin/*, one per line, each accepted; "
+            "read again when it changes (a rotated Kubernetes Secret)"
+        },
+    )
+    admin_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "serve /admin/* on this port only, a second listener on --host (/admin/* "
+            "on --port is then 404, and this port serves nothing else); default: on --port"
+        },
+    )
     shutdown_grace_period_s: float = field(
         default=30.0, metadata={"help": "seconds running requests get to finish after SIGTERM"}
     )
@@ -465,6 +479,11 @@ class ServerConfig:
             f"got {self.tenant_label_limit}",
         )
         _require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
+        _require(
+            self.admin_port is None
+            or (1 <= self.admin_port <= 65535 and self.admin_port != self.port),
+            f"admin_port must be in [1, 65535] and differ from port, got {self.admin_port}",
+        )
         _require(
             self.shutdown_grace_period_s >= 0,
             f"shutdown_grace_period_s must be >= 0, got {self.shutdown_grace_period_s}",

@@ -207,10 +207,17 @@ def pod_url(pod: dict[str, Any]) -> str:
     return f"http://{pod['status']['podIP']}:8000"
 
 
+def admin_url(pod: dict[str, Any]) -> str:
+    """The pod's admin listener (``--admin-port``, the container port named admin)."""
+    return f"http://{pod['status']['podIP']}:8001"
+
+
 def live_settings(pod: dict[str, Any], admin_token: str) -> dict[str, Any]:
+    """``GET /admin/scheduler_config`` on the pod's admin port with the first (current) of
+    the N-admin Secret's tokens, one per line."""
     response = httpx.get(
-        f"{pod_url(pod)}/admin/scheduler_config",
-        headers={"Authorization": f"Bearer {admin_token}"},
+        f"{admin_url(pod)}/admin/scheduler_config",
+        headers={"Authorization": f"Bearer {admin_token.split()[0]}"},
         timeout=5,
     )
     response.raise_for_status()

@@ -129,3 +129,16 @@ async def read_story_events(http: Any, i: int, started: asyncio.Event) -> list[s
                 events.append(line[6:])
                 started.set()
     return events
+
+
+def write_secret_volume(directory: Path, tokens: str, generation: int) -> Path:
+    """The layout a kubelet gives a Secret volume: ``token -> ..data/token``, ``..data`` a
+    symlink to a timestamped directory, swapped atomically on an update."""
+    data_dir = directory / f"..2026_{generation}"
+    data_dir.mkdir()
+    (data_dir / "token").write_text(tokens)
+    (directory / "..data_tmp").symlink_to(data_dir.name)
+    os.replace(directory / "..data_tmp", directory / "..data")
+    if not (directory / "token").is_symlink():
+        (directory / "token").symlink_to("..data/token")
+    return directory / "token"

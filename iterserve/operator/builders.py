@@ -5,7 +5,8 @@ references and apply what these return, and ``iterserve operator render`` prints
 Names derive from the resource's name ``N`` (docs/kubernetes.md): ConfigMap ``N-scheduler``, server
 Deployment ``N`` behind the headless Service ``N-server``, router Deployment, Service,
 ServiceAccount, Role and RoleBinding ``N-router``, PodDisruptionBudget ``N``, HPA or KEDA
-ScaledObject ``N``; the Secrets ``N-admin`` (key ``token``), ``N-api-key`` (key
+ScaledObject ``N``, NetworkPolicies ``N-server`` and ``N-router``; the Secrets ``N-admin`` (key
+``token``: the admin tokens, one per line, the current one first), ``N-api-key`` (key
 ``api-key``) and ``N-router-token`` (key ``token``) are referenced, and created by the operator
 when absent; ``spec.auth.apiKeysSecret`` (key ``keys.yaml``) is the user's.
 """
@@ -24,7 +25,18 @@ from iterserve.operator.cli_args import DEFAULT_CONTROL_IMAGE
 from iterserve.operator.spec import LLMDeploymentSpec, SpecError, desired_settings
 
 SERVER_PORT = 8000
+# The server's /admin/* listener (--admin-port): in no Service, reached by the operator only.
+ADMIN_PORT = 8001
 ROUTER_PORT = 8080
+# The N-admin Secret's volume (not under CONFIG_DIR: a mount inside the read-only ConfigMap
+# volume needs a mount point the runtime cannot create there).
+ADMIN_TOKEN_DIR = "/var/run/secrets/iterserve.io/admin"
+ADMIN_TOKEN_KEY = "token"
+# The operator's pods as its chart labels them (iterserve operator run --operator-label).
+DEFAULT_OPERATOR_LABELS = (
+    ("app.kubernetes.io/name", "iterserve"),
+    ("app.kubernetes.io/component", "operator"),
+)
 CONFIG_DIR = "/etc/iterserve"
 CONFIG_FILE = "scheduler.yaml"
 MODEL_DIR = "/models"
@@ -52,6 +64,8 @@ class Context:
         control_image: the router's image unless ``spec.router.image`` is set.
         config_version: the settings' version (``status.schedulerConfigVersion``, else the
             generation).
+        operator_namespace, operator_labels: where the operator's pods run (None: any
+            namespace) and their labels: the only peers of the server pods' admin port.
     """
 
     name: str
@@ -59,6 +73,8 @@ class Context:
     generation: int = 1
     control_image: str = DEFAULT_CONTROL_IMAGE
     config_version: int | None = None
+    operator_namespace: str | None = None
+    operator_labels: tuple[tuple[str, str], ...] = DEFAULT_OPERATOR_LABELS
 
 
 def labels(name: str, component: str) -> dict[str, str]:
@@ -172,6 +188,8 @@ def server_args(spec: LLMDeploymentSpec, model_dir: str) -> list[str]:
         "--swap-space", f"{e.swapSpace:g}",
         "--enable-prefix-caching" if e.enablePrefixCaching else "--no-enable-prefix-caching",
         "--shutdown-grace-period-s", str(SERVER_GRACE_S),
+        "--admin-port", str(ADMIN_PORT),
+        "--admin-token-file", f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}",
     ]  # fmt: skip
     if e.maxModelLen is not None:
         args += ["--max-model-len", str(e.maxModelLen)]
@@ -328,6 +346,8 @@ def server_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
         *volumes,
         *auth_volumes,
         {"name": "config", "configMap": {"name": f"{ctx.name}-scheduler"}},
+        # Re-read by the server when the kubelet refreshes it (an admin token rotation).
+        {"name": "admin-token", "secret": {"secretName": admin_secret_name(ctx.name)}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "cache", "emptyDir": {}},
     ]
@@ -335,6 +355,7 @@ def server_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
         *mounts,
         *auth_mounts,
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "cache", "mountPath": "/var/cache/iterserve"},
     ]
@@ -342,7 +363,6 @@ def server_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     env = [
-        _secret_env("ITERSERVE_ADMIN_TOKEN", admin_secret_name(ctx.name), "token"),
         *_api_key_env(ctx, spec),
         {"name": "XDG_CACHE_HOME", "value": "/var/cache/iterserve"},
         # An empty value is dropped by the API server (omitempty): as built, it would read
@@ -354,7 +374,10 @@ def server_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
         "image": spec.image,
         "command": ["iterserve"],
         "args": server_args(spec, model_dir),
-        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"},
+            {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"},
+        ],
         "env": env,
         "volumeMounts": mounts,
         "startupProbe": _probe("/health", "http", STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES),
@@ -413,7 +436,8 @@ def server_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
 
 
 def server_service(ctx: Context) -> dict[str, Any]:
-    """Headless: the router discovers the pods through its EndpointSlices."""
+    """Headless: the router discovers the pods through its EndpointSlices. The API port only:
+    the admin port is in no Service."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -535,6 +559,68 @@ def router_rbac(ctx: Context) -> list[dict[str, Any]]:
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}],
         },
     ]
+
+
+# --------------------------------------------------------------------------- NetworkPolicies
+
+
+def _tcp(port: int) -> dict[str, Any]:
+    return {"protocol": "TCP", "port": port}
+
+
+def operator_peer(ctx: Context) -> dict[str, Any]:
+    """The operator's pods as a NetworkPolicy peer: its labels, in its namespace (any
+    namespace when unknown, as for ``iterserve operator render``)."""
+    namespaces: dict[str, Any] = {}
+    if ctx.operator_namespace is not None:
+        namespaces = {"matchLabels": {"kubernetes.io/metadata.name": ctx.operator_namespace}}
+    return {
+        "namespaceSelector": namespaces,
+        "podSelector": {"matchLabels": dict(ctx.operator_labels)},
+    }
+
+
+def network_policies(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
+    """``N-server``: the server pods take their API port from the router's pods, the
+    operator's (``/load``) and the namespaces of ``spec.networkPolicy.apiFrom`` (a Prometheus
+    scraping ``/metrics``), their admin port from the operator's pods only. ``N-router``: the
+    router pods take their port from anywhere. Ingress only; none when
+    ``spec.networkPolicy.enabled`` is false. (The kubelet's probes come from the node, which
+    NetworkPolicies do not restrict.)"""
+    if not spec.networkPolicy.enabled:
+        return []
+    api_peers: list[dict[str, Any]] = [
+        {"podSelector": {"matchLabels": selector(ctx.name, "router")}},
+        operator_peer(ctx),
+    ]
+    if spec.networkPolicy.apiFrom:
+        names = list(spec.networkPolicy.apiFrom)
+        match = {"key": "kubernetes.io/metadata.name", "operator": "In", "values": names}
+        api_peers.append({"namespaceSelector": {"matchExpressions": [match]}})
+    server = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(ctx, server_service_name(ctx.name), "server"),
+        "spec": {
+            "podSelector": {"matchLabels": selector(ctx.name, "server")},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": api_peers, "ports": [_tcp(SERVER_PORT)]},
+                {"from": [operator_peer(ctx)], "ports": [_tcp(ADMIN_PORT)]},
+            ],
+        },
+    }
+    router = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(ctx, router_name(ctx.name), "router"),
+        "spec": {
+            "podSelector": {"matchLabels": selector(ctx.name, "router")},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"ports": [_tcp(ROUTER_PORT)]}],  # no "from": any source
+        },
+    }
+    return [server, router]
 
 
 # --------------------------------------------------------------------------- PDB, autoscaler
@@ -671,8 +757,8 @@ def autoscaler(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any] | None:
 
 
 def build_all(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
-    """Every owned object in render order: ConfigMap, Services, Deployments, RBAC, PDB,
-    autoscaler (Secrets are referenced, not built).
+    """Every owned object in render order: ConfigMap, Services, Deployments, RBAC,
+    NetworkPolicies, PDB, autoscaler (Secrets are referenced, not built).
 
     Raises:
         SpecError: settings the server would refuse.
@@ -689,6 +775,7 @@ def build_all(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
         deployment,
         router_deployment(ctx, spec),
         *router_rbac(ctx),
+        *network_policies(ctx, spec),
         pod_disruption_budget(ctx),
     ]
     if (scaler := autoscaler(ctx, spec)) is not None:

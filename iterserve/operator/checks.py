@@ -32,6 +32,8 @@ _AFFINITY_KEYS = {"nodeAffinity", "podAffinity", "podAntiAffinity"}
 # from the environment, the live settings from spec.scheduler and spec.slaTiers.
 _RESERVED_DESTS = {
     "admin_token": "the admin-token Secret",
+    "admin_token_file": "the admin-token Secret's volume",
+    "admin_port": "the admin port the operator pushes to",
     "api_key": "the API-key Secret",
     "api_keys_file": "spec.auth.apiKeysSecret",
     "router_token_file": "the router-token Secret",

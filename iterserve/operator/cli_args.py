@@ -51,6 +51,22 @@ def add_operator_args(p: argparse.ArgumentParser) -> None:
         help="address /healthz listens on (the chart passes the pod's IP)",
     )
     run.add_argument(
+        "--operator-namespace",
+        default=None,
+        help="the namespace of the operator's own pods: the NetworkPolicies let only pods "
+        "there (with the --operator-label labels) reach the server pods' admin port "
+        "(default: any namespace)",
+    )
+    run.add_argument(
+        "--operator-label",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="a label of the operator's own pods (repeatable; default: "
+        "app.kubernetes.io/name=iterserve and app.kubernetes.io/component=operator, as the "
+        "chart labels them)",
+    )
+    run.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default="info",

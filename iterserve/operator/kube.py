@@ -29,6 +29,7 @@ _TYPED: dict[str, tuple[str, str]] = {
     "RoleBinding": ("RbacAuthorizationV1Api", "role_binding"),
     "PodDisruptionBudget": ("PolicyV1Api", "pod_disruption_budget"),
     "HorizontalPodAutoscaler": ("AutoscalingV2Api", "horizontal_pod_autoscaler"),
+    "NetworkPolicy": ("NetworkingV1Api", "network_policy"),
 }
 # kind -> plural, for custom resources (served by CustomObjectsApi).
 _CUSTOM = {"ScaledObject": "scaledobjects", "LLMDeployment": "llmdeployments"}

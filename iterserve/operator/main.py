@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -118,10 +119,13 @@ def _run(args: argparse.Namespace) -> int:
     from iterserve.operator.handlers import build_registry
     from iterserve.operator.reconcile import OperatorSettings
 
-    memo = kopf.Memo(
-        kubeconfig=args.kubeconfig,
-        settings=OperatorSettings(args.control_image, args.push_timeout_s, tuple(args.namespace)),
-    )
+    settings = OperatorSettings(args.control_image, args.push_timeout_s, tuple(args.namespace))
+    if args.operator_namespace:
+        settings = dataclasses.replace(settings, operator_namespace=args.operator_namespace)
+    if args.operator_label:
+        labels = tuple(_label(item) for item in args.operator_label)
+        settings = dataclasses.replace(settings, operator_labels=labels)
+    memo = kopf.Memo(kubeconfig=args.kubeconfig, settings=settings)
     configure_logging(args.log_level)
     kopf.run(
         registry=build_registry(args.resync_interval_s),
@@ -132,6 +136,16 @@ def _run(args: argparse.Namespace) -> int:
         liveness_endpoint=f"http://{_url_host(args.liveness_host)}:{args.liveness_port}/healthz",
     )
     return 0
+
+
+def _label(item: str) -> tuple[str, str]:
+    """``KEY=VALUE`` of ``--operator-label`` (SystemExit 2 otherwise, as argparse's errors)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        print(f"iterserve operator run: --operator-label {item!r}: expected KEY=VALUE",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    return key, value
 
 
 def _url_host(host: str) -> str:

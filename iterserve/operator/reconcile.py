@@ -20,7 +20,9 @@ from typing import Any
 
 from kubernetes.aio.client.exceptions import ApiException
 
+from iterserve.operator.admin_token import parse_tokens, rotate_if_asked
 from iterserve.operator.builders import (
+    DEFAULT_OPERATOR_LABELS,
     Context,
     admin_secret_name,
     api_key_secret_name,
@@ -41,10 +43,13 @@ from iterserve.operator.spec import (
     settings_hash_of,
 )
 
-# Owned objects a spec may stop asking for: deleted then (the others always exist).
+# Owned objects a spec may stop asking for (apiVersion, kind, name suffix): deleted then (the
+# others always exist).
 _OPTIONAL = (
-    ("autoscaling/v2", "HorizontalPodAutoscaler"),
-    ("keda.sh/v1alpha1", "ScaledObject"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler", ""),
+    ("keda.sh/v1alpha1", "ScaledObject", ""),
+    ("networking.k8s.io/v1", "NetworkPolicy", "-server"),
+    ("networking.k8s.io/v1", "NetworkPolicy", "-router"),
 )
 
 
@@ -55,6 +60,10 @@ class OperatorSettings:
     control_image: str = DEFAULT_CONTROL_IMAGE
     push_timeout_s: float = 5.0
     namespaces: tuple[str, ...] = ()  # --namespace (empty: cluster-wide)
+    # Where the operator's own pods run and their labels (--operator-namespace,
+    # --operator-label): the NetworkPolicies' peers of the admin port.
+    operator_namespace: str | None = None
+    operator_labels: tuple[tuple[str, str], ...] = DEFAULT_OPERATOR_LABELS
 
 
 @dataclass
@@ -88,9 +97,10 @@ def adopt(obj: dict[str, Any], body: Mapping[str, Any]) -> dict[str, Any]:
     return obj
 
 
-async def ensure_secrets(kube: Kube, ctx: Context, body: Mapping[str, Any]) -> str:
+async def ensure_secrets(kube: Kube, ctx: Context, body: Mapping[str, Any]) -> tuple[str, ...]:
     """The API-key, router-token and admin-token Secrets, created with random values when
-    absent (owned by the resource); the admin token."""
+    absent (owned by the resource); the admin tokens, the current one first
+    (:mod:`.admin_token`)."""
     for name, key in (
         (api_key_secret_name(ctx.name), "api-key"),
         (router_token_secret_name(ctx.name), "token"),
@@ -120,19 +130,7 @@ async def ensure_secrets(kube: Kube, ctx: Context, body: Mapping[str, Any]) -> s
             live = await kube.get("v1", "Secret", ctx.namespace, name)
             assert live is not None, f"Secret {name} vanished"
     assert live is not None
-    try:
-        token = base64.b64decode(live["data"]["token"], validate=True).decode()
-    except ValueError as e:  # binascii.Error, UnicodeDecodeError
-        raise SpecError(
-            f"Secret {admin_secret_name(ctx.name)}: key token is not base64 of UTF-8 text ({e})"
-        ) from e
-    if not token.isprintable() or token != token.strip():
-        # No HTTP client can send it in a header (a token made with `echo` ends in "\n").
-        raise SpecError(
-            f"Secret {admin_secret_name(ctx.name)}: key token has whitespace at an end or "
-            "control characters (made with `echo` without -n?)"
-        )
-    return token
+    return parse_tokens(live)
 
 
 def _api_message(e: ApiException) -> str:
@@ -202,20 +200,38 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
     version = status.get("schedulerConfigVersion")
     if status.get("schedulerConfigHash") != desired_hash or not version:
         version = generation
-    ctx = Context(meta["name"], meta["namespace"], generation, settings.control_image, version)
+    ctx = Context(
+        meta["name"],
+        meta["namespace"],
+        generation,
+        settings.control_image,
+        version,
+        settings.operator_namespace,
+        settings.operator_labels,
+    )
     built = build_all(ctx, spec)  # before anything is applied: an invalid spec applies nothing
-    admin_token = await ensure_secrets(kube, ctx, body)
+    try:
+        admin_tokens = await ensure_secrets(kube, ctx, body)
+    except ApiException as e:
+        if e.status != 403:
+            raise
+        # The chart grants Secrets per namespace (docs/kubernetes.md, "RBAC"): say which value.
+        raise SpecError(
+            f"the operator may not use Secrets in namespace {ctx.namespace}: add it to the "
+            "chart's value secretNamespaces (or watchNamespaces) and upgrade the release"
+        ) from e
     events = []
     # An autoscaler the spec no longer asks for goes first, before another takes over: KEDA's
     # admission webhook refuses a ScaledObject on a Deployment an HPA already scales, and two
     # autoscalers on one Deployment would fight over its replicas.
-    for api_version, kind in _OPTIONAL:
-        if not any(o["kind"] == kind for o in built):
-            live = await kube.get(api_version, kind, ctx.namespace, ctx.name)
+    for api_version, kind, suffix in _OPTIONAL:
+        name = ctx.name + suffix
+        if not any((o["kind"], o["metadata"]["name"]) == (kind, name) for o in built):
+            live = await kube.get(api_version, kind, ctx.namespace, name)
             owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
             if any(o.get("uid") == meta["uid"] for o in owners):
-                await kube.delete(api_version, kind, ctx.namespace, ctx.name)
-                events.append(("Normal", "Deleted", f"{kind} {ctx.name}"))
+                await kube.delete(api_version, kind, ctx.namespace, name)
+                events.append(("Normal", "Deleted", f"{kind} {name}"))
     await _start_from_zero(kube, ctx, spec, built)
     for obj in sorted(built, key=_apply_rank):
         try:
@@ -231,8 +247,13 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
         if done == "patched":
             events.append(("Normal", "Updated", f"{obj['kind']} {obj['metadata']['name']}"))
     pods = await kube.list("Pod", ctx.namespace, selector(ctx.name, "server"))
+    targets = ready_targets(pods)
+    admin_tokens, rotation, rotation_events = await rotate_if_asked(
+        kube, ctx, body, admin_tokens, targets, settings.push_timeout_s
+    )
+    events += rotation_events
     results = await sync_pods(
-        ready_targets(pods), desired, desired_hash, version, admin_token, settings.push_timeout_s
+        targets, desired, desired_hash, version, admin_tokens, settings.push_timeout_s
     )
     for r in results:
         if r.pushed and r.applied:
@@ -241,7 +262,7 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
             events.append(("Warning", "ConfigPushFailed", f"pod {r.name}: {r.error}"))
     deployment = await kube.get("apps/v1", "Deployment", ctx.namespace, ctx.name) or {}
     new_status = _status(ctx, spec.replicas, status, deployment, results, desired_hash, pods)
-    return Outcome(new_status, events)
+    return Outcome({**new_status, **rotation}, events)
 
 
 # Applied before the rest: the router Deployment's pods need their ServiceAccount (else the

@@ -438,6 +438,30 @@ class AutoscalingSpec(_Model):
     )
 
 
+# A namespace's name (a DNS-1123 label).
+NAMESPACE_NAME = Annotated[
+    str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+]
+
+
+class NetworkPolicySpec(_Model):
+    """NetworkPolicies the operator creates (N-server, N-router): the server pods take their
+    API port (8000) from the router's pods, the operator's and the namespaces of apiFrom, their
+    admin port (8001) from the operator's pods only; the router pods take their port (8080)
+    from anywhere. They are enforced only where the cluster's network plugin implements
+    NetworkPolicies. A change updates them; it restarts no pod."""
+
+    enabled: bool = Field(
+        True, description="Create the NetworkPolicies; false deletes them. Default true."
+    )
+    apiFrom: Annotated[list[NAMESPACE_NAME], Field(max_length=64)] = Field(
+        default_factory=list,
+        description="Namespaces (by name) whose pods may call the server pods' API port "
+        "directly, besides the router: the Prometheus that scrapes their /metrics (e.g. "
+        "monitoring). At most 64. Default: none.",
+    )
+
+
 class LLMDeploymentSpec(_Model):
     """A served model: server pods (a Deployment, one model replica each), the router in
     front of them and an optional autoscaler. spec.scheduler and spec.slaTiers are pushed
@@ -481,6 +505,7 @@ class LLMDeploymentSpec(_Model):
     router: RouterSpec = Field(default_factory=RouterSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    networkPolicy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
 
     @model_validator(mode="after")
     def _across_fields(self) -> LLMDeploymentSpec:

@@ -28,6 +28,7 @@ from iterserve.engine.messages import (
     EngineStartError,
     IterationStats,
 )
+from iterserve.server.admin_auth import AdminTokens
 from iterserve.server.admission import Admission
 from iterserve.server.identity import ServerAuth
 from iterserve.server.live_config import VersionedSettings
@@ -83,6 +84,7 @@ def build_app(
 
     Raises:
         ConfigError: ``--api-keys-file`` or ``--router-token-file`` unreadable or invalid.
+        ConfigError: ``server_config.admin_token_file`` cannot be read or holds no token.
     """
     server_config = server_config or ServerConfig()
     auth = ServerAuth(server_config)  # a bad keys or token file fails here, before any start
@@ -113,6 +115,8 @@ def build_app(
         get_state=lambda: holder.get("state"),
         server_config=server_config,
         auth=auth,
+        # Read now: a missing or empty token file is the CLI's exit 2, before the engine starts.
+        admin_tokens=AdminTokens(server_config.admin_token, server_config.admin_token_file),
     )
     _add_error_handlers(app, holder)
     app.include_router(router)

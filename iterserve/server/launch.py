@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import sqlite3
 import time
 from collections.abc import Callable
@@ -141,6 +142,20 @@ def _bad_settings_traceback_filter(app: FastAPI) -> Callable[[logging.LogRecord]
     return keep
 
 
+def listeners(config: uvicorn.Config, server_config: ServerConfig) -> list[socket.socket] | None:
+    """The sockets of the replica: ``--port`` and, with ``--admin-port``, the admin listener
+    on the same host (one server, one event loop; the middleware tells them apart by the
+    local port of each connection). None without an admin port: uvicorn binds its own.
+
+    Raises:
+        SystemExit: a port cannot be bound (uvicorn's own exit, logged).
+    """
+    if server_config.admin_port is None:
+        return None
+    admin = uvicorn.Config(config.app, host=server_config.host, port=server_config.admin_port)
+    return [config.bind_socket(), admin.bind_socket()]
+
+
 def run_server(app: FastAPI, server_config: ServerConfig) -> int:
     """Serve ``app`` (from :func:`~iterserve.server.app.build_app`) with a graceful drain
     until it is stopped; the exit code."""
@@ -159,7 +174,7 @@ def run_server(app: FastAPI, server_config: ServerConfig) -> int:
     uvicorn_log.addFilter(keep)
     try:
         with contextlib.suppress(SystemExit):  # uvicorn's exit(3) when the start-up raised
-            server.run()
+            server.run(sockets=listeners(config, server_config))
     finally:
         uvicorn_log.removeFilter(keep)
     start_error = getattr(app.state, "start_error", None)

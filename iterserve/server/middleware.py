@@ -14,7 +14,11 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iterserve.config import ServerConfig
-from iterserve.openai_http import APIError, authorization_header, bearer_matches
+from iterserve.openai_http import (
+    APIError,
+    authorization_header,
+)
+from iterserve.server.admin_auth import AdminTokens
 from iterserve.server.identity import ServerAuth
 from iterserve.server.state import ServerState
 
@@ -45,25 +49,38 @@ class ServerMiddleware:
         get_state: Any,
         server_config: ServerConfig,
         auth: ServerAuth | None = None,
+        admin_tokens: AdminTokens | None = None,
     ) -> None:
         self.app = app
         self.get_state = get_state
         self.server_config = server_config
         self.auth = auth or ServerAuth(server_config)
+        self.admin_tokens = admin_tokens or AdminTokens(server_config.admin_token)
+
+    def _listener_error(self, scope: Scope) -> APIError | None:
+        """With ``--admin-port``: ``/admin/*`` there only, and nothing else there (404, as
+        for a path that does not exist: the public port does not reveal the admin API)."""
+        admin_port = self.server_config.admin_port
+        if admin_port is None:
+            return None
+        server = scope.get("server") or (None, None)
+        on_admin_port = server[1] == admin_port
+        if on_admin_port != scope["path"].startswith("/admin/"):
+            return APIError(404, "Not Found", type="not_found_error")
+        return None
 
     def _auth_error(self, path: str, raw_headers: list[tuple[bytes, bytes]]) -> APIError | None:
         """Checked before the body is parsed, so a bad key is 401 whatever the body."""
         authorization = authorization_header(raw_headers)
         if path.startswith("/admin/"):
-            token = self.server_config.admin_token
-            if token is None:
+            if not self.admin_tokens.enabled:
                 return APIError(
                     403,
                     "the admin API is disabled; start the server with --admin-token TOKEN "
-                    "(or ITERSERVE_ADMIN_TOKEN) to enable it",
+                    "(or ITERSERVE_ADMIN_TOKEN) or --admin-token-file PATH to enable it",
                     type="permission_error",
                 )
-            if not bearer_matches(authorization, token):
+            if not self.admin_tokens.matches(authorization):
                 return APIError(401, "invalid or missing admin token", type="authentication_error")
             return None
         return None
@@ -114,7 +131,9 @@ class ServerMiddleware:
                 ]
             await send(message)
 
-        auth_error = self._auth_error(scope["path"], scope["headers"])
+        auth_error = self._listener_error(scope) or self._auth_error(
+            scope["path"], scope["headers"]
+        )
         if auth_error is None and scope["path"].startswith(API_KEY_PATHS):
             auth_error = self._api_auth_error(scope)
         if auth_error is not None:

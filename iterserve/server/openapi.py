@@ -278,6 +278,8 @@ def _schema(app: FastAPI, server_config: ServerConfig, state: ServerState | None
     if _requires_key(server_config):
         description = "--api-key or a key of --api-keys-file"
         components["securitySchemes"]["apiKey"] = {**bearer, "description": description}
+    if server_config.admin_port is not None:  # not served on the port this schema is on
+        schema["paths"] = {p: i for p, i in schema["paths"].items() if not p.startswith("/admin/")}
     for path, item in schema["paths"].items():
         for operation in item.values():
             # FastAPI's own 422 (answered 400, app.py); the admin PUT's is an ErrorResponse.

@@ -57,7 +57,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         cwd=REPO,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(REPO / "tools")},
+        # The checkout's code in the pods too (the pod runner passes PYTHONPATH on), not
+        # whatever checkout the virtual environment's editable install points at.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tools")])},
     )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -92,7 +94,9 @@ def install_cluster_wide(cluster: LocalCluster) -> None:
         cluster.kubectl("create", "namespace", RELEASE_NAMESPACE)
     cluster.helm(
         "install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
-        "--set", "operator.resyncIntervalS=2", "--wait", "--timeout", "90s",
+        # Each test's LLMDeployments live in a namespace of its own, made after the install.
+        "--set", "operator.resyncIntervalS=2", "--set", "secretsInAllNamespaces=true",
+        "--wait", "--timeout", "90s",
     )  # fmt: skip
 
 

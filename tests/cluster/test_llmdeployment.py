@@ -6,6 +6,7 @@ router's EndpointSlices; live patches, scaling, invalid patches and deletion."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 from cluster_utils import (
     NAME,
     LocalCluster,
+    admin_url,
     condition,
     live_settings,
     manifest,
@@ -193,6 +195,54 @@ def test_patch_reaches_every_replica_live_and_invalid_patches_are_refused(
     unchanged = cluster.get("llmd", NAME, deployed)
     assert unchanged["metadata"]["generation"] == version
     assert all(live_settings(p, admin_token)["max_num_seqs"] == 48 for p in after.values())
+
+
+def test_admin_token_rotation_with_a_live_change_in_the_same_pass(
+    cluster: LocalCluster, deployed: str
+) -> None:
+    """The admin API answers on the pods' admin port only, and the API server took the
+    NetworkPolicies guarding it. One ``kubectl patch`` annotates a rotation and changes a
+    setting: the operator writes NEW\nOLD into N-admin and pushes in the same pass, while
+    every pod's file still holds OLD alone (the pod runner refreshes volumes every 2 s, as a
+    kubelet does every minute): the push falls back to OLD and applies; once the files are
+    swapped the pods take NEW."""
+    pods = server_pods(cluster, deployed)
+    (old,) = secret(cluster, deployed, f"{NAME}-admin", "token").split()
+    bearer = {"Authorization": f"Bearer {old}"}
+    hidden = httpx.get(f"{pod_url(pods[0])}/admin/scheduler_config", headers=bearer, timeout=5)
+    assert hidden.status_code == 404
+    policy = cluster.get("networkpolicy", f"{NAME}-server", deployed)
+    assert [r["ports"][0]["port"] for r in policy["spec"]["ingress"]] == [8000, 8001]
+    body = {"metadata": {"annotations": {"iterserve.io/rotate-admin-token": "r1"}},
+            "spec": {"scheduler": {"maxNumSeqs": 40}}}  # fmt: skip
+    cluster.kubectl("patch", "llmd", NAME, "-n", deployed, "--type", "merge", "-p",
+                    json.dumps(body))  # fmt: skip
+
+    def applied() -> bool:
+        return all(httpx.get(f"{pod_url(p)}/load", timeout=5).json()["max_num_seqs"] == 40
+                   for p in pods)  # fmt: skip
+
+    wait_until(applied, "the change applied on every pod", timeout_s=20, period_s=0.1)
+    new, previous = secret(cluster, deployed, f"{NAME}-admin", "token").split()
+    assert previous == old and new != old
+    llmd = wait_until(
+        lambda: (
+            (o := cluster.get("llmd", NAME, deployed))["status"].get("adminTokenRotation") == "r1"
+            and o
+        ),
+        "the rotation in the status",
+    )
+    assert condition(llmd, "SchedulerConfigApplied")["status"] == "True"
+
+    def new_token_accepted() -> bool:
+        headers = {"Authorization": f"Bearer {new}"}
+        return all(
+            httpx.get(f"{admin_url(p)}/admin/scheduler_config", headers=headers, timeout=5)
+            .status_code == 200
+            for p in pods
+        )  # fmt: skip
+
+    wait_until(new_token_accepted, "the pods to accept the new token", timeout_s=20)
 
 
 def test_scale_subresource_and_gpu_capacity(cluster: LocalCluster, deployed: str) -> None:

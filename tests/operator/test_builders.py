@@ -68,6 +68,8 @@ KINDS_IN_ORDER = [
     "ServiceAccount",
     "Role",
     "RoleBinding",
+    "NetworkPolicy",
+    "NetworkPolicy",
     "PodDisruptionBudget",
 ]
 HPA = {"enabled": True, "via": "hpa", "minReplicas": 2, "maxReplicas": 6, "targetQueueDepth": 8}
@@ -136,6 +138,8 @@ def test_names_labels_and_namespace_derive_from_the_resource() -> None:
         ("ServiceAccount", "chat-70b-router"),
         ("Role", "chat-70b-router"),
         ("RoleBinding", "chat-70b-router"),
+        ("NetworkPolicy", "chat-70b-server"),
+        ("NetworkPolicy", "chat-70b-router"),
         ("PodDisruptionBudget", "chat-70b"),
     ]
     router = {"chat-70b-router"}
@@ -177,6 +181,8 @@ def test_server_container_args_of_the_example() -> None:
         "--swap-space", "4",
         "--enable-prefix-caching",
         "--shutdown-grace-period-s", "30",
+        "--admin-port", "8001",
+        "--admin-token-file", "/var/run/secrets/iterserve.io/admin/token",
         "--router-token-file", "/var/run/iterserve/router-token/token",
     ]  # fmt: skip
 
@@ -204,6 +210,8 @@ def test_every_engine_flag_and_extra_args_in_order() -> None:
         "--swap-space", "0.5",
         "--no-enable-prefix-caching",
         "--shutdown-grace-period-s", "30",
+        "--admin-port", "8001",
+        "--admin-token-file", "/var/run/secrets/iterserve.io/admin/token",
         "--max-model-len", "8192",
         "--router-token-file", "/var/run/iterserve/router-token/token",
         "--seed", "7", "--log-prompts",
@@ -238,16 +246,15 @@ def test_server_pod_of_the_example() -> None:
         },
     }
     assert container["image"] == "ghcr.io/example/iterserve:0.2.0-cuda"
-    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+        {"name": "admin", "containerPort": 8001, "protocol": "TCP"},
+    ]
     assert container["resources"] == {
         "limits": {"nvidia.com/gpu": "4", "cpu": "8", "memory": "64Gi"},
         "requests": {"nvidia.com/gpu": "4", "cpu": "8", "memory": "64Gi"},
     }
     assert container["env"] == [
-        {
-            "name": "ITERSERVE_ADMIN_TOKEN",
-            "valueFrom": {"secretKeyRef": {"name": "chat-70b-admin", "key": "token"}},
-        },
         {
             "name": "ITERSERVE_API_KEY",
             "valueFrom": {"secretKeyRef": {"name": "chat-70b-api-key", "key": "api-key"}},
@@ -264,6 +271,7 @@ def test_server_pod_of_the_example() -> None:
             },
         },
         {"name": "config", "configMap": {"name": "chat-70b-scheduler"}},
+        {"name": "admin-token", "secret": {"secretName": "chat-70b-admin"}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "cache", "emptyDir": {}},
         {"name": "shm", "emptyDir": {"medium": "Memory"}},
@@ -272,6 +280,11 @@ def test_server_pod_of_the_example() -> None:
         {"name": "model", "mountPath": "/models", "readOnly": True},
         {"name": "router-token", "mountPath": "/var/run/iterserve/router-token", "readOnly": True},
         {"name": "config", "mountPath": "/etc/iterserve", "readOnly": True},
+        {
+            "name": "admin-token",
+            "mountPath": "/var/run/secrets/iterserve.io/admin",
+            "readOnly": True,
+        },
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "cache", "mountPath": "/var/cache/iterserve"},
         {"name": "shm", "mountPath": "/dev/shm"},
@@ -329,6 +342,7 @@ def test_minimal_cpu_server_has_no_gpu_no_shm_and_surges() -> None:
         "model",
         "router-token",
         "config",
+        "admin-token",
         "tmp",
         "cache",
     ]
@@ -480,10 +494,7 @@ def test_pod_overrides_pass_through() -> None:
         assert pod["spec"][key] == overrides[key]
     container = pod["spec"]["containers"][0]
     assert container["env"][-1] == {"name": "NCCL_DEBUG", "value": "INFO"}
-    assert [e["name"] for e in container["env"]][:2] == [
-        "ITERSERVE_ADMIN_TOKEN",
-        "ITERSERVE_API_KEY",
-    ]
+    assert [e["name"] for e in container["env"]][:2] == ["ITERSERVE_API_KEY", "XDG_CACHE_HOME"]
     assert container["args"][-2:] == ["--seed", "3"]
     assert pod["metadata"]["annotations"]["example.com/team"] == "chat"
     assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
@@ -662,7 +673,9 @@ def test_api_keys_secret_is_mounted_on_router_and_server_with_their_flags() -> N
     for name in ("chat-70b", "chat-70b-router"):
         pod = objects["Deployment", name]["spec"]["template"]["spec"]
         (container,) = pod["containers"]
-        assert [v for v in pod["volumes"] if "secret" in v] == expected_volumes
+        secret_volumes = [v for v in pod["volumes"] if "secret" in v]
+        admin = [{"name": "admin-token", "secret": {"secretName": "chat-70b-admin"}}]
+        assert secret_volumes == expected_volumes + ([] if name.endswith("-router") else admin)
         mounts = {m["name"]: m for m in container["volumeMounts"]}
         assert mounts["api-keys"] == {
             "name": "api-keys",
@@ -1312,3 +1325,82 @@ def test_invalid_status_keeps_transition_times() -> None:
     turned = invalid_status({**body, "status": {"conditions": was_ready}}, "bad")
     times = [c["lastTransitionTime"] for c in turned["conditions"]]
     assert times[0] > OLD and times[1:] == [OLD, OLD]
+
+
+def test_ready_targets_take_the_admin_port_for_the_push() -> None:
+    ports = [{"name": "http", "containerPort": 8000}, {"name": "admin", "containerPort": 8001}]
+    (target,) = ready_targets([pod("ok", ip="10.0.0.1", ports=ports)])
+    assert target == PodTarget("ok", "http://10.0.0.1:8000", "http://10.0.0.1:8001")
+    assert target.admin == "http://10.0.0.1:8001"
+    assert PodTarget("old", "http://10.0.0.2:8000").admin == "http://10.0.0.2:8000"
+
+
+# -- the admin port, its token volume, NetworkPolicies -------------------------------------
+
+
+def test_admin_port_is_in_no_service_and_its_token_is_a_secret_volume() -> None:
+    objects = build(EXAMPLE)
+    for kind, name in objects:
+        if kind == "Service":
+            assert [p["port"] for p in objects[kind, name]["spec"]["ports"]] in ([8000], [8080])
+    container = server_container(EXAMPLE)
+    assert not any(e["name"] == "ITERSERVE_ADMIN_TOKEN" for e in container["env"])
+    args = build_parser().parse_args(container["args"])
+    assert (args.admin_port, args.admin_token_file) == (
+        8001,
+        "/var/run/secrets/iterserve.io/admin/token",
+    )
+    volume = {"name": "admin-token", "secret": {"secretName": "chat-70b-admin"}}
+    assert volume in server_pod(EXAMPLE)["spec"]["volumes"]
+    mount = {"name": "admin-token", "mountPath": "/var/run/secrets/iterserve.io/admin",
+             "readOnly": True}  # fmt: skip
+    assert mount in container["volumeMounts"]
+
+
+def test_network_policies_select_the_peers_and_ports() -> None:
+    document = with_spec(EXAMPLE, networkPolicy={"apiFrom": ["monitoring", "batch-jobs"]})
+    spec, meta = parse_spec(document["spec"]), document["metadata"]
+    operator = (("app.kubernetes.io/instance", "ops"), ("app.kubernetes.io/component", "operator"))
+    ctx = Context(meta["name"], meta["namespace"], operator_namespace="iterserve-system",
+                  operator_labels=operator)  # fmt: skip
+    by_name = {
+        o["metadata"]["name"]: o for o in build_all(ctx, spec) if o["kind"] == "NetworkPolicy"
+    }
+    server, router = by_name["chat-70b-server"]["spec"], by_name["chat-70b-router"]["spec"]
+    operator_peer = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "iterserve-system"}},
+        "podSelector": {"matchLabels": dict(operator)},
+    }
+    assert server["podSelector"] == {"matchLabels": selector("chat-70b", "server")}
+    assert server["policyTypes"] == ["Ingress"]
+    api, admin = server["ingress"]
+    assert api["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert api["from"] == [
+        {"podSelector": {"matchLabels": selector("chat-70b", "router")}},
+        operator_peer,
+        {"namespaceSelector": {"matchExpressions": [{
+            "key": "kubernetes.io/metadata.name", "operator": "In",
+            "values": ["monitoring", "batch-jobs"]}]}},
+    ]  # fmt: skip
+    assert admin == {"from": [operator_peer], "ports": [{"protocol": "TCP", "port": 8001}]}
+    assert router == {
+        "podSelector": {"matchLabels": selector("chat-70b", "router")},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"ports": [{"protocol": "TCP", "port": 8080}]}],
+    }
+    for policy in by_name.values():
+        kubernetes_validate.validate(policy, "1.33", strict=True)
+
+
+def test_network_policies_default_to_the_charts_operator_labels_and_can_be_off() -> None:
+    objects = build(EXAMPLE)
+    (_, admin) = objects["NetworkPolicy", "chat-70b-server"]["spec"]["ingress"]
+    assert admin["from"] == [{
+        "namespaceSelector": {},  # render knows no operator namespace: any
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "iterserve",
+                                        "app.kubernetes.io/component": "operator"}},
+    }]  # fmt: skip
+    off = build(with_spec(EXAMPLE, networkPolicy={"enabled": False}))
+    assert not any(kind == "NetworkPolicy" for kind, _ in off)
+    with pytest.raises(SpecError, match="apiFrom"):
+        parse_spec({**EXAMPLE["spec"], "networkPolicy": {"apiFrom": ["Not_A_Namespace"]}})

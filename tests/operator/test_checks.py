@@ -165,7 +165,9 @@ def test_quantities_as_the_api_server_writes_them_back(written: str, canonical: 
 
 
 def test_the_headless_service_sets_no_false_the_api_server_drops() -> None:
-    (service,) = [o for o in _build(SPEC) if o["metadata"]["name"] == "tiny-server"]
+    (service,) = [
+        o for o in _build(SPEC) if (o["kind"], o["metadata"]["name"]) == ("Service", "tiny-server")
+    ]
     assert "publishNotReadyAddresses" not in service["spec"]  # false: omitted on read-back
 
 

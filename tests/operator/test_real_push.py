@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
-from server_utils import run_server, stream_completion
+from server_utils import free_port, run_server, stream_completion, write_secret_volume
 
-from iterserve.operator.push import PodTarget, sync_pods
+from iterserve.operator.push import PodTarget, pods_refusing, sync_pods
 from iterserve.operator.spec import desired_settings, parse_spec, settings_hash_of
 
 TOKEN = "admin-secret"
@@ -72,5 +73,36 @@ def test_a_live_push_under_streaming_load_loses_nothing() -> None:
                 assert all(r.applied and not r.pushed for r in again)
                 for c in clients:
                     await c.aclose()
+
+        asyncio.run(main())
+
+
+def test_a_push_during_an_admin_token_rotation_falls_back_to_the_previous_token(
+    tmp_path: Path,
+) -> None:
+    """A replica on ``--admin-port`` with its token in a Secret-volume file: the operator has
+    written ``NEW\\nOLD`` but the kubelet has not refreshed the pod's file yet (it holds OLD):
+    the push with NEW gets 401 and succeeds with OLD; once the file is swapped, NEW works."""
+    token_file = write_secret_volume(tmp_path, "old-token\n", 1)
+    admin_port = free_port()
+    flags = ("--simulate", "cpu-smollm2", "--num-kv-blocks", "64", "--admin-port",
+             str(admin_port), "--admin-token-file", str(token_file))  # fmt: skip
+    first = desired_settings(parse_spec(SPEC))
+    second = desired_settings(parse_spec({**SPEC, "scheduler": {**SPEC["scheduler"],
+                                                                "maxNumSeqs": 6}}))  # fmt: skip
+    rotated = ("new-token", "old-token")
+    with run_server(*flags) as server:
+        pod = PodTarget("pod-0", server.url, f"http://127.0.0.1:{admin_port}")
+
+        async def main() -> None:
+            alone = await sync_pods([pod], first, settings_hash_of(first), 2, "new-token")
+            assert alone[0].error is not None and alone[0].error.startswith("401"), alone
+            assert await pods_refusing([pod], "new-token") == ["pod-0"]
+            (during,) = await sync_pods([pod], first, settings_hash_of(first), 2, rotated)
+            assert during.pushed and during.applied and during.version == 2, during
+            write_secret_volume(tmp_path, "new-token\nold-token\n", 2)  # the kubelet's swap
+            assert await pods_refusing([pod], "new-token") == []
+            (after,) = await sync_pods([pod], second, settings_hash_of(second), 3, rotated)
+            assert after.pushed and after.applied and after.version == 3, after
 
         asyncio.run(main())

@@ -17,6 +17,7 @@ import pytest
 from kubernetes.aio.client.exceptions import ApiException
 
 from iterserve.operator import handlers
+from iterserve.operator.admin_token import ROTATE_ANNOTATION, ROTATED_STATUS
 from iterserve.operator.kube import Kube
 from iterserve.operator.reconcile import OperatorSettings, reconcile, unschedulable
 from iterserve.operator.spec import SpecError
@@ -147,7 +148,7 @@ def test_a_users_secret_without_the_key_gets_it_and_keeps_its_type() -> None:
 
 def test_a_token_no_header_can_carry_is_reported() -> None:
     kube = MemoryKube()
-    token = base64.b64encode(b"made-with-echo\n").decode()
+    token = base64.b64encode(b"two words\n").decode()  # one token per line: not two tokens
     kube.objects["Secret", "tiny-admin"] = _secret("tiny-admin", {"token": token})
     with pytest.raises(SpecError, match="whitespace"):
         _reconcile(kube)
@@ -287,3 +288,45 @@ def test_the_routers_service_account_exists_before_its_deployment() -> None:
     position = {name: i for i, name in enumerate(created)}
     assert position["ServiceAccount/tiny-router"] < position["Deployment/tiny-router"]
     assert position["RoleBinding/tiny-router"] < position["Deployment/tiny-router"]
+
+
+# -- admin token rotation, NetworkPolicies switched off -----------------------------------
+
+
+def _tokens(kube: MemoryKube) -> list[str]:
+    return base64.b64decode(kube.objects["Secret", "tiny-admin"]["data"]["token"]).decode().split()
+
+
+def test_the_rotation_annotation_rotates_once_per_value_keeping_the_previous_token() -> None:
+    """No ready pod here (the push with both tokens is test_real_push.py's): NEW\\nCURRENT is
+    written once per annotation value, and the next value drops the oldest."""
+    kube = MemoryKube()
+    _reconcile(kube)
+    (first,) = _tokens(kube)
+    body = copy.deepcopy(BODY)
+    body["metadata"]["annotations"] = {ROTATE_ANNOTATION: "2026-12-03"}
+    outcome = _reconcile(kube, body)
+    second, previous = _tokens(kube)
+    assert previous == first and second != first
+    assert outcome.status[ROTATED_STATUS] == "2026-12-03"
+    assert ("Normal", "AdminTokenRotated") in [(t, r) for t, r, _ in outcome.events]
+    body["status"] = outcome.status  # what kopf writes: the same value is not rotated again
+    assert ROTATED_STATUS not in _reconcile(kube, body).status
+    assert _tokens(kube) == [second, first]
+    body["metadata"]["annotations"][ROTATE_ANNOTATION] = "again"
+    _reconcile(kube, body)
+    third, previous = _tokens(kube)
+    assert previous == second and third not in (first, second)
+
+
+def test_network_policies_switched_off_are_deleted() -> None:
+    kube = MemoryKube()
+    _reconcile(kube)
+    assert {("NetworkPolicy", "tiny-server"), ("NetworkPolicy", "tiny-router")} <= set(kube.objects)
+    for name in ("tiny-server", "tiny-router"):  # owned, as apply() adopts them
+        kube.objects["NetworkPolicy", name]["metadata"]["ownerReferences"] = [{"uid": "uid-tiny"}]
+    body = copy.deepcopy(BODY)
+    body["spec"]["networkPolicy"] = {"enabled": False}
+    outcome = _reconcile(kube, body)
+    assert not any(kind == "NetworkPolicy" for kind, _ in kube.objects)
+    assert ("Normal", "Deleted", "NetworkPolicy tiny-server") in outcome.events

@@ -171,8 +171,9 @@ def test_refuses_a_kubernetes_older_than_declared(helm: Path) -> None:
 def test_default_render_is_valid(default_objects: list[dict[str, Any]]) -> None:
     kinds = sorted(o["kind"] for o in default_objects)
     assert kinds == sorted(
-        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "ClusterKopfPeering"]
-    )
+        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "ClusterKopfPeering",
+         "Role", "RoleBinding", "NetworkPolicy"]
+    )  # fmt: skip
     _validate_all(default_objects)
     peering = _one(default_objects, "ClusterKopfPeering")
     assert peering["metadata"]["name"] == PEERING_NAME
@@ -191,6 +192,10 @@ def test_default_operator_deployment(default_objects: list[dict[str, Any]]) -> N
     assert container["args"] == [
         "operator", "run", f"--control-image={image}", "--resync-interval-s=10",
         "--push-timeout-s=5", "--liveness-port=8081", "--liveness-host=$(POD_IP)",
+        f"--operator-namespace={NAMESPACE}",
+        "--operator-label=app.kubernetes.io/component=operator",
+        f"--operator-label=app.kubernetes.io/instance={RELEASE}",
+        "--operator-label=app.kubernetes.io/name=iterserve",
         "--log-level=info",
     ]  # fmt: skip
     # /healthz on the pod's own address (the kubelet probes the pod IP).
@@ -247,7 +252,7 @@ def test_custom_render_is_valid(custom_objects: list[dict[str, Any]]) -> None:
     for kind in ("Role", "RoleBinding", "KopfPeering"):
         assert sorted(o["metadata"]["namespace"] for o in custom_objects if o["kind"] == kind) == (
             sorted(WATCHED)
-        ), kind
+        ), kind  # the Secrets in the watched namespaces' Roles, no Role of their own
     assert "ClusterKopfPeering" not in kinds
     for kind in ("LLMDeployment", "ServiceMonitor", "PodMonitor", "ServiceAccount"):
         assert kinds.count(kind) == 1, kind
@@ -284,7 +289,8 @@ def test_namespaced_rbac_is_the_cluster_wide_rules_per_namespace(
     each Role holds the ClusterRole's namespaced rules with the namespaced KopfPeering instead
     of the ClusterKopfPeering; only what kopf reads cluster-wide stays in a ClusterRole (CRDs,
     and namespaces, which kopf's namespace observer lists and watches when not cluster-wide)."""
-    cluster_wide = _grants(_one(default_objects, "ClusterRole")["rules"])
+    secrets = {("", "secrets", v) for v in ("get", "create", "patch")}
+    cluster_wide = _grants(_one(default_objects, "ClusterRole")["rules"]) | secrets
     cluster_scoped = {
         ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
         ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
@@ -307,6 +313,55 @@ def test_namespaced_rbac_is_the_cluster_wide_rules_per_namespace(
         ("", "namespaces", "watch"),
     }
     assert _one(custom_objects, "ClusterRoleBinding")["subjects"] == subject
+
+
+def test_secrets_only_where_llmdeployments_live(helm: Path) -> None:
+    """Cluster-wide, the ClusterRole holds no Secrets: a Role per secretNamespaces entry does
+    (default: the release's namespace), or the ClusterRole with secretsInAllNamespaces."""
+
+    def secret_grants(objects: list[dict[str, Any]]) -> dict[tuple[str, str | None], bool]:
+        return {
+            (o["kind"], o["metadata"].get("namespace")): any(
+                "secrets" in r["resources"] for r in o["rules"]
+            )
+            for o in objects
+            if o["kind"] in ("Role", "ClusterRole")
+        }
+
+    assert secret_grants(_template(helm)) == {
+        ("ClusterRole", None): False,
+        ("Role", NAMESPACE): True,
+    }
+    listed = _template(helm, "--set", "secretNamespaces={serving,batch}")
+    assert secret_grants(listed) == {
+        ("ClusterRole", None): False, ("Role", "serving"): True, ("Role", "batch"): True
+    }  # fmt: skip
+    bindings = [o for o in listed if o["kind"] == "RoleBinding"]
+    assert {b["metadata"]["namespace"] for b in bindings} == {"serving", "batch"}
+    assert all(b["subjects"][0]["namespace"] == NAMESPACE for b in bindings)
+    everywhere = _template(helm, "--set", "secretsInAllNamespaces=true")
+    assert secret_grants(everywhere) == {("ClusterRole", None): True}
+
+
+def test_operator_network_policy(helm: Path, default_objects: list[dict[str, Any]]) -> None:
+    """No ingress; egress to the server pods the operator builds (their API and admin ports)
+    and to the API server by port; off with networkPolicy.enabled false."""
+    policy = _one(default_objects, "NetworkPolicy")["spec"]
+    pod_labels = _one(default_objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert (policy["policyTypes"], policy["ingress"]) == (["Ingress", "Egress"], [])
+    pods, api_server = policy["egress"]
+    (peer,) = pods["to"]
+    server = labels("chat", "server")
+    assert peer["podSelector"]["matchLabels"].items() <= server.items()
+    assert peer["namespaceSelector"] == {}  # cluster-wide: any namespace
+    assert [p["port"] for p in pods["ports"]] == [8000, 8001]
+    assert "to" not in api_server and [p["port"] for p in api_server["ports"]] == [443, 6443]
+    watched = _one(_template(helm, "--set", "watchNamespaces={serving}"), "NetworkPolicy")
+    (peer,) = watched["spec"]["egress"][0]["to"]
+    assert peer["namespaceSelector"]["matchExpressions"][0]["values"] == ["serving"]
+    off = _template(helm, "--set", "networkPolicy.enabled=false")
+    assert not any(o["kind"] == "NetworkPolicy" for o in off)
 
 
 def test_example_passes_the_operators_validation(custom_objects: list[dict[str, Any]]) -> None:
@@ -379,7 +434,7 @@ def test_monitors_select_what_the_operator_builds(custom_objects: list[dict[str,
     assert selects(pod_selector, pod_labels)
     assert not selects(pod_selector, labels("demo", "router"))
     (server,) = server_pods["spec"]["template"]["spec"]["containers"]
-    assert [p["name"] for p in server["ports"]] == ["http"]
+    assert [p["name"] for p in server["ports"]] == ["http", "admin"]  # scraped: http
 
 
 def test_monitors_cluster_wide_select_every_namespace(helm: Path) -> None:
@@ -748,7 +803,9 @@ def _rbac_request(request: kmock.Request) -> tuple[str, str, str] | None:
 
 def _path(obj: dict[str, Any]) -> str:
     api = "/api/v1" if obj["apiVersion"] == "v1" else f"/apis/{obj['apiVersion']}"
-    return f"{api}/namespaces/{NS}/{obj['kind'].lower()}s/{obj['metadata']['name']}"
+    kind = obj["kind"].lower()
+    plural = kind[:-1] + "ies" if kind.endswith("y") else kind + "s"  # networkpolicies
+    return f"{api}/namespaces/{NS}/{plural}/{obj['metadata']['name']}"
 
 
 async def _operator_run(tmp_path: Path) -> set[tuple[str, str, str]]:
@@ -834,7 +891,12 @@ async def _operator_run(tmp_path: Path) -> set[tuple[str, str, str]]:
         await until(invalid_event, "the InvalidSpec event")
         # Valid again, without an autoscaler (a merge patch: the keys given replace theirs).
         await spec(
-            5, {"scheduler": {"maxNumBatchedTokens": 2048}, "autoscaling": {"enabled": False}}
+            5,
+            {
+                "scheduler": {"maxNumBatchedTokens": 2048},
+                "autoscaling": {"enabled": False},
+                "networkPolicy": {"enabled": False},
+            },
         )
 
         async def scaled_object_gone() -> bool:
@@ -856,18 +918,20 @@ async def _operator_run(tmp_path: Path) -> set[tuple[str, str, str]]:
     return {g for r in mine if (g := _rbac_request(r)) is not None}
 
 
-def test_rbac_is_what_the_operator_uses(
-    default_objects: list[dict[str, Any]], tmp_path: Path
-) -> None:
+def test_rbac_is_what_the_operator_uses(helm: Path, tmp_path: Path) -> None:
     """Every (apiGroup, resource, verb) the operator asked KMock for is granted by the
-    ClusterRole, and every grant was used, except those the operator holds only to create the
+    ClusterRole and the Secrets' Role of the LLMDeployment's namespace (``secretNamespaces``),
+    and every grant was used, except those the operator holds only to create the
     routers' Role (Kubernetes' escalation rule: it may grant only what it holds) and the
     update of the resource's finalizers, which no request uses: OwnerReferencesPermissionEnforcement
     checks it when an owned object carries blockOwnerDeletion (the cluster tier, tests/cluster,
     runs the operator under it)."""
     kopf.configure(verbose=False)
     used = asyncio.run(asyncio.wait_for(_operator_run(tmp_path), timeout=180))
-    granted = _grants(_one(default_objects, "ClusterRole")["rules"])
+    objects = _template(helm, "--set", f"secretNamespaces={{{NS}}}")
+    secrets = _grants(_one(objects, "Role", NS)["rules"])  # every request is in namespace NS
+    assert secrets == {("", "secrets", v) for v in ("get", "create", "patch")}
+    granted = _grants(_one(objects, "ClusterRole")["rules"]) | secrets
     assert used - granted == set(), "used but not granted"
     (router_role,) = [o for o in router_rbac(Context(NAME, NS)) if o["kind"] == "Role"]
     held_for_the_routers = _grants(router_role["rules"])

@@ -2,7 +2,9 @@
 
 For each pod kube-scheduler bound to one of the fake nodes it hands out an IP of the pod
 range, lays out the pod's volumes in a directory (ConfigMaps and Secrets written from the
-API, emptyDirs empty, the ServiceAccount token a kubeconfig), resolves its environment
+API as the kubelet's AtomicWriter does, each key a symlink through ``..data``, and refreshed
+every :data:`VOLUME_REFRESH_S` while the pod runs by swapping ``..data``; emptyDirs empty;
+the ServiceAccount token a kubeconfig), resolves its environment
 (values, Secret and ConfigMap keys, the downward API, ``$(VAR)`` in args), and runs the
 container's command inside the pod network namespace, bound to the pod IP:
 
@@ -15,12 +17,14 @@ container's command inside the pod network namespace, bound to the pod IP:
 - ``--host`` becomes the pod IP (pods share one network namespace here, so ``0.0.0.0`` would
   collide); paths under a volume's mount path become the pod directory's.
 
-Each mapping is logged. Status follows the process and the readiness probe (HTTP GET of the
-container's readinessProbe on the pod IP): Running, Ready when the probe answers 2xx or 3xx. A
-process that exits is restarted (restartPolicy Always, backoff 1-10 s, restartCount). A
-deleted pod's process gets SIGTERM, SIGKILL after the grace period, then the pod is removed.
+The runner's own ``PYTHONPATH``, if set, is passed to every pod: a checkout's code runs in the
+pods (the tests run their worktree's). Each mapping is logged. Status follows the process and
+the readiness probe (HTTP GET of the container's readinessProbe on the pod IP): Running, Ready
+when the probe answers 2xx or 3xx. A process that exits is restarted (restartPolicy Always,
+backoff 1-10 s, restartCount). A deleted pod's process gets SIGTERM, SIGKILL after the grace
+period, then the pod is removed.
 Not done: startup and liveness probes, preStop hooks, init containers (logged), resource
-limits, other containers than the first.
+limits, other containers than the first, NetworkPolicies (no network plugin enforces them).
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from __future__ import annotations
 import base64
 import datetime
 import logging
+import os
 import re
 import shutil
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -53,6 +59,9 @@ ITERSERVE = str(Path(sys.executable).with_name("iterserve"))
 PROFILE_BY_TP = {4: "a100x4-llama3-70b", 1: "cpu-smollm2"}
 TOKEN_EXPIRATION_S = 24 * 3600
 PROBE_PERIOD_S = 1.0
+# How often a running pod's ConfigMap and Secret volumes are read again (a kubelet: its sync
+# period, about a minute; shorter here so that a test of a rotation waits seconds).
+VOLUME_REFRESH_S = 2.0
 MAX_BACKOFF_S = 10.0
 
 
@@ -329,7 +338,7 @@ class PodRunner:
             volume = volumes.get(mount["name"], {})
             directory = root / mount["name"]
             if refresh and directory.exists() and ("configMap" in volume or "secret" in volume):
-                shutil.rmtree(directory)
+                self._fill(volume, directory, pod, namespace, where)  # ..data swapped
             if not directory.exists():
                 directory.mkdir(parents=True)
                 self._fill(volume, directory, pod, namespace, where)
@@ -347,11 +356,11 @@ class PodRunner:
     ) -> None:
         if "configMap" in volume:
             data = self.api.read_namespaced_config_map(volume["configMap"]["name"], namespace).data
-            _write_items(directory, data or {}, volume["configMap"].get("items"))
+            _atomic_write(directory, _items(data or {}, volume["configMap"].get("items")))
         elif "secret" in volume:
             secret = self.api.read_namespaced_secret(volume["secret"]["secretName"], namespace)
             decoded = {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
-            _write_items(directory, decoded, volume["secret"].get("items"))
+            _atomic_write(directory, _items(decoded, volume["secret"].get("items")))
         elif "projected" in volume:  # the ServiceAccount's kube-api-access-* volume
             for source in volume["projected"].get("sources") or []:
                 if "serviceAccountToken" in source:
@@ -411,6 +420,8 @@ class PodRunner:
             "LANG": "C.UTF-8",
             "PYTHONUNBUFFERED": "1",
         }
+        if os.environ.get("PYTHONPATH"):  # a checkout's code in the pods (module docstring)
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         for item in container.get("env") or []:
             source = item.get("valueFrom")
             if source is None:
@@ -471,10 +482,15 @@ class PodRunner:
         self._report(pod, ready=False)
 
     def _probe_loop(self) -> None:
+        refreshed_at = time.monotonic()
         while not self.stopped.wait(PROBE_PERIOD_S):
             with self.lock:
                 pods = [p for p in self.pods.values() if not p.stopping]
                 waiting = list(self.waiting.values())
+            if time.monotonic() - refreshed_at >= VOLUME_REFRESH_S:
+                refreshed_at = time.monotonic()
+                for pod in pods:
+                    self._refresh_volumes(pod)
             for pod_dict in waiting:
                 try:
                     self._on_pod(pod_dict)
@@ -485,6 +501,21 @@ class PodRunner:
                     self._check(pod)
                 except Exception as e:  # the API server restarting: next period
                     logger.debug("pod %s/%s: %s", pod.namespace, pod.name, e)
+
+    def _refresh_volumes(self, pod: RunningPod) -> None:
+        """A running pod's ConfigMap and Secret volumes read again, as a kubelet's sync does
+        (a changed one swaps its ``..data``); not those mounted with a subPath (a kubelet does
+        not update those either). An object that cannot be read keeps its files."""
+        volumes = {v["name"]: v for v in pod.pod["spec"].get("volumes") or []}
+        mounts = pod.container.get("volumeMounts") or []
+        pinned = {m["name"] for m in mounts if m.get("subPath")}
+        for name in {m["name"] for m in mounts} - pinned:
+            volume, directory = volumes.get(name, {}), pod.directory / "volumes" / name
+            if ("configMap" in volume or "secret" in volume) and directory.exists():
+                try:
+                    self._fill(volume, directory, pod.pod, pod.namespace, pod.name)
+                except Exception as e:  # the API server restarting, the object deleted
+                    logger.debug("pod %s/%s: volume %s: %s", pod.namespace, pod.name, name, e)
 
     def _check(self, pod: RunningPod) -> None:
         assert pod.process is not None
@@ -593,12 +624,45 @@ class PodRunner:
 # -------------------------------------------------------------------- argument mapping
 
 
-def _write_items(directory: Path, data: dict[str, str], items: list[dict[str, Any]] | None) -> None:
+def _items(data: dict[str, str], items: list[dict[str, Any]] | None) -> dict[str, str]:
+    """Path -> content of a ConfigMap's or Secret's volume (``items`` picks and renames)."""
     chosen = {i["key"]: i["path"] for i in items} if items else {k: k for k in data}
-    for key, path in chosen.items():
-        if key in data:
-            (directory / path).parent.mkdir(parents=True, exist_ok=True)
-            (directory / path).write_text(data[key])
+    return {path: data[key] for key, path in chosen.items() if key in data}
+
+
+def _atomic_write(directory: Path, files: dict[str, str]) -> bool:
+    """``files`` (path -> content) into ``directory`` as the kubelet's AtomicWriter lays them
+    out: a hidden timestamped directory holds them, ``..data`` links to it, and each top-level
+    name links through ``..data``; an update writes a new directory and renames a new
+    ``..data`` link over the old one, so a reader sees the old files or the new, never a mix.
+    Whether anything changed."""
+    data = directory / "..data"
+    if data.is_symlink():
+        current = data.resolve()
+        old = {
+            str(f.relative_to(current)): f.read_text() for f in current.rglob("*") if f.is_file()
+        }
+        if old == files:
+            return False
+    stamp = datetime.datetime.now(datetime.UTC).strftime("..%Y_%m_%d_%H_%M_%S.")
+    new = Path(tempfile.mkdtemp(prefix=stamp, dir=directory))
+    for path, text in files.items():
+        (new / path).parent.mkdir(parents=True, exist_ok=True)
+        (new / path).write_text(text)
+    previous = data.resolve() if data.is_symlink() else None
+    (directory / "..data_tmp").unlink(missing_ok=True)
+    (directory / "..data_tmp").symlink_to(new.name)
+    os.replace(directory / "..data_tmp", data)
+    names = {Path(path).parts[0] for path in files}
+    for entry in directory.iterdir():
+        if not entry.name.startswith("..") and entry.is_symlink() and entry.name not in names:
+            entry.unlink()  # a key removed from the object
+    for name in names:
+        if not (directory / name).is_symlink():
+            (directory / name).symlink_to(f"..data/{name}")
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
+    return True
 
 
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
