@@ -10,17 +10,21 @@ the settings' hash kept in ``status.schedulerConfigHash``); a pod counts as appl
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime
 import json
 import secrets
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from kubernetes.aio.client.exceptions import ApiException
 
 from iterserve.operator.builders import (
+    CONFIG_FILE,
     Context,
     admin_secret_name,
     api_key_secret_name,
@@ -28,10 +32,12 @@ from iterserve.operator.builders import (
     labels,
     router_url,
     selector,
+    settings_file,
 )
 from iterserve.operator.cli_args import DEFAULT_CONTROL_IMAGE
 from iterserve.operator.kube import Kube, apply
 from iterserve.operator.push import PodResult, ready_targets, sync_pods
+from iterserve.operator.rollout import Push, Settings, Step, plan, scrape_pods
 from iterserve.operator.spec import (
     LLMDeploymentSpec,
     SpecError,
@@ -63,6 +69,9 @@ class Outcome:
 
     status: dict[str, Any]
     events: list[tuple[str, str, str]] = field(default_factory=list)
+    push_s: float | None = None  # seconds the pushes took, None when no pod was pushed
+    num_pods_behind: int = 0  # ready pods not running the spec's settings
+    rollout_outcome: str | None = None  # a rollout that ended: promoted/rolled_back/unchecked
 
 
 def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -215,6 +224,18 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
                 await kube.delete(api_version, kind, ctx.namespace, ctx.name)
                 events.append(("Normal", "Deleted", f"{kind} {ctx.name}"))
     await _start_from_zero(kube, ctx, spec, built)
+    pods = await kube.list("Pod", ctx.namespace, selector(ctx.name, "server"))
+    step = await plan(
+        spec.rollout,
+        Settings(desired, desired_hash, version),
+        await _config_map_settings(kube, ctx),
+        status.get("rollout") or {},
+        ready_targets(pods),
+        scrape_pods(settings.push_timeout_s),
+        time.time(),
+    )
+    (config,) = [o for o in built if o["kind"] == "ConfigMap"]
+    config["data"][CONFIG_FILE] = settings_file(step.config_map.values, step.config_map.version)
     for obj in sorted(built, key=_apply_rank):
         try:
             done = await apply(kube, adopt(obj, body))
@@ -228,18 +249,54 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
             ) from e
         if done == "patched":
             events.append(("Normal", "Updated", f"{obj['kind']} {obj['metadata']['name']}"))
-    pods = await kube.list("Pod", ctx.namespace, selector(ctx.name, "server"))
-    results = await sync_pods(
-        ready_targets(pods), desired, desired_hash, version, admin_token, settings.push_timeout_s
-    )
-    for r in results:
+    started = time.monotonic()
+    pushed = await _push(step.pushes, admin_token, settings.push_timeout_s)
+    push_s = time.monotonic() - started
+    results = [r for _, r in pushed]
+    for push, r in pushed:
         if r.pushed and r.applied:
-            events.append(("Normal", "ConfigPushed", f"pod {r.name}: settings version {version}"))
+            message = f"pod {r.name}: settings version {push.settings.version}"
+            events.append(("Normal", "ConfigPushed", message))
         elif r.error is not None:
             events.append(("Warning", "ConfigPushFailed", f"pod {r.name}: {r.error}"))
     deployment = await kube.get("apps/v1", "Deployment", ctx.namespace, ctx.name) or {}
-    new_status = _status(ctx, spec.replicas, status, deployment, results, desired_hash, pods)
-    return Outcome(new_status, events)
+    new_status = _status(ctx, spec.replicas, status, deployment, results, desired_hash, pods, step)
+    behind = sum(1 for push, r in pushed if push.settings.hash != desired_hash or not r.applied)
+    return Outcome(
+        new_status,
+        events + step.events,
+        push_s if any(r.pushed for r in results) else None,
+        behind,
+        step.outcome,
+    )
+
+
+async def _push(
+    pushes: list[Push], admin_token: str, timeout_s: float
+) -> list[tuple[Push, PodResult]]:
+    """Each push's settings to its pods, all at once; each pod's result with its push."""
+    answers = await asyncio.gather(
+        *(
+            sync_pods(p.pods, p.settings.values, p.settings.hash, p.settings.version,
+                      admin_token, timeout_s)
+            for p in pushes
+        )
+    )  # fmt: skip
+    return [(p, r) for p, results in zip(pushes, answers, strict=True) for r in results]
+
+
+async def _config_map_settings(kube: Kube, ctx: Context) -> Settings | None:
+    """The settings the live ConfigMap holds (what a new pod starts on), None when there is
+    none or it holds something else (written by hand: the spec's settings replace it)."""
+    live = await kube.get("v1", "ConfigMap", ctx.namespace, f"{ctx.name}-scheduler")
+    try:
+        values = yaml.safe_load(((live or {}).get("data") or {})[CONFIG_FILE])
+        version = values.pop("config_version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            return None
+        return Settings(values, settings_hash_of(values), version)
+    except Exception:  # missing, not YAML, not the settings: nothing to roll from
+        return None
 
 
 # Applied before the rest: the router Deployment's pods need their ServiceAccount (else the
@@ -301,6 +358,7 @@ def _status(
     results: list[PodResult],
     desired_hash: str,
     pods: list[Mapping[str, Any]],
+    step: Step,
 ) -> dict[str, Any]:
     d = deployment.get("status") or {}
     replicas, ready = int(d.get("replicas") or 0), int(d.get("readyReplicas") or 0)
@@ -311,17 +369,7 @@ def _status(
     versions: dict[str, int | None] = {r.name: r.version for r in results if r.version is not None}
     for gone in previous.get("podConfigVersions") or {}:
         versions.setdefault(gone, None)  # merge patch: removed
-    pending = sorted(r.name for r in results if not r.applied)
-    if not results:
-        applied = ("Unknown", "NoReadyPods", "no ready pod to apply the settings to")
-    elif pending:
-        errors = "; ".join(f"{r.name}: {r.error}" for r in results if r.error)
-        message = f"pods not at the desired settings: {', '.join(pending)}"
-        applied = ("False", "Pending", message + (f" ({errors})" if errors else ""))
-    else:
-        running = "1 ready pod runs" if len(results) == 1 else f"{len(results)} ready pods run"
-        message = f"{running} settings version {ctx.config_version}"
-        applied = ("True", "Applied", message)
+    applied = _applied(ctx, results, step)
     progressing = updated < wanted or ready < wanted
     progress = ("RollingOut", f"{updated} of {wanted} replicas updated, {ready} ready")
     if progressing and (stuck := unschedulable(pods)):
@@ -353,5 +401,23 @@ def _status(
             ),
             condition(conditions, "Progressing", "True" if progressing else "False", *progress, g),
             condition(conditions, "SchedulerConfigApplied", *applied, g),
+            *([condition(conditions, "Rollout", *step.condition, g)] if step.condition else []),
         ],
+        "rollout": step.record,  # None: removed (merge patch)
     }
+
+
+def _applied(ctx: Context, results: list[PodResult], step: Step) -> tuple[str, str, str]:
+    """``SchedulerConfigApplied``: every ready pod at the settings pushed to it, and those
+    the spec's (a rollout under way or rolled back says so instead)."""
+    pending = sorted(r.name for r in results if not r.applied)
+    if not results:
+        return ("Unknown", "NoReadyPods", "no ready pod to apply the settings to")
+    if pending:
+        errors = "; ".join(f"{r.name}: {r.error}" for r in results if r.error)
+        message = f"pods not at the desired settings: {', '.join(pending)}"
+        return ("False", "Pending", message + (f" ({errors})" if errors else ""))
+    if step.applied is not None:
+        return step.applied
+    running = "1 ready pod runs" if len(results) == 1 else f"{len(results)} ready pods run"
+    return ("True", "Applied", f"{running} settings version {ctx.config_version}")

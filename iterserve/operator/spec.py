@@ -355,6 +355,89 @@ class SlaTier(_Model):
     )
 
 
+# A duration as Kubernetes users write one (Go's time.ParseDuration units h, m, s, in that
+# order, each at most once: "90s", "5m", "1m30s"), or a plain number of seconds.
+DURATION_PATTERN = r"^(?=[0-9])(([0-9]+)h)?(([0-9]+)m)?(([0-9]+(\.[0-9]+)?)s)?$"
+
+
+def _duration_s(value: object) -> object:
+    """A duration (``"5m"``, ``"1m30s"``, ``"90s"``) or a number of seconds, in seconds."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"a duration is seconds or a string such as '5m', got {value!r}")
+    if not isinstance(value, str):
+        return float(value)
+    match = re.fullmatch(DURATION_PATTERN, value)
+    if not value or match is None:
+        raise ValueError(f"not a duration (such as 300, '90s', '5m' or '1m30s'): {value!r}")
+    hours, minutes, seconds = (match.group(i) or "0" for i in (2, 4, 6))
+    return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+
+
+DurationS = Annotated[
+    float,
+    BeforeValidator(_duration_s),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "number", "minimum": 0},
+                {"type": "string", "pattern": DURATION_PATTERN},
+            ]
+        }
+    ),
+]
+
+
+class RolloutSpec(_Model):
+    """How a change of spec.scheduler or spec.slaTiers reaches the running pods (no
+    restart): all at once, or first to canary pods that bake under live traffic while a
+    deploy gate compares their latency with the pods still on the old settings; the rest
+    get the change when the gate holds, the canaries are rolled back when it does not
+    (status.rollout, the Rollout condition and an Event say why)."""
+
+    strategy: Literal["all", "canary"] = Field(
+        "all",
+        description="all: every ready pod gets a settings change at once; canary: first "
+        "canaryReplicas pods, promoted after bakeTime within the gate. Default all.",
+    )
+    canaryReplicas: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="Ready pods that get the change first (the first by name), 1 to 1000; at "
+        "least one pod always stays on the old settings as the baseline. Default 1.",
+    )
+    bakeTime: DurationS = Field(
+        300.0,
+        ge=0,
+        le=86400,
+        description="How long the canaries run the change before the gate decides: seconds "
+        "(300) or a duration ('5m', '90s', '1m30s'), at most a day. A change beyond the gate "
+        "is rolled back as soon as minRequests show it. Default 300 (5 minutes).",
+    )
+    maxTTFTP99Increase: float = Field(
+        0.2,
+        ge=0,
+        le=100,
+        description="Most the canaries' p99 time to first token may exceed the baseline's "
+        "over the bake, as a fraction (0.2: +20%). Default 0.2.",
+    )
+    maxTPOTP50Increase: float = Field(
+        0.15,
+        ge=0,
+        le=100,
+        description="Most the canaries' median time per output token may exceed the "
+        "baseline's over the bake, as a fraction (0.15: +15%). Default 0.15.",
+    )
+    minRequests: int = Field(
+        20,
+        ge=1,
+        le=1_000_000,
+        description="Requests each group (canaries, baseline) must have served in the bake "
+        "window before the gate decides; with fewer when bakeTime ends, the bake goes on "
+        "(Rollout condition: WaitingForTraffic). Default 20.",
+    )
+
+
 class RouterSpec(_Model):
     """The router in front of the server pods (its Service's URL is status.routerURL). A
     change rolls the router pods only, not the server pods."""
@@ -460,6 +543,7 @@ class LLMDeploymentSpec(_Model):
         "like spec.scheduler (no restart). When given they replace the default tiers. "
         "Default: premium (priority 0), standard (1), best-effort (2).",
     )
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
 
