@@ -51,6 +51,12 @@ def add_operator_args(p: argparse.ArgumentParser) -> None:
         help="address /healthz listens on (the chart passes the pod's IP)",
     )
     run.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8082,
+        help="the operator's own Prometheus /metrics, on --liveness-host (0: not served)",
+    )
+    run.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default="info",
