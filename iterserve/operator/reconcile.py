@@ -37,7 +37,7 @@ from iterserve.operator.builders import (
 from iterserve.operator.cli_args import DEFAULT_CONTROL_IMAGE
 from iterserve.operator.kube import Kube, apply
 from iterserve.operator.push import PodResult, ready_targets, sync_pods
-from iterserve.operator.rollout import Push, Settings, Step, plan, scrape_pods
+from iterserve.operator.rollout import Push, Settings, Step, plan, replacing, scrape_pods
 from iterserve.operator.spec import (
     LLMDeploymentSpec,
     SpecError,
@@ -403,7 +403,7 @@ def _status(
             condition(conditions, "SchedulerConfigApplied", *applied, g),
             *([condition(conditions, "Rollout", *step.condition, g)] if step.condition else []),
         ],
-        "rollout": step.record,  # None: removed (merge patch)
+        "rollout": replacing(previous.get("rollout"), step.record),
     }
 
 

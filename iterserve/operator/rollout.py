@@ -262,6 +262,17 @@ def judge_window(
     return gate.judge(groups[True], groups[False], limits)
 
 
+def replacing(old: Any, new: Any) -> Any:
+    """The JSON merge patch (RFC 7386, what kopf sends for a status) that turns ``old`` into
+    ``new``: a key ``new`` lacks is null, at every depth (a merge patch of ``new`` alone would
+    keep the old record's keys, such as a finished rollout's ``rejectedHash``)."""
+    if not isinstance(new, dict) or not isinstance(old, Mapping):
+        return new
+    patch = {key: replacing(old.get(key), value) for key, value in new.items()}
+    patch.update({key: None for key in old if key not in new})
+    return patch
+
+
 def scrape_pods(timeout_s: float) -> Scrape:
     """A :data:`Scrape` over HTTP: ``GET /metrics`` on each pod's API port at once, each
     bounded by ``timeout_s``; a pod that fails (unreachable, not 200, not the text format) is

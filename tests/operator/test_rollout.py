@@ -23,6 +23,7 @@ from iterserve.operator.rollout import (
     Step,
     judge_window,
     plan,
+    replacing,
     timestamp,
 )
 from iterserve.operator.spec import RolloutSpec
@@ -234,3 +235,12 @@ def test_strategy_all_pushes_everything_at_once() -> None:
     pods = Pods("a", "b")
     step = pods.step({}, T0, RolloutSpec())
     assert (_groups(step), step.config_map, step.record) == ({"new-hash": ["a", "b"]}, NEW, None)
+
+
+def test_the_status_patch_drops_what_the_new_record_lacks() -> None:
+    old = {"phase": ROLLED_BACK, "rejectedHash": "h", "windowStart": {"a": {}, "b": {}}}
+    new = {"phase": BAKING, "windowStart": {"b": {}}}
+    assert replacing(old, new) == {
+        "phase": BAKING, "windowStart": {"b": {}, "a": None}, "rejectedHash": None,
+    }  # fmt: skip
+    assert replacing(old, None) is None and replacing(None, new) == new
