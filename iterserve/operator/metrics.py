@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
@@ -91,10 +92,11 @@ class OperatorMetrics:
         with contextlib.suppress(KeyError):
             self.pods_behind.remove(namespace, name)
 
-    def serve(self, host: str, port: int) -> None:
-        """``GET /metrics`` on ``host:port`` (a daemon thread).
+    def serve(self, host: str, port: int) -> WSGIServer:
+        """``GET /metrics`` on ``host:port`` (a daemon thread); ``shutdown()`` stops it.
 
         Raises:
             OSError: the address is taken or not this host's.
         """
-        start_http_server(port, addr=host, registry=self.registry)
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server

@@ -356,20 +356,25 @@ class SlaTier(_Model):
 
 
 # A duration as Kubernetes users write one (Go's time.ParseDuration units h, m, s, in that
-# order, each at most once: "90s", "5m", "1m30s"), or a plain number of seconds.
-DURATION_PATTERN = r"^(?=[0-9])(([0-9]+)h)?(([0-9]+)m)?(([0-9]+(\.[0-9]+)?)s)?$"
+# order, each at most once: "90s", "5m", "1m30s", "1.5s"), or whole seconds.
+# Without lookarounds (the API server's patterns are RE2): one alternative per leading unit.
+_SECONDS = r"[0-9]+(\.[0-9]+)?s"
+DURATION_PATTERN = rf"^([0-9]+h([0-9]+m)?({_SECONDS})?|[0-9]+m({_SECONDS})?|{_SECONDS})$"
+_DURATION_PARTS = r"(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9.]+)s)?"
 
 
 def _duration_s(value: object) -> object:
     """A duration (``"5m"``, ``"1m30s"``, ``"90s"``) or a number of seconds, in seconds."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ValueError(f"a duration is seconds or a string such as '5m', got {value!r}")
-    if not isinstance(value, str):
+    # Whole seconds or a string: the CRD's int-or-string (a structural schema has no other
+    # union), so the API server and the operator accept the same values.
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"a duration is whole seconds or a string such as '5m', got {value!r}")
+    if isinstance(value, int):
         return float(value)
-    match = re.fullmatch(DURATION_PATTERN, value)
-    if not value or match is None:
+    match = re.fullmatch(_DURATION_PARTS, value)
+    if not re.fullmatch(DURATION_PATTERN, value) or match is None:
         raise ValueError(f"not a duration (such as 300, '90s', '5m' or '1m30s'): {value!r}")
-    hours, minutes, seconds = (match.group(i) or "0" for i in (2, 4, 6))
+    hours, minutes, seconds = (part or "0" for part in match.groups())
     return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
 
 
@@ -379,7 +384,7 @@ DurationS = Annotated[
     WithJsonSchema(
         {
             "anyOf": [
-                {"type": "number", "minimum": 0},
+                {"type": "integer", "minimum": 0, "maximum": 86400},
                 {"type": "string", "pattern": DURATION_PATTERN},
             ]
         }
@@ -407,11 +412,11 @@ class RolloutSpec(_Model):
         "least one pod always stays on the old settings as the baseline. Default 1.",
     )
     bakeTime: DurationS = Field(
-        300.0,
+        300,
         ge=0,
         le=86400,
-        description="How long the canaries run the change before the gate decides: seconds "
-        "(300) or a duration ('5m', '90s', '1m30s'), at most a day. A change beyond the gate "
+        description="How long the canaries run the change before the gate decides: whole "
+        "seconds (300) or a duration ('5m', '90s', '1m30s'), at most a day. A change beyond the gate "
         "is rolled back as soon as minRequests show it. Default 300 (5 minutes).",
     )
     maxTTFTP99Increase: float = Field(
