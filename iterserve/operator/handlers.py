@@ -95,7 +95,7 @@ def build_registry(resync_interval_s: float = 10.0) -> kopf.OperatorRegistry:
 async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, permanent: bool) -> None:
     metrics: OperatorMetrics | None = memo.get("metrics")
     try:
-        outcome = await _counted(reconcile(memo.kube, body, memo.settings), metrics)
+        outcome = await _counted(reconcile(memo.kube, body, memo.settings), body, metrics)
     except SpecError as e:
         patch.status.update(invalid_status(body, str(e)))
         conditions = (body.get("status") or {}).get("conditions") or []
@@ -122,7 +122,9 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, perman
         (kopf.info if kind == "Normal" else kopf.warn)(body, reason=reason, message=message)
 
 
-async def _counted(reconciling: Awaitable[Outcome], metrics: OperatorMetrics | None) -> Outcome:
+async def _counted(
+    reconciling: Awaitable[Outcome], body: kopf.Body, metrics: OperatorMetrics | None
+) -> Outcome:
     """``reconciling`` awaited; a failure counted by its outcome (success is counted with the
     rest of the outcome's figures, :meth:`OperatorMetrics.record`)."""
     try:
@@ -137,5 +139,5 @@ async def _counted(reconciling: Awaitable[Outcome], metrics: OperatorMetrics | N
                 outcome = "api_unreachable"
             else:
                 outcome = "error"
-            metrics.reconciles.labels(outcome=outcome).inc()
+            metrics.failed(body, outcome)
         raise

@@ -416,8 +416,8 @@ class RolloutSpec(_Model):
         ge=0,
         le=86400,
         description="How long the canaries run the change before the gate decides: whole "
-        "seconds (300) or a duration ('5m', '90s', '1m30s'), at most a day. A change beyond the gate "
-        "is rolled back as soon as minRequests show it. Default 300 (5 minutes).",
+        "seconds (300) or a duration ('5m', '90s', '1m30s'), at most a day. A change beyond "
+        "the gate is rolled back as soon as minRequests show it. Default 300 (5 minutes).",
     )
     maxTTFTP99Increase: float = Field(
         0.2,
