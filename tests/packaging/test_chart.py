@@ -191,7 +191,7 @@ def test_default_operator_deployment(default_objects: list[dict[str, Any]]) -> N
     assert container["args"] == [
         "operator", "run", f"--control-image={image}", "--resync-interval-s=10",
         "--push-timeout-s=5", "--liveness-port=8081", "--liveness-host=$(POD_IP)",
-        "--log-level=info",
+        "--metrics-port=8082", "--log-level=info",
     ]  # fmt: skip
     # /healthz on the pod's own address (the kubelet probes the pod IP).
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in (
@@ -204,14 +204,16 @@ def test_default_operator_deployment(default_objects: list[dict[str, Any]]) -> N
         "resync_interval_s",
         "push_timeout_s",
         "liveness_port",
+        "metrics_port",
         "log_level",
         "control_image",
     ):
         assert getattr(args, flag) == getattr(defaults, flag), flag
     assert (args.namespace, args.control_image, args.standalone) == ([], image, False)
-    # Liveness on kopf's /healthz, on the port the operator listens on.
-    (port,) = container["ports"]
+    # Liveness on kopf's /healthz, on the port the operator listens on; its /metrics beside.
+    port, metrics = container["ports"]
     assert (port["name"], port["containerPort"]) == ("healthz", args.liveness_port)
+    assert (metrics["name"], metrics["containerPort"]) == ("metrics", args.metrics_port)
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     # Hardened: non-root, read-only root, no capabilities, the runtime's seccomp profile.
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -380,6 +382,21 @@ def test_monitors_select_what_the_operator_builds(custom_objects: list[dict[str,
     assert not selects(pod_selector, labels("demo", "router"))
     (server,) = server_pods["spec"]["template"]["spec"]["containers"]
     assert [p["name"] for p in server["ports"]] == ["http"]
+
+
+def test_the_operators_own_monitor_scrapes_its_metrics_port(helm: Path) -> None:
+    objects = _template(helm, "--set", "metrics.operatorPodMonitor.enabled=true")
+    monitor = _one(objects, "PodMonitor")
+    deployment = _one(objects, "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint == {"port": "metrics", "path": "/metrics", "honorLabels": True,
+                        "interval": "30s"}  # fmt: skip
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert "metrics" in [p["name"] for p in container["ports"]]
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    _validate_all(objects)
 
 
 def test_monitors_cluster_wide_select_every_namespace(helm: Path) -> None:
