@@ -205,8 +205,16 @@ async def _bake(
     """A rollout under way: judged on the window so far."""
     canaries = [p for p in pods if p.name in record["canaryPods"]]
     rest = [p for p in pods if p.name not in record["canaryPods"]]
-    if not canaries or not rest:  # the canaries (or every baseline pod) went: start again
+    if not canaries and len(pods) >= 2:  # the canaries went: new ones, a new window
         return await _start(spec, desired, stable, pods, scrape, now_s)
+    if not canaries or not rest:  # one group has no ready pod (restarting): wait for it
+        message = (
+            f"settings version {desired.version} baking: waiting for a ready "
+            f"{'baseline' if canaries else 'canary'} pod to compare with"
+        )
+        step = Step([Push(canaries, desired), Push(rest, stable)], stable, dict(record))
+        step.condition = step.applied = ("Unknown", "WaitingForPods", message)
+        return step
     verdict = judge_window(record["windowStart"], await scrape(pods), canaries, limits_of(spec))
     elapsed_s = now_s - seconds_of(record["startedAt"])
     new = dict(record)

@@ -222,6 +222,11 @@ def test_canaries_gone_start_the_rollout_again_and_a_revert_supersedes_it() -> N
     pods = Pods("a", "b", "c")
     record = pods.step({}, T0).record
     assert record is not None and record["canaryPods"] == ["a"]
+    two = Pods("a", "b")
+    two.targets = two.targets[:1]  # the only baseline pod restarting: no promotion unchecked
+    waiting = two.step(record, T0 + 5)
+    assert waiting.record == record and _groups(waiting) == {"new-hash": ["a"]}
+    assert waiting.condition is not None and waiting.condition[1] == "WaitingForPods"
     pods.targets = pods.targets[1:]  # pod a deleted
     step = pods.step(record, T0 + 5)
     assert step.record is not None and step.record["canaryPods"] == ["b"]
