@@ -257,8 +257,9 @@ class EngineSpec(_Model):
 class SchedulerSpec(_Model):
     """Live scheduler settings of every server pod: a change is pushed to the ready pods
     with PUT /admin/scheduler_config (no restart; all at once, or canary pods first:
-    spec.rollout) and written to the scheduler ConfigMap that new pods start from. status.schedulerConfigVersion and the SchedulerConfigApplied
-    condition follow the push. Defaults: the production (GPU) values."""
+    spec.rollout) and written to the scheduler ConfigMap that new pods start from.
+    status.schedulerConfigVersion and the SchedulerConfigApplied condition follow the push.
+    Defaults: the production (GPU) values."""
 
     maxNumSeqs: int = Field(
         128,
