@@ -131,7 +131,12 @@ def router_url(ctx: Context) -> str:
 def scheduler_file(spec: LLMDeploymentSpec, version: int) -> str:
     """The ConfigMap's ``scheduler.yaml``: the live settings and their version, read by
     ``iterserve serve --config`` at start."""
-    return yaml.safe_dump({**desired_settings(spec), "config_version": version}, sort_keys=True)
+    return settings_file(desired_settings(spec), version)
+
+
+def settings_file(settings: dict[str, Any], version: int) -> str:
+    """``scheduler.yaml`` of these live settings (the server's keys) at ``version``."""
+    return yaml.safe_dump({**settings, "config_version": version}, sort_keys=True)
 
 
 def config_map(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:

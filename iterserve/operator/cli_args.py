@@ -44,11 +44,46 @@ def add_operator_args(p: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--standalone", action="store_true", help="no kopf peering (a single operator for sure)"
     )
+    _add_endpoint_args(run)
+    run.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="debug also logs kopf's own internals (every watch event and patch)",
+    )
+    render = sub.add_parser(
+        "render",
+        help="print every object the operator would create for an LLMDeployment (no cluster; "
+        "not the Secrets N-admin, N-api-key and N-router-token, which it creates with random "
+        "values when "
+        "absent, nor owner references)",
+    )
+    render.add_argument("file", help="an LLMDeployment YAML file")
+    render.add_argument(
+        "-n",
+        "--namespace",
+        default=None,
+        help="the namespace of documents that name none (default: default), as kubectl "
+        "apply -n; a document in another namespace is an error",
+    )
+    render.add_argument(
+        "--control-image", default=DEFAULT_CONTROL_IMAGE, help="the router's default image"
+    )
+
+
+def _add_endpoint_args(run: argparse.ArgumentParser) -> None:
+    """Where the operator listens (/healthz, /metrics) and who it is (its NetworkPolicies)."""
     run.add_argument("--liveness-port", type=int, default=8081, help="/healthz for the kubelet")
     run.add_argument(
         "--liveness-host",
         default="0.0.0.0",
         help="address /healthz listens on (the chart passes the pod's IP)",
+    )
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8082,
+        help="the operator's own Prometheus /metrics, on --liveness-host (0: not served)",
     )
     run.add_argument(
         "--operator-namespace",
@@ -65,27 +100,4 @@ def add_operator_args(p: argparse.ArgumentParser) -> None:
         help="a label of the operator's own pods (repeatable; default: "
         "app.kubernetes.io/name=iterserve and app.kubernetes.io/component=operator, as the "
         "chart labels them)",
-    )
-    run.add_argument(
-        "--log-level",
-        choices=LOG_LEVELS,
-        default="info",
-        help="debug also logs kopf's own internals (every watch event and patch)",
-    )
-    render = sub.add_parser(
-        "render",
-        help="print every object the operator would create for an LLMDeployment (no cluster; "
-        "not the Secrets N-admin and N-api-key, which it creates with random values when "
-        "absent, nor owner references)",
-    )
-    render.add_argument("file", help="an LLMDeployment YAML file")
-    render.add_argument(
-        "-n",
-        "--namespace",
-        default=None,
-        help="the namespace of documents that name none (default: default), as kubectl "
-        "apply -n; a document in another namespace is an error",
-    )
-    render.add_argument(
-        "--control-image", default=DEFAULT_CONTROL_IMAGE, help="the router's default image"
     )

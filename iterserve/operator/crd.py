@@ -254,6 +254,14 @@ def status_schema() -> dict[str, Any]:
                 "additionalProperties": integer,
             },
             "routerURL": {"description": "the router Service's URL", "type": "string"},
+            "rollout": {
+                "description": "the last canary rollout of the live settings (spec.rollout "
+                "strategy canary): phase (Baking, Promoted, RolledBack, Unchecked, Superseded), "
+                "target and stable settings, canary pods, start, the gate's last figures, "
+                "rejectedHash of a rolled-back change",
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+            },
             "selector": {
                 "description": "label selector of the server pods (the scale subresource's)",
                 "type": "string",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
@@ -24,7 +25,8 @@ from kubernetes.aio.client.exceptions import ApiException
 from iterserve.operator.blockers import Watch, find_blockers, warn_while_blocked
 from iterserve.operator.kube import Kube
 from iterserve.operator.login import api_client, connection_info
-from iterserve.operator.reconcile import invalid_status, reconcile
+from iterserve.operator.metrics import OperatorMetrics
+from iterserve.operator.reconcile import Outcome, invalid_status, reconcile
 from iterserve.operator.spec import GROUP, PLURAL, VERSION, SpecError
 
 RESOURCE = (GROUP, VERSION, PLURAL)
@@ -77,6 +79,11 @@ def build_registry(resync_interval_s: float = 10.0) -> kopf.OperatorRegistry:
     async def apply_resource(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
         await _reconcile(body, patch, memo, permanent=True)
 
+    @kopf.on.delete(*RESOURCE, registry=registry, optional=True)
+    async def forget(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        if (metrics := memo.get("metrics")) is not None:
+            metrics.forget(body["metadata"]["namespace"], body["metadata"]["name"])
+
     @kopf.timer(*RESOURCE, registry=registry, interval=resync_interval_s, idle=0.0)
     async def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
         if not body.get("metadata", {}).get("deletionTimestamp"):
@@ -86,8 +93,9 @@ def build_registry(resync_interval_s: float = 10.0) -> kopf.OperatorRegistry:
 
 
 async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, permanent: bool) -> None:
+    metrics: OperatorMetrics | None = memo.get("metrics")
     try:
-        outcome = await reconcile(memo.kube, body, memo.settings)
+        outcome = await _counted(reconcile(memo.kube, body, memo.settings), body, metrics)
     except SpecError as e:
         patch.status.update(invalid_status(body, str(e)))
         conditions = (body.get("status") or {}).get("conditions") or []
@@ -108,5 +116,28 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, perman
         # kopf's default backoff of 60 s for an unexpected error.
         raise kopf.TemporaryError(f"Kubernetes API unreachable: {e}", RETRY_DELAY_S) from e
     patch.status.update(outcome.status)
+    if metrics is not None:
+        metrics.record(body, outcome.push_s, outcome.num_pods_behind, outcome.rollout_outcome)
     for kind, reason, message in outcome.events:
         (kopf.info if kind == "Normal" else kopf.warn)(body, reason=reason, message=message)
+
+
+async def _counted(
+    reconciling: Awaitable[Outcome], body: kopf.Body, metrics: OperatorMetrics | None
+) -> Outcome:
+    """``reconciling`` awaited; a failure counted by its outcome (success is counted with the
+    rest of the outcome's figures, :meth:`OperatorMetrics.record`)."""
+    try:
+        return await reconciling
+    except Exception as e:
+        if metrics is not None:
+            if isinstance(e, SpecError):
+                outcome = "invalid_spec"
+            elif isinstance(e, ApiException):
+                outcome = "api_error"
+            elif isinstance(e, aiohttp.ClientError | TimeoutError):
+                outcome = "api_unreachable"
+            else:
+                outcome = "error"
+            metrics.failed(body, outcome)
+        raise

@@ -117,6 +117,7 @@ def _run(args: argparse.Namespace) -> int:
     import kopf
 
     from iterserve.operator.handlers import build_registry
+    from iterserve.operator.metrics import OperatorMetrics
     from iterserve.operator.reconcile import OperatorSettings
 
     settings = OperatorSettings(args.control_image, args.push_timeout_s, tuple(args.namespace))
@@ -125,8 +126,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.operator_label:
         labels = tuple(_label(item) for item in args.operator_label)
         settings = dataclasses.replace(settings, operator_labels=labels)
-    memo = kopf.Memo(kubeconfig=args.kubeconfig, settings=settings)
+    metrics = OperatorMetrics()
+    memo = kopf.Memo(kubeconfig=args.kubeconfig, settings=settings, metrics=metrics)
     configure_logging(args.log_level)
+    if args.metrics_port:
+        metrics.serve(args.liveness_host, args.metrics_port)
     kopf.run(
         registry=build_registry(args.resync_interval_s),
         **peering_options(args.standalone),

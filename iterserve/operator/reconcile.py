@@ -10,18 +10,22 @@ the settings' hash kept in ``status.schedulerConfigHash``); a pod counts as appl
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime
 import json
 import secrets
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from kubernetes.aio.client.exceptions import ApiException
 
 from iterserve.operator.admin_token import parse_tokens, rotate_if_asked
 from iterserve.operator.builders import (
+    CONFIG_FILE,
     DEFAULT_OPERATOR_LABELS,
     Context,
     admin_secret_name,
@@ -31,10 +35,12 @@ from iterserve.operator.builders import (
     router_token_secret_name,
     router_url,
     selector,
+    settings_file,
 )
 from iterserve.operator.cli_args import DEFAULT_CONTROL_IMAGE
 from iterserve.operator.kube import Kube, apply
 from iterserve.operator.push import PodResult, ready_targets, sync_pods
+from iterserve.operator.rollout import Push, Settings, Step, plan, replacing, scrape_pods
 from iterserve.operator.spec import (
     LLMDeploymentSpec,
     SpecError,
@@ -73,6 +79,9 @@ class Outcome:
 
     status: dict[str, Any]
     events: list[tuple[str, str, str]] = field(default_factory=list)
+    push_s: float | None = None  # seconds the pushes took, None when no pod was pushed
+    num_pods_behind: int = 0  # ready pods not running the spec's settings
+    rollout_outcome: str | None = None  # a rollout that ended: promoted/rolled_back/unchecked
 
 
 def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -184,6 +193,41 @@ def invalid_status(body: Mapping[str, Any], reason: str) -> dict[str, Any]:
     }
 
 
+async def _admin_tokens(kube: Kube, ctx: Context, body: Mapping[str, Any]) -> tuple[str, ...]:
+    """:func:`ensure_secrets`, a 403 on Secrets being the chart's values' fault (SpecError)."""
+    try:
+        return await ensure_secrets(kube, ctx, body)
+    except ApiException as e:
+        if e.status != 403:
+            raise
+        # The chart grants Secrets per namespace (docs/kubernetes.md, "RBAC"): say which value.
+        raise SpecError(
+            f"the operator may not use Secrets in namespace {ctx.namespace}: add it to the "
+            "chart's value secretNamespaces (or watchNamespaces) and upgrade the release"
+        ) from e
+
+
+async def _delete_unwanted(
+    kube: Kube, ctx: Context, built: list[dict[str, Any]], uid: str
+) -> list[tuple[str, str, str]]:
+    """Delete the optional objects (autoscalers, NetworkPolicies) the spec no longer asks for
+    and that the resource owns; their Events.
+
+    An autoscaler the spec no longer asks for goes first, before another takes over: KEDA's
+    admission webhook refuses a ScaledObject on a Deployment an HPA already scales, and two
+    autoscalers on one Deployment would fight over its replicas."""
+    events = []
+    for api_version, kind, suffix in _OPTIONAL:
+        name = ctx.name + suffix
+        if not any((o["kind"], o["metadata"]["name"]) == (kind, name) for o in built):
+            live = await kube.get(api_version, kind, ctx.namespace, name)
+            owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
+            if any(o.get("uid") == uid for o in owners):
+                await kube.delete(api_version, kind, ctx.namespace, name)
+                events.append(("Normal", "Deleted", f"{kind} {name}"))
+    return events
+
+
 async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSettings) -> Outcome:
     """Apply the resource once (see the module docstring).
 
@@ -210,29 +254,21 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
         settings.operator_labels,
     )
     built = build_all(ctx, spec)  # before anything is applied: an invalid spec applies nothing
-    try:
-        admin_tokens = await ensure_secrets(kube, ctx, body)
-    except ApiException as e:
-        if e.status != 403:
-            raise
-        # The chart grants Secrets per namespace (docs/kubernetes.md, "RBAC"): say which value.
-        raise SpecError(
-            f"the operator may not use Secrets in namespace {ctx.namespace}: add it to the "
-            "chart's value secretNamespaces (or watchNamespaces) and upgrade the release"
-        ) from e
-    events = []
-    # An autoscaler the spec no longer asks for goes first, before another takes over: KEDA's
-    # admission webhook refuses a ScaledObject on a Deployment an HPA already scales, and two
-    # autoscalers on one Deployment would fight over its replicas.
-    for api_version, kind, suffix in _OPTIONAL:
-        name = ctx.name + suffix
-        if not any((o["kind"], o["metadata"]["name"]) == (kind, name) for o in built):
-            live = await kube.get(api_version, kind, ctx.namespace, name)
-            owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
-            if any(o.get("uid") == meta["uid"] for o in owners):
-                await kube.delete(api_version, kind, ctx.namespace, name)
-                events.append(("Normal", "Deleted", f"{kind} {name}"))
+    admin_tokens = await _admin_tokens(kube, ctx, body)
+    events = await _delete_unwanted(kube, ctx, built, meta["uid"])
     await _start_from_zero(kube, ctx, spec, built)
+    pods = await kube.list("Pod", ctx.namespace, selector(ctx.name, "server"))
+    step = await plan(
+        spec.rollout,
+        Settings(desired, desired_hash, version),
+        await _config_map_settings(kube, ctx),
+        status.get("rollout") or {},
+        ready_targets(pods),
+        scrape_pods(settings.push_timeout_s),
+        time.time(),
+    )
+    (config,) = [o for o in built if o["kind"] == "ConfigMap"]
+    config["data"][CONFIG_FILE] = settings_file(step.config_map.values, step.config_map.version)
     for obj in sorted(built, key=_apply_rank):
         try:
             done = await apply(kube, adopt(obj, body))
@@ -246,23 +282,59 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
             ) from e
         if done == "patched":
             events.append(("Normal", "Updated", f"{obj['kind']} {obj['metadata']['name']}"))
-    pods = await kube.list("Pod", ctx.namespace, selector(ctx.name, "server"))
     targets = ready_targets(pods)
     admin_tokens, rotation, rotation_events = await rotate_if_asked(
         kube, ctx, body, admin_tokens, targets, settings.push_timeout_s
     )
     events += rotation_events
-    results = await sync_pods(
-        targets, desired, desired_hash, version, admin_tokens, settings.push_timeout_s
-    )
-    for r in results:
+    started = time.monotonic()
+    pushed = await _push(step.pushes, admin_tokens, settings.push_timeout_s)
+    push_s = time.monotonic() - started
+    results = [r for _, r in pushed]
+    for push, r in pushed:
         if r.pushed and r.applied:
-            events.append(("Normal", "ConfigPushed", f"pod {r.name}: settings version {version}"))
+            message = f"pod {r.name}: settings version {push.settings.version}"
+            events.append(("Normal", "ConfigPushed", message))
         elif r.error is not None:
             events.append(("Warning", "ConfigPushFailed", f"pod {r.name}: {r.error}"))
     deployment = await kube.get("apps/v1", "Deployment", ctx.namespace, ctx.name) or {}
-    new_status = _status(ctx, spec.replicas, status, deployment, results, desired_hash, pods)
-    return Outcome({**new_status, **rotation}, events)
+    new_status = _status(ctx, spec.replicas, status, deployment, results, desired_hash, pods, step)
+    behind = sum(1 for push, r in pushed if push.settings.hash != desired_hash or not r.applied)
+    return Outcome(
+        {**new_status, **rotation},
+        events + step.events,
+        push_s if any(r.pushed for r in results) else None,
+        behind,
+        step.outcome,
+    )
+
+
+async def _push(
+    pushes: list[Push], admin_tokens: Sequence[str], timeout_s: float
+) -> list[tuple[Push, PodResult]]:
+    """Each push's settings to its pods, all at once; each pod's result with its push."""
+    answers = await asyncio.gather(
+        *(
+            sync_pods(p.pods, p.settings.values, p.settings.hash, p.settings.version,
+                      admin_tokens, timeout_s)
+            for p in pushes
+        )
+    )  # fmt: skip
+    return [(p, r) for p, results in zip(pushes, answers, strict=True) for r in results]
+
+
+async def _config_map_settings(kube: Kube, ctx: Context) -> Settings | None:
+    """The settings the live ConfigMap holds (what a new pod starts on), None when there is
+    none or it holds something else (written by hand: the spec's settings replace it)."""
+    live = await kube.get("v1", "ConfigMap", ctx.namespace, f"{ctx.name}-scheduler")
+    try:
+        values = yaml.safe_load(((live or {}).get("data") or {})[CONFIG_FILE])
+        version = values.pop("config_version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            return None
+        return Settings(values, settings_hash_of(values), version)
+    except Exception:  # missing, not YAML, not the settings: nothing to roll from
+        return None
 
 
 # Applied before the rest: the router Deployment's pods need their ServiceAccount (else the
@@ -324,6 +396,7 @@ def _status(
     results: list[PodResult],
     desired_hash: str,
     pods: list[Mapping[str, Any]],
+    step: Step,
 ) -> dict[str, Any]:
     d = deployment.get("status") or {}
     replicas, ready = int(d.get("replicas") or 0), int(d.get("readyReplicas") or 0)
@@ -334,17 +407,7 @@ def _status(
     versions: dict[str, int | None] = {r.name: r.version for r in results if r.version is not None}
     for gone in previous.get("podConfigVersions") or {}:
         versions.setdefault(gone, None)  # merge patch: removed
-    pending = sorted(r.name for r in results if not r.applied)
-    if not results:
-        applied = ("Unknown", "NoReadyPods", "no ready pod to apply the settings to")
-    elif pending:
-        errors = "; ".join(f"{r.name}: {r.error}" for r in results if r.error)
-        message = f"pods not at the desired settings: {', '.join(pending)}"
-        applied = ("False", "Pending", message + (f" ({errors})" if errors else ""))
-    else:
-        running = "1 ready pod runs" if len(results) == 1 else f"{len(results)} ready pods run"
-        message = f"{running} settings version {ctx.config_version}"
-        applied = ("True", "Applied", message)
+    applied = _applied(ctx, results, step)
     progressing = updated < wanted or ready < wanted
     progress = ("RollingOut", f"{updated} of {wanted} replicas updated, {ready} ready")
     if progressing and (stuck := unschedulable(pods)):
@@ -376,5 +439,23 @@ def _status(
             ),
             condition(conditions, "Progressing", "True" if progressing else "False", *progress, g),
             condition(conditions, "SchedulerConfigApplied", *applied, g),
+            *([condition(conditions, "Rollout", *step.condition, g)] if step.condition else []),
         ],
+        "rollout": replacing(previous.get("rollout"), step.record),
     }
+
+
+def _applied(ctx: Context, results: list[PodResult], step: Step) -> tuple[str, str, str]:
+    """``SchedulerConfigApplied``: every ready pod at the settings pushed to it, and those
+    the spec's (a rollout under way or rolled back says so instead)."""
+    pending = sorted(r.name for r in results if not r.applied)
+    if not results:
+        return ("Unknown", "NoReadyPods", "no ready pod to apply the settings to")
+    if pending:
+        errors = "; ".join(f"{r.name}: {r.error}" for r in results if r.error)
+        message = f"pods not at the desired settings: {', '.join(pending)}"
+        return ("False", "Pending", message + (f" ({errors})" if errors else ""))
+    if step.applied is not None:
+        return step.applied
+    running = "1 ready pod runs" if len(results) == 1 else f"{len(results)} ready pods run"
+    return ("True", "Applied", f"{running} settings version {ctx.config_version}")

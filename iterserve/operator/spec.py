@@ -256,9 +256,10 @@ class EngineSpec(_Model):
 
 class SchedulerSpec(_Model):
     """Live scheduler settings of every server pod: a change is pushed to the ready pods
-    with PUT /admin/scheduler_config (no restart) and written to the scheduler ConfigMap
-    that new pods start from. status.schedulerConfigVersion and the SchedulerConfigApplied
-    condition follow the push. Defaults: the production (GPU) values."""
+    with PUT /admin/scheduler_config (no restart; all at once, or canary pods first:
+    spec.rollout) and written to the scheduler ConfigMap that new pods start from.
+    status.schedulerConfigVersion and the SchedulerConfigApplied condition follow the push.
+    Defaults: the production (GPU) values."""
 
     maxNumSeqs: int = Field(
         128,
@@ -352,6 +353,94 @@ class SlaTier(_Model):
         description="Longest expected queue wait, in milliseconds, at which the tier still "
         "admits a request; above it the request is refused with 429 (queue_wait). Default: "
         "no limit.",
+    )
+
+
+# A duration as Kubernetes users write one (Go's time.ParseDuration units h, m, s, in that
+# order, each at most once: "90s", "5m", "1m30s", "1.5s"), or whole seconds.
+# Without lookarounds (the API server's patterns are RE2): one alternative per leading unit.
+_SECONDS = r"[0-9]+(\.[0-9]+)?s"
+DURATION_PATTERN = rf"^([0-9]+h([0-9]+m)?({_SECONDS})?|[0-9]+m({_SECONDS})?|{_SECONDS})$"
+_DURATION_PARTS = r"(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9.]+)s)?"
+
+
+def _duration_s(value: object) -> object:
+    """A duration (``"5m"``, ``"1m30s"``, ``"90s"``) or a number of seconds, in seconds."""
+    # Whole seconds or a string: the CRD's int-or-string (a structural schema has no other
+    # union), so the API server and the operator accept the same values.
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"a duration is whole seconds or a string such as '5m', got {value!r}")
+    if isinstance(value, int):
+        return float(value)
+    match = re.fullmatch(_DURATION_PARTS, value)
+    if not re.fullmatch(DURATION_PATTERN, value) or match is None:
+        raise ValueError(f"not a duration (such as 300, '90s', '5m' or '1m30s'): {value!r}")
+    hours, minutes, seconds = (part or "0" for part in match.groups())
+    return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+
+
+DurationS = Annotated[
+    float,
+    BeforeValidator(_duration_s),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 0, "maximum": 86400},
+                {"type": "string", "pattern": DURATION_PATTERN},
+            ]
+        }
+    ),
+]
+
+
+class RolloutSpec(_Model):
+    """How a change of spec.scheduler or spec.slaTiers reaches the running pods (no
+    restart): all at once, or first to canary pods that bake under live traffic while a
+    deploy gate compares their latency with the pods still on the old settings; the rest
+    get the change when the gate holds, the canaries are rolled back when it does not
+    (status.rollout, the Rollout condition and an Event say why)."""
+
+    strategy: Literal["all", "canary"] = Field(
+        "all",
+        description="all: every ready pod gets a settings change at once; canary: first "
+        "canaryReplicas pods, promoted after bakeTime within the gate. Default all.",
+    )
+    canaryReplicas: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="Ready pods that get the change first (the first by name), 1 to 1000; at "
+        "least one pod always stays on the old settings as the baseline. Default 1.",
+    )
+    bakeTime: DurationS = Field(
+        300,
+        ge=0,
+        le=86400,
+        description="How long the canaries run the change before the gate decides: whole "
+        "seconds (300) or a duration ('5m', '90s', '1m30s'), at most a day. A change beyond "
+        "the gate is rolled back as soon as minRequests show it. Default 300 (5 minutes).",
+    )
+    maxTTFTP99Increase: float = Field(
+        0.2,
+        ge=0,
+        le=100,
+        description="Most the canaries' p99 time to first token may exceed the baseline's "
+        "over the bake, as a fraction (0.2: +20%). Default 0.2.",
+    )
+    maxTPOTP50Increase: float = Field(
+        0.15,
+        ge=0,
+        le=100,
+        description="Most the canaries' median time per output token may exceed the "
+        "baseline's over the bake, as a fraction (0.15: +15%). Default 0.15.",
+    )
+    minRequests: int = Field(
+        20,
+        ge=1,
+        le=1_000_000,
+        description="Requests each group (canaries, baseline) must have served in the bake "
+        "window before the gate decides; with fewer when bakeTime ends, the bake goes on "
+        "(Rollout condition: WaitingForTraffic). Default 20.",
     )
 
 
@@ -502,6 +591,7 @@ class LLMDeploymentSpec(_Model):
         "like spec.scheduler (no restart). When given they replace the default tiers. "
         "Default: premium (priority 0), standard (1), best-effort (2).",
     )
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)

@@ -254,7 +254,11 @@ def test_schema_is_structural() -> None:
     nodes = schema_nodes(SCHEMA)
     assert len(nodes) > 80
     int_or_string = [path for path, node in nodes if node.get("x-kubernetes-int-or-string")]
-    assert int_or_string == [".spec.resources.cpu", ".spec.resources.memory"]
+    assert int_or_string == [
+        ".spec.resources.cpu",
+        ".spec.resources.memory",
+        ".spec.rollout.bakeTime",
+    ]
     for path, node in nodes:
         if node.get("x-kubernetes-int-or-string"):  # no type; the one anyOf allowed
             assert "type" not in node, path

@@ -192,6 +192,7 @@ def test_default_operator_deployment(default_objects: list[dict[str, Any]]) -> N
     assert container["args"] == [
         "operator", "run", f"--control-image={image}", "--resync-interval-s=10",
         "--push-timeout-s=5", "--liveness-port=8081", "--liveness-host=$(POD_IP)",
+        "--metrics-port=8082",
         f"--operator-namespace={NAMESPACE}",
         "--operator-label=app.kubernetes.io/component=operator",
         f"--operator-label=app.kubernetes.io/instance={RELEASE}",
@@ -209,14 +210,16 @@ def test_default_operator_deployment(default_objects: list[dict[str, Any]]) -> N
         "resync_interval_s",
         "push_timeout_s",
         "liveness_port",
+        "metrics_port",
         "log_level",
         "control_image",
     ):
         assert getattr(args, flag) == getattr(defaults, flag), flag
     assert (args.namespace, args.control_image, args.standalone) == ([], image, False)
-    # Liveness on kopf's /healthz, on the port the operator listens on.
-    (port,) = container["ports"]
+    # Liveness on kopf's /healthz, on the port the operator listens on; its /metrics beside.
+    port, metrics = container["ports"]
     assert (port["name"], port["containerPort"]) == ("healthz", args.liveness_port)
+    assert (metrics["name"], metrics["containerPort"]) == ("metrics", args.metrics_port)
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     # Hardened: non-root, read-only root, no capabilities, the runtime's seccomp profile.
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -344,12 +347,14 @@ def test_secrets_only_where_llmdeployments_live(helm: Path) -> None:
 
 
 def test_operator_network_policy(helm: Path, default_objects: list[dict[str, Any]]) -> None:
-    """No ingress; egress to the server pods the operator builds (their API and admin ports)
-    and to the API server by port; off with networkPolicy.enabled false."""
+    """Ingress only to its /metrics port; egress to the server pods
+    the operator builds (their API and admin ports) and to the API server by port; off with
+    networkPolicy.enabled false."""
     policy = _one(default_objects, "NetworkPolicy")["spec"]
     pod_labels = _one(default_objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
-    assert (policy["policyTypes"], policy["ingress"]) == (["Ingress", "Egress"], [])
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    assert policy["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8082}]}]
     pods, api_server = policy["egress"]
     (peer,) = pods["to"]
     server = labels("chat", "server")
@@ -435,6 +440,21 @@ def test_monitors_select_what_the_operator_builds(custom_objects: list[dict[str,
     assert not selects(pod_selector, labels("demo", "router"))
     (server,) = server_pods["spec"]["template"]["spec"]["containers"]
     assert [p["name"] for p in server["ports"]] == ["http", "admin"]  # scraped: http
+
+
+def test_the_operators_own_monitor_scrapes_its_metrics_port(helm: Path) -> None:
+    objects = _template(helm, "--set", "metrics.operatorPodMonitor.enabled=true")
+    monitor = _one(objects, "PodMonitor")
+    deployment = _one(objects, "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint == {"port": "metrics", "path": "/metrics", "honorLabels": True,
+                        "interval": "30s"}  # fmt: skip
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert "metrics" in [p["name"] for p in container["ports"]]
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    _validate_all(objects)
 
 
 def test_monitors_cluster_wide_select_every_namespace(helm: Path) -> None:

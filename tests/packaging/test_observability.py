@@ -24,17 +24,21 @@ import httpx
 import promql_parser as pp
 import pytest
 import yaml
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from server_utils import Server, run_server
 from sim_profiles import make_profile, write_profile
 
 from iterserve.operator.builders import pod_regex, router_name
+from iterserve.operator.metrics import OperatorMetrics
 
 # Labels Prometheus attaches when it scrapes (PodMonitor / ServiceMonitor targets and the
 # prometheus.io annotation jobs alike); the processes cannot export them.
 TARGET_LABELS = frozenset({"namespace", "pod", "job", "instance"})
 LLMD = "chat"  # the LLMDeployment the dashboard's variables select here
-GRAFANA_VARS = {"$__rate_interval": "1m", "$namespace": "serving", "$llmdeployment": LLMD}
+GRAFANA_VARS = {
+    "$__rate_interval": "1m", "$__range": "1h", "$namespace": "serving", "$llmdeployment": LLMD,
+}  # fmt: skip
 REPLICA_PORT, ROUTER_PORT, DEAD_PORT = 18500, 18501, 18599  # nothing listens on DEAD_PORT
 ADMIN = {"Authorization": "Bearer obs-admin"}
 TIERS = [
@@ -295,7 +299,16 @@ def exported(fleet: tuple[Server, Server]) -> Series:
         if any(s.name == "iterserve_router_ejections_total" for s in router_samples):
             break
         assert time.monotonic() < deadline, "the dead replica was never ejected"
-    return {**series_of(scrape(replica.url)), **series_of(router_samples)}
+    return {**series_of(scrape(replica.url)), **series_of(router_samples), **operator_series()}
+
+
+def operator_series() -> Series:
+    """The operator's series (iterserve operator run --metrics-port) once it reconciled one
+    LLMDeployment."""
+    metrics = OperatorMetrics()
+    metrics.record({"metadata": {"namespace": "serving", "name": LLMD}}, 0.01, 1, "promoted")
+    text = generate_latest(metrics.registry).decode()
+    return series_of([s for f in text_string_to_metric_families(text) for s in f.samples])
 
 
 # ----------------------------------------------------------------- tests
@@ -387,7 +400,9 @@ def test_the_dashboard_is_a_current_grafana_dashboard_with_the_issues_panels(
         "iterserve_router_picks_total", "iterserve_router_retries_total",
         "iterserve_router_requests_total", "iterserve_router_ready_replicas",
         "iterserve_tenant_request_queue_time_seconds_bucket",
-        "iterserve_tenant_requests_rejected_total",
+        "iterserve_tenant_requests_rejected_total", "iterserve_operator_reconciles_total",
+        "iterserve_operator_push_duration_seconds_bucket",
+        "iterserve_operator_pods_not_at_desired_settings", "iterserve_operator_rollouts_total",
     } <= metrics  # fmt: skip
 
 

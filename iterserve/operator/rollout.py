@@ -1,0 +1,306 @@
+"""A change of the live settings rolled out by ``spec.rollout`` (docs/kubernetes.md, "A canary
+rollout"): which pods get which settings, what the ConfigMap holds, and ``status.rollout``.
+
+With ``strategy: canary`` a new settings hash goes to the canary pods only (the first ready
+pods by name; at least one pod stays behind as the baseline); the other pods and the ConfigMap
+(what new pods start on) keep the stable settings. Every reconcile during the bake scrapes the
+pods' ``/metrics`` and judges the window since the rollout began (:mod:`iterserve.operator.gate`)::
+
+    Baking --(bake over, gate holds)--------------> Promoted    (all pods, ConfigMap)
+       |---(enough requests, gate broken: early)--> RolledBack  (canaries back; change rejected)
+       `---(bake over, too few requests)----------> Baking      (WaitingForTraffic)
+
+Fewer than two ready pods leave nothing to compare: the change goes to every pod at once
+(phase ``Unchecked``). The record lives in the resource's status, so an operator that restarts
+resumes the bake where it was. A rejected change (its hash and settings version) is never
+tried again; a new spec change has a new version and starts a new rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from iterserve.operator import gate
+from iterserve.operator.push import PodTarget
+from iterserve.operator.spec import RolloutSpec
+
+BAKING, PROMOTED, ROLLED_BACK = "Baking", "Promoted", "RolledBack"
+UNCHECKED, SUPERSEDED = "Unchecked", "Superseded"
+
+# What a scrape of the ready pods found: pod name -> its histograms, None where it failed.
+Scrape = Callable[[list[PodTarget]], Awaitable[dict[str, gate.Snapshot | None]]]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Live settings (the server's keys), their hash and their version."""
+
+    values: dict[str, Any]
+    hash: str
+    version: int
+
+
+@dataclass(frozen=True)
+class Push:
+    """``settings`` to ``pods``."""
+
+    pods: list[PodTarget]
+    settings: Settings
+
+
+@dataclass
+class Step:
+    """What one reconcile does with the settings.
+
+    ``config_map``: what new pods start on. ``record``: ``status.rollout`` (None: removed).
+    ``condition``: the ``Rollout`` condition (status, reason, message), None without a rollout.
+    ``applied``: the ``SchedulerConfigApplied`` condition when every pod took its push, None
+    for the usual one. ``outcome``: how a rollout ended in this step (for the metrics)."""
+
+    pushes: list[Push]
+    config_map: Settings
+    record: dict[str, Any] | None = None
+    condition: tuple[str, str, str] | None = None
+    applied: tuple[str, str, str] | None = None
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+    outcome: str | None = None
+
+
+def limits_of(spec: RolloutSpec) -> gate.GateLimits:
+    return gate.GateLimits(spec.maxTTFTP99Increase, spec.maxTPOTP50Increase, spec.minRequests)
+
+
+def timestamp(now_s: float) -> str:
+    """RFC 3339 in UTC, to the second (as Kubernetes writes times)."""
+    return datetime.datetime.fromtimestamp(now_s, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def seconds_of(stamp: str) -> float:
+    """Seconds since the epoch of a :func:`timestamp`."""
+    return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S%z").timestamp()
+
+
+async def plan(
+    spec: RolloutSpec,
+    desired: Settings,
+    stable: Settings | None,
+    previous: Mapping[str, Any],
+    pods: list[PodTarget],
+    scrape: Scrape,
+    now_s: float,
+) -> Step:
+    """The step of this reconcile (see the module docstring).
+
+    Args:
+        desired: what the spec asks for. stable: what the ConfigMap holds (None: no
+            ConfigMap yet, nothing to roll from). previous: ``status.rollout`` so far.
+        pods: the ready server pods. scrape: reads their ``/metrics``. now_s: epoch seconds.
+    """
+    everyone = Step([Push(pods, desired)], desired)
+    if spec.strategy == "all" or stable is None:
+        return everyone
+    same = (previous.get("targetHash"), previous.get("targetVersion")) == (
+        desired.hash,
+        desired.version,
+    )
+    phase = previous.get("phase")
+    if same and phase == BAKING:
+        stable = _stable_of(previous)
+        return await _bake(spec, desired, stable, previous, pods, scrape, now_s)
+    if same and phase == ROLLED_BACK:  # rejected: not tried again
+        message = f"settings version {desired.version} rolled back: {previous.get('message')}"
+        rejected: tuple[str, str, str] = ("False", ROLLED_BACK, message)
+        return Step([Push(pods, stable)], stable, dict(previous), rejected, rejected)
+    if same or desired.hash == stable.hash:  # nothing new: ended rollouts keep their record
+        condition = _ended_condition(previous)
+        record = dict(previous) or None
+        if record is not None and phase in (BAKING, ROLLED_BACK) and not same:
+            record["phase"] = SUPERSEDED  # the spec went back to the stable settings
+        return Step(everyone.pushes, desired, record, condition)
+    return await _start(spec, desired, stable, pods, scrape, now_s)
+
+
+def _stable_of(record: Mapping[str, Any]) -> Settings:
+    return Settings(
+        dict(record["stableSettings"]), record["stableHash"], int(record["stableVersion"])
+    )
+
+
+def _ended_condition(record: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    phase = record.get("phase")
+    if phase == PROMOTED:
+        return ("True", PROMOTED, str(record.get("message")))
+    if phase == UNCHECKED:
+        return ("True", UNCHECKED, str(record.get("message")))
+    if phase in (ROLLED_BACK, BAKING, SUPERSEDED):
+        version = record.get("targetVersion")
+        message = f"the spec went back to the stable settings from version {version}"
+        return ("True", SUPERSEDED, message)
+    return None
+
+
+async def _start(
+    spec: RolloutSpec,
+    desired: Settings,
+    stable: Settings,
+    pods: list[PodTarget],
+    scrape: Scrape,
+    now_s: float,
+) -> Step:
+    """A new rollout: canaries chosen, the window's start scraped."""
+    record: dict[str, Any] = {
+        "targetHash": desired.hash,
+        "targetVersion": desired.version,
+        "stableHash": stable.hash,
+        "stableVersion": stable.version,
+        "stableSettings": stable.values,
+        "startedAt": timestamp(now_s),
+    }
+    if len(pods) < 2:
+        message = (
+            f"settings version {desired.version} went to every pod unchecked: "
+            f"{len(pods)} ready pod(s), a canary needs another pod to compare with"
+        )
+        record.update(phase=UNCHECKED, canaryPods=[], message=message)
+        step = Step([Push(pods, desired)], desired, record, ("True", UNCHECKED, message))
+        step.events.append(("Normal", "RolloutUnchecked", message))
+        step.outcome = "unchecked"
+        return step
+    ordered = sorted(pods, key=lambda p: p.name)
+    canaries = ordered[: min(spec.canaryReplicas, len(ordered) - 1)]
+    snapshots = await scrape(ordered)
+    names = ", ".join(p.name for p in canaries)
+    message = (
+        f"settings version {desired.version} on canary pod(s) {names} for "
+        f"{spec.bakeTime:g} s; the other pods stay on version {stable.version}"
+    )
+    record.update(
+        phase=BAKING,
+        canaryPods=[p.name for p in canaries],
+        windowStart=snapshots,
+        message=message,
+    )
+    rest = ordered[len(canaries) :]
+    step = Step([Push(canaries, desired), Push(rest, stable)], stable, record)
+    step.condition = step.applied = ("Unknown", BAKING, message)
+    step.events.append(("Normal", "RolloutStarted", message))
+    return step
+
+
+async def _bake(
+    spec: RolloutSpec,
+    desired: Settings,
+    stable: Settings,
+    record: Mapping[str, Any],
+    pods: list[PodTarget],
+    scrape: Scrape,
+    now_s: float,
+) -> Step:
+    """A rollout under way: judged on the window so far."""
+    canaries = [p for p in pods if p.name in record["canaryPods"]]
+    rest = [p for p in pods if p.name not in record["canaryPods"]]
+    if not canaries and len(pods) >= 2:  # the canaries went: new ones, a new window
+        return await _start(spec, desired, stable, pods, scrape, now_s)
+    if not canaries or not rest:  # one group has no ready pod (restarting): wait for it
+        message = (
+            f"settings version {desired.version} baking: waiting for a ready "
+            f"{'baseline' if canaries else 'canary'} pod to compare with"
+        )
+        step = Step([Push(canaries, desired), Push(rest, stable)], stable, dict(record))
+        step.condition = step.applied = ("Unknown", "WaitingForPods", message)
+        return step
+    verdict = judge_window(record["windowStart"], await scrape(pods), canaries, limits_of(spec))
+    elapsed_s = now_s - seconds_of(record["startedAt"])
+    new = dict(record)
+    if verdict.enough and not verdict.within:
+        message = f"beyond the gate after {elapsed_s:.0f} s: {verdict.text()}"
+        new.update(phase=ROLLED_BACK, message=message, rejectedHash=desired.hash)
+        condition = (
+            "False",
+            ROLLED_BACK,
+            f"settings version {desired.version} rolled back: {message}",
+        )
+        step = Step([Push(pods, stable)], stable, new, condition, condition)
+        step.events.append(("Warning", "RolloutRolledBack", condition[2]))
+        step.outcome = "rolled_back"
+        return step
+    if verdict.enough and elapsed_s >= spec.bakeTime:
+        message = f"settings version {desired.version} promoted: {verdict.text()}"
+        new.update(phase=PROMOTED, message=message)
+        step = Step([Push(pods, desired)], desired, new, ("True", PROMOTED, message))
+        step.events.append(("Normal", "RolloutPromoted", message))
+        step.outcome = "promoted"
+        return step
+    reason = "WaitingForTraffic" if elapsed_s >= spec.bakeTime else BAKING
+    message = (
+        f"settings version {desired.version} on {', '.join(p.name for p in canaries)} "
+        f"for {elapsed_s:.0f} of {spec.bakeTime:g} s: {verdict.text()}"
+    )
+    new["message"] = message
+    step = Step([Push(canaries, desired), Push(rest, stable)], stable, new)
+    step.condition = step.applied = ("Unknown", reason, message)
+    return step
+
+
+def judge_window(
+    start: Mapping[str, gate.Snapshot | None],
+    now: Mapping[str, gate.Snapshot | None],
+    canaries: list[PodTarget],
+    limits: gate.GateLimits,
+) -> gate.Verdict:
+    """The gate on the window from ``start`` (the scrape when the rollout began) to ``now``.
+    A pod is left out when a scrape of it failed (now, or at the start while it was ready);
+    a pod that was not there at the start counts whole (it began in the window)."""
+    names = {p.name for p in canaries}
+    groups: dict[bool, gate.Snapshot] = {True: {}, False: {}}
+    for pod, snapshot in now.items():
+        if snapshot is None or (pod in start and start[pod] is None):
+            continue
+        before = start.get(pod) or {}
+        group = groups[pod in names]
+        for name in gate.GATED:
+            delta = gate.window(before.get(name), snapshot.get(name, {}))
+            group[name] = gate.add(group.get(name, {}), delta)
+    return gate.judge(groups[True], groups[False], limits)
+
+
+def replacing(old: Any, new: Any) -> Any:
+    """The JSON merge patch (RFC 7386, what kopf sends for a status) that turns ``old`` into
+    ``new``: a key ``new`` lacks is null, at every depth (a merge patch of ``new`` alone would
+    keep the old record's keys, such as a finished rollout's ``rejectedHash``)."""
+    if not isinstance(new, dict) or not isinstance(old, Mapping):
+        return new
+    patch = {key: replacing(old.get(key), value) for key, value in new.items()}
+    patch.update({key: None for key in old if key not in new})
+    return patch
+
+
+def scrape_pods(timeout_s: float) -> Scrape:
+    """A :data:`Scrape` over HTTP: ``GET /metrics`` on each pod's API port at once, each
+    bounded by ``timeout_s``; a pod that fails (unreachable, not 200, not the text format) is
+    None."""
+
+    async def scrape(pods: list[PodTarget]) -> dict[str, gate.Snapshot | None]:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        connector = aiohttp.TCPConnector(limit=0)  # as push.sync_pods: no pod waits for a slot
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+            found = await asyncio.gather(*(_scrape_one(http, p) for p in pods))
+        return {p.name: snapshot for p, snapshot in zip(pods, found, strict=True)}
+
+    return scrape
+
+
+async def _scrape_one(http: aiohttp.ClientSession, pod: PodTarget) -> gate.Snapshot | None:
+    try:
+        async with http.get(pod.url + "/metrics", allow_redirects=False) as r:
+            if r.status != 200:
+                return None
+            return gate.parse_snapshot(await r.text())
+    except Exception:  # any failure leaves this pod out of the window, never the others
+        return None

@@ -1,0 +1,251 @@
+"""The canary deploy gate's arithmetic (quantiles from bucket deltas, as Prometheus's
+histogram_quantile) and the rollout's state machine (:func:`iterserve.operator.rollout.plan`)
+on scrapes the test writes: every figure below is computed by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from iterserve.operator import gate
+from iterserve.operator.push import PodTarget
+from iterserve.operator.rollout import (
+    BAKING,
+    PROMOTED,
+    ROLLED_BACK,
+    SUPERSEDED,
+    UNCHECKED,
+    Settings,
+    Step,
+    judge_window,
+    plan,
+    replacing,
+    timestamp,
+)
+from iterserve.operator.spec import RolloutSpec
+
+BOUNDS = ("0.1", "0.2", "0.4", "0.8", "+Inf")
+
+
+def buckets(*values_s: float) -> gate.Buckets:
+    """Cumulative buckets over :data:`BOUNDS` of these observations."""
+    return {le: float(sum(v <= float(le) for v in values_s)) for le in BOUNDS}
+
+
+# -- quantiles ---------------------------------------------------------------------------------
+
+
+def test_quantile_interpolates_inside_the_bucket_as_prometheus() -> None:
+    b = {"0.1": 10.0, "0.2": 20.0, "0.4": 40.0, "+Inf": 40.0}
+    assert gate.quantile(0.5, b) == pytest.approx(0.2)  # rank 20: the top of (0.1, 0.2]
+    assert gate.quantile(0.99, b) == pytest.approx(0.2 + 0.2 * 19.6 / 20)  # rank 39.6
+    assert gate.quantile(0.25, b) == pytest.approx(0.1 + 0.1 * 0 / 10)  # rank 10: 0.1
+    assert gate.quantile(0.125, b) == pytest.approx(0.05)  # the first bucket starts at 0
+
+
+def test_quantile_in_the_inf_bucket_is_the_largest_finite_bound() -> None:
+    assert gate.quantile(0.9, {"0.1": 5.0, "0.2": 5.0, "+Inf": 10.0}) == 0.2
+
+
+def test_quantile_of_nothing_is_none_and_q_is_checked() -> None:
+    assert gate.quantile(0.5, {}) is None
+    assert gate.quantile(0.5, {"0.1": 0.0, "+Inf": 0.0}) is None
+    with pytest.raises(ValueError, match="quantile"):
+        gate.quantile(1.5, buckets(0.1))
+
+
+def test_window_is_the_delta_and_a_reset_counts_whole() -> None:
+    start, now = buckets(0.05, 0.3), buckets(0.05, 0.3, 0.15, 0.9)
+    assert gate.window(start, now) == buckets(0.15, 0.9)
+    assert gate.window(None, now) == now  # a pod born in the window
+    restarted = buckets(0.7)  # counts went down: a new process
+    assert gate.window(now, restarted) == restarted
+    assert gate.add(buckets(0.1), buckets(0.3)) == buckets(0.1, 0.3)
+
+
+def test_snapshot_sums_the_tiers_of_a_real_exposition() -> None:
+    registry = CollectorRegistry()
+    ttft = Histogram(gate.TTFT.removesuffix("_seconds"), "TTFT", ["tier"],
+                     unit="seconds", buckets=(0.1, 0.2), registry=registry)  # fmt: skip
+    for tier, value in (("premium", 0.05), ("batch", 0.15), ("batch", 0.5)):
+        ttft.labels(tier=tier).observe(value)
+    snapshot = gate.parse_snapshot(generate_latest(registry).decode())
+    assert snapshot == {gate.TTFT: {"0.1": 1.0, "0.2": 2.0, "+Inf": 3.0}}
+
+
+def test_the_gate_compares_p99_ttft_and_median_tpot() -> None:
+    limits = gate.GateLimits(max_ttft_p99_increase=0.2, max_tpot_p50_increase=0.15, min_requests=4)
+    same = {gate.TTFT: buckets(0.05, 0.05, 0.15, 0.15), gate.TPOT: buckets(0.05, 0.05, 0.05, 0.05)}
+    verdict = gate.judge(same, same, limits)
+    assert verdict.enough and verdict.within
+    assert [f.ratio for f in verdict.figures] == [1.0, 1.0]
+    slow = {**same, gate.TTFT: buckets(0.05, 0.05, 0.15, 0.7)}  # p99 in (0.4, 0.8]
+    verdict = gate.judge(slow, same, limits)
+    assert not verdict.within
+    ttft, tpot = verdict.figures
+    # rank 3.96 of 4. Canary: 3 of 4 at or under 0.4, the 4th in (0.4, 0.8] -> 0.4 + 0.4 * 0.96;
+    # baseline: 2 under 0.1, 2 in (0.1, 0.2] -> 0.1 + 0.1 * (3.96 - 2) / 2.
+    assert (ttft.canary_s, ttft.baseline_s) == (pytest.approx(0.784), pytest.approx(0.198))
+    assert ttft.ratio == pytest.approx(0.784 / 0.198) and not ttft.within and tpot.within
+    assert verdict.text() == (
+        "TTFT p99 0.784 s vs baseline 0.198 s (x3.96, limit x1.20); "
+        "TPOT p50 0.050 s vs baseline 0.050 s (x1.00, limit x1.15)"
+    )
+    few = gate.judge({gate.TTFT: buckets(0.1), gate.TPOT: buckets(0.1)}, same, limits)
+    assert (few.enough, few.within, few.canary_requests, few.baseline_requests) == (
+        False, False, 1, 4,
+    )  # fmt: skip
+    assert few.text() == "not enough traffic: canaries 1, baseline 4 requests"
+    assert gate.Figure("x", 0.1, 0.0, 1.2).ratio == math.inf
+
+
+def test_a_pod_that_failed_its_first_scrape_is_left_out() -> None:
+    limits = gate.GateLimits(min_requests=1)
+    start: dict[str, Any] = {"a": _pod(), "b": None}
+    now = {"a": _pod(0.1), "b": _pod(0.7, 0.7), "c": _pod(0.3), "d": None}
+    verdict = judge_window(start, now, [PodTarget("a", "")], limits)
+    # b is out (its start is unknown), c counts whole (born in the window), d did not answer.
+    assert (verdict.canary_requests, verdict.baseline_requests) == (1, 1)
+    assert verdict.figures[0].baseline_s == pytest.approx(0.2 + 0.2 * 0.99)
+
+
+# -- the state machine -------------------------------------------------------------------------
+
+OLD = Settings({"max_num_seqs": 8}, "old-hash", 1)
+NEW = Settings({"max_num_seqs": 1}, "new-hash", 2)
+CANARY = RolloutSpec(strategy="canary", bakeTime="10s", minRequests=2)
+T0 = 1_800_000_000.0
+
+
+def _pod(*ttft_s: float, tpot_s: float = 0.05) -> gate.Snapshot:
+    return {gate.TTFT: buckets(*ttft_s), gate.TPOT: buckets(*[tpot_s] * len(ttft_s))}
+
+
+class Pods:
+    """Ready pods and what their /metrics say now (the test appends observations)."""
+
+    def __init__(self, *names: str) -> None:
+        self.targets = [PodTarget(n, f"http://{n}") for n in names]
+        self.ttft: dict[str, list[float]] = {n: [] for n in names}
+
+    async def scrape(self, pods: list[PodTarget]) -> dict[str, gate.Snapshot | None]:
+        return {p.name: _pod(*self.ttft[p.name]) for p in pods}
+
+    def step(
+        self, record: dict[str, Any], now_s: float, spec: RolloutSpec = CANARY, desired: Any = NEW
+    ) -> Step:
+        return asyncio.run(plan(spec, desired, OLD, record, self.targets, self.scrape, now_s))
+
+
+def _groups(step: Step) -> dict[str, list[str]]:
+    return {p.settings.hash: [t.name for t in p.pods] for p in step.pushes if p.pods}
+
+
+def test_a_change_goes_to_the_first_pods_by_name_and_the_configmap_keeps_the_old() -> None:
+    pods = Pods("pod-c", "pod-a", "pod-b")
+    pods.ttft["pod-a"] = [0.05]  # traffic before the rollout: not in the window
+    step = pods.step({}, T0, RolloutSpec(strategy="canary", canaryReplicas=5))
+    assert _groups(step) == {"new-hash": ["pod-a", "pod-b"], "old-hash": ["pod-c"]}  # 1 stays
+    assert step.config_map == OLD
+    assert step.record is not None and step.record["phase"] == BAKING
+    assert step.record["windowStart"]["pod-a"] == _pod(0.05)
+    assert step.record["stableSettings"] == OLD.values
+    assert step.condition is not None and step.condition[:2] == ("Unknown", BAKING)
+    assert step.events[0][:2] == ("Normal", "RolloutStarted")
+
+
+def test_within_the_gate_it_is_promoted_once_the_bake_is_over() -> None:
+    pods = Pods("a", "b")
+    record = pods.step({}, T0).record
+    assert record is not None
+    pods.ttft["a"] += [0.05, 0.15]
+    pods.ttft["b"] += [0.05, 0.15]
+    early = pods.step(record, T0 + 5)  # half the bake: still baking, on the same groups
+    assert early.record is not None and early.record["phase"] == BAKING and early.outcome is None
+    assert _groups(early) == {"new-hash": ["a"], "old-hash": ["b"]}
+    done = pods.step(early.record, T0 + 10)
+    assert done.record is not None and done.record["phase"] == PROMOTED
+    assert (_groups(done), done.config_map, done.outcome) == ({"new-hash": ["a", "b"]}, NEW,
+                                                              "promoted")  # fmt: skip
+    assert done.condition is not None and done.condition[:2] == ("True", PROMOTED)
+    again = pods.step(done.record, T0 + 20)  # later reconciles: everyone on the new settings
+    assert (_groups(again), again.outcome) == ({"new-hash": ["a", "b"]}, None)
+
+
+def test_too_little_traffic_extends_the_bake() -> None:
+    pods = Pods("a", "b")
+    record = pods.step({}, T0).record
+    pods.ttft["a"] += [0.05]
+    step = pods.step(dict(record or {}), T0 + 60)
+    assert step.record is not None and step.record["phase"] == BAKING
+    assert step.condition is not None and step.condition[1] == "WaitingForTraffic"
+    assert "not enough traffic: canaries 1, baseline 0 requests" in step.condition[2]
+
+
+def test_beyond_the_gate_it_is_rolled_back_early_and_never_retried() -> None:
+    pods = Pods("a", "b")
+    record = pods.step({}, T0).record
+    pods.ttft["a"] += [0.7, 0.7]
+    pods.ttft["b"] += [0.05, 0.05]
+    step = pods.step(dict(record or {}), T0 + 3)  # before the bake's end: enough to tell
+    assert step.record is not None and step.record["phase"] == ROLLED_BACK
+    assert step.record["rejectedHash"] == "new-hash"
+    assert (_groups(step), step.config_map, step.outcome) == ({"old-hash": ["a", "b"]}, OLD,
+                                                              "rolled_back")  # fmt: skip
+    ((kind, reason, message),) = step.events
+    assert (kind, reason) == ("Warning", "RolloutRolledBack")
+    # rank 1.98 of 2: canary 0.4 + 0.4 * 0.99, baseline 0.1 * 0.99.
+    assert "after 3 s: TTFT p99 0.796 s vs baseline 0.099 s (x8.04, limit x1.20)" in message
+    assert step.applied == step.condition and step.condition is not None
+    assert step.condition[:2] == ("False", ROLLED_BACK)
+    for later in (T0 + 20, T0 + 3600):  # the same spec: the old settings stay, no new rollout
+        again = pods.step(step.record, later)
+        assert (_groups(again), again.events, again.outcome) == ({"old-hash": ["a", "b"]}, [], None)
+        assert again.record == step.record
+    # A new change of the spec (a new version), even to the same settings, is tried again.
+    retry = pods.step(step.record, T0 + 4000, desired=Settings(NEW.values, NEW.hash, 3))
+    assert retry.record is not None and retry.record["phase"] == BAKING
+
+
+def test_one_pod_has_nothing_to_compare_with() -> None:
+    step = Pods("a").step({}, T0)
+    assert _groups(step) == {"new-hash": ["a"]} and step.config_map == NEW
+    assert step.record is not None and step.record["phase"] == UNCHECKED
+    assert step.outcome == "unchecked" and step.events[0][1] == "RolloutUnchecked"
+
+
+def test_canaries_gone_start_the_rollout_again_and_a_revert_supersedes_it() -> None:
+    pods = Pods("a", "b", "c")
+    record = pods.step({}, T0).record
+    assert record is not None and record["canaryPods"] == ["a"]
+    two = Pods("a", "b")
+    two.targets = two.targets[:1]  # the only baseline pod restarting: no promotion unchecked
+    waiting = two.step(record, T0 + 5)
+    assert waiting.record == record and _groups(waiting) == {"new-hash": ["a"]}
+    assert waiting.condition is not None and waiting.condition[1] == "WaitingForPods"
+    pods.targets = pods.targets[1:]  # pod a deleted
+    step = pods.step(record, T0 + 5)
+    assert step.record is not None and step.record["canaryPods"] == ["b"]
+    assert step.record["startedAt"] == timestamp(T0 + 5)
+    reverted = pods.step(step.record, T0 + 6, desired=Settings(OLD.values, OLD.hash, 3))
+    assert reverted.record is not None and reverted.record["phase"] == SUPERSEDED
+    assert _groups(reverted) == {"old-hash": ["b", "c"]}
+
+
+def test_strategy_all_pushes_everything_at_once() -> None:
+    pods = Pods("a", "b")
+    step = pods.step({}, T0, RolloutSpec())
+    assert (_groups(step), step.config_map, step.record) == ({"new-hash": ["a", "b"]}, NEW, None)
+
+
+def test_the_status_patch_drops_what_the_new_record_lacks() -> None:
+    old = {"phase": ROLLED_BACK, "rejectedHash": "h", "windowStart": {"a": {}, "b": {}}}
+    new = {"phase": BAKING, "windowStart": {"b": {}}}
+    assert replacing(old, new) == {
+        "phase": BAKING, "windowStart": {"b": {}, "a": None}, "rejectedHash": None,
+    }  # fmt: skip
+    assert replacing(old, None) is None and replacing(None, new) == new
