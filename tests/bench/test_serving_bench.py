@@ -178,15 +178,18 @@ def test_arrivals_and_plain_bodies(tokenizer: Any) -> None:
     assert ours["ignore_eos"] and ours["min_tokens"] == ours["max_tokens"] == req.output_len
 
 
-@pytest.mark.model
 def test_bench_serve_smoke_and_gate_end_to_end(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``iterserve bench serve`` over HTTP against a real server (in this process: the
-    command's own main, as the CLI runs it), then ``bench gate`` on its JSON."""
+    command's own main, as the CLI runs it), then ``bench gate`` on its JSON. The server is
+    a simulated replica (the real HTTP server and scheduler over the default model's
+    calibrated latency profile, 4x faster): what is measured here is the client, not the
+    model."""
     from iterserve.cli import main
 
-    with run_server("--num-kv-blocks", "256", "--max-num-seqs", "8") as server:
+    flags = ("--simulate", "cpu-smollm2", "--simulate-speed", "4", "--max-num-seqs", "8")
+    with run_server(*flags) as server:
         cmd = ["bench", "serve", "--url", server.url, "--smoke", "--no-progress", "--output-dir"]
         tiers = ["--tier-mix", "premium=1,best-effort=1", "--cost-per-hour", "2.0"]
         assert main([*cmd, str(tmp_path / "one"), *tiers]) == 0
