@@ -231,14 +231,17 @@ def test_bench_serve_smoke_and_gate_end_to_end(
 def test_bench_offline_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from iterserve.cli import main
 
-    assert main(["bench", "offline", "--smoke", "--output-dir", str(tmp_path)]) == 0
+    # No roofline: it is run_decode_bench on the smoke's shapes, which
+    # tests/bench/test_bench_smoke.py runs end to end through benchmarks.decode.
+    argv = ["bench", "offline", "--smoke", "--no-roofline", "--output-dir", str(tmp_path)]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "target row 1 >= 10x row 4" in out and "x floor" in out
+    assert "target row 1 >= 10x row 4" in out and "x floor" not in out
     data = json.loads((tmp_path / "offline-smoke.json").read_text())
     rows = {r["row"]: r for r in data["rows"]}
     assert sorted(rows) == [1, 2, 3, 4, 5]
     # Every engine produced exactly the workload's output tokens.
     assert len({r["output_tokens"] for r in rows.values()}) == 1
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
-    assert [(r["batch"], r["context"]) for r in data["roofline"]] == [(1, 16), (4, 32)]
+    assert data["roofline"] == []
     assert (tmp_path / "offline-smoke.png").stat().st_size > 1000
