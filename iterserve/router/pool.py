@@ -120,8 +120,9 @@ class ReplicaPool:
     on_eject: Callable[[str], None] | None = None
     on_remove: Callable[[str], None] | None = None
     backends: dict[str, Backend] = field(default_factory=dict)  # by URL
-    _by_name: dict[str, Backend] = field(default_factory=dict)
-    _leaving: dict[str, Backend] = field(default_factory=dict)  # gone, attempts still open
+    _by_name: dict[str, Backend] = field(default_factory=dict, init=False, repr=False)
+    # Gone from the set with attempts still open: their series go when the last one ends.
+    _leaving: dict[str, Backend] = field(default_factory=dict, init=False, repr=False)
 
     def set_urls(self, urls: Iterable[str]) -> None:
         """:meth:`set_replicas` for replicas known by URL alone, each named ``host:port``."""
