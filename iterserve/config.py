@@ -277,7 +277,7 @@ class SchedulerConfig:
         default=5.0, metadata={"help": "seconds waited per step of priority gained"}
     )
     priority_preemption_margin: int = field(
-        default=0,
+        default=1,
         metadata={
             "help": "preempt a running request for a waiting one at least this many priority "
             "steps more urgent (0 = off)"

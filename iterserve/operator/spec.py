@@ -304,12 +304,12 @@ class SchedulerSpec(_Model):
         "low tiers are not starved). Default 5.",
     )
     priorityPreemptionMargin: int = Field(
-        0,
+        1,
         ge=0,
         le=2000,
         description="Preempt running requests for a waiting one that finds every seat or KV "
         "block taken, when it is at least this many priority steps more urgent than they "
-        "are (after aging); 0 = off. Default 0.",
+        "are (after aging); 0 = off. Default 1 (a higher tier preempts a lower one).",
     )
     maxWaiting: int = Field(
         1024,

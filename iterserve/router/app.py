@@ -65,6 +65,7 @@ def build_router_app(
     polling, discovery) for the app's lifetime."""
     metrics = RouterMetrics()
     pool.on_eject = lambda name: metrics.ejections.labels(replica=name).inc()
+    pool.on_remove = metrics.forget_replica
     proxy = Proxy(pool, picker, config, metrics)
 
     @contextlib.asynccontextmanager

@@ -15,10 +15,14 @@ sglang     ``GET /metrics`` ``sglang:token_usage`` (0-1), ``sglang:num_queue_req
                             ``sglang:num_running_reqs``
 =========  ===============  ==================================================================
 
-Series with several label sets (one per served model) are summed (queues) or averaged
-(usage). ``auto`` asks ``/load`` first and takes it when it has iterserve's shape (vLLM also
-answers ``GET /load``, with ``{"server_load": N}``; SGLang has none), else reads ``/metrics``;
-it remembers what worked.
+Series with several label sets (one per served model, or per data-parallel rank: SGLang's
+``dp_rank``) are summed (queues) or averaged (usage). SGLang with priority scheduling also
+exports a series per priority next to the total (``priority=""``): only the total counts.
+SGLang serves ``/metrics`` only when started with ``--enable-metrics``.
+
+``auto`` asks ``/load`` first and takes it when it has iterserve's shape (vLLM also answers
+``GET /load``, with ``{"server_load": N}``; SGLang has none), else reads ``/metrics``; it
+remembers what worked.
 """
 
 from __future__ import annotations
@@ -93,7 +97,10 @@ def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 def _first(samples: dict[str, Any], names: Iterable[str]) -> list[float] | None:
     for name in names:
         if name in samples:
-            return [v for _, v in samples[name]]
+            series = samples[name]
+            if any("priority" in labels for labels, _ in series):  # SGLang: "" is the total
+                series = [(labels, v) for labels, v in series if labels.get("priority") == ""]
+            return [v for _, v in series]
     return None
 
 

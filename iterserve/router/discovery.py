@@ -132,6 +132,16 @@ def usable_endpoints(
     return [union[url] for url in sorted(union)]
 
 
+def replicas_by_name(endpoints: Iterable[Endpoint]) -> dict[str, str]:
+    """``name -> url`` of ``endpoints``, what ``ReplicaPool.set_replicas`` takes. A pod
+    listed at two addresses (a dual-stack Service's IPv4 and IPv6 slices) is one replica,
+    at the first of its URLs."""
+    replicas: dict[str, str] = {}
+    for endpoint in endpoints:
+        replicas.setdefault(endpoint.name, endpoint.url)
+    return replicas
+
+
 def load_api_client() -> client.ApiClient:
     """An API client from the in-cluster ServiceAccount when running in a pod, else from
     the kubeconfig (``$KUBECONFIG`` or ``~/.kube/config``). Raises

@@ -52,3 +52,9 @@ class RouterMetrics:
         # series' first sample, so the first "no ready replica" would not count in the rate
         # that wakes a deployment scaled to zero (docs/autoscaling.md).
         self.requests.labels(replica="none", code="503")
+
+    def forget_replica(self, name: str) -> None:
+        """Remove every series of the replica ``name`` (it left the set: a replaced pod's
+        series must not stay, or they grow with every rolling restart)."""
+        for metric in (self.requests, self.ejections):
+            metric.remove_by_labels({"replica": name})

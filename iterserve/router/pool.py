@@ -9,6 +9,12 @@ while its last poll succeeded and it is not ejected. ``eject_after`` consecutive
 (polls or proxied requests failing before their first byte) eject it; it is probed back after
 a backoff that doubles on every failed probe (``backoff_s`` .. ``max_backoff_s``); one good
 poll re-admits it.
+
+A replica is known by its URL (where requests go) and its *name*: the pod name discovery
+reports, or ``host:port`` for a ``--backend`` URL. The name is the replica's identity for
+picking and its ``replica`` label in the metrics; a replica that leaves the set has its
+series removed (``on_remove``) once its last open attempt ends, so pods replaced by a
+rolling restart leave no series behind.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+import urllib.parse
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +44,7 @@ logger = logging.getLogger("iterserve.router")
 
 @dataclass
 class Backend:
-    """One replica as the router tracks it."""
+    """One replica as the router tracks it (``name``: its pod name or ``host:port``)."""
 
     url: str
     kind: str  # iterserve | vllm | sglang | auto (until the first good poll)
@@ -83,6 +90,11 @@ class PollStatusError(Exception):
     """A poll answered with an error status."""
 
 
+def replica_name(url: str) -> str:
+    """The name of a replica known by its URL alone (``--backend``): its ``host:port``."""
+    return urllib.parse.urlsplit(url).netloc
+
+
 @dataclass
 class ReplicaPool:
     """The replicas behind the router (see the module docstring).
@@ -92,6 +104,8 @@ class ReplicaPool:
         backend_type: ``auto``, ``iterserve``, ``vllm`` or ``sglang`` for every replica.
         api_key: the replicas' key (``--backend-api-key``), sent on polls.
         on_eject: called with a replica's name when it is ejected (metrics).
+        on_remove: called with a replica's name once it has left the set and its last open
+            attempt has ended (its metric series go).
     """
 
     fetch: Fetch | None = None
@@ -104,18 +118,48 @@ class ReplicaPool:
     api_key: str | None = None
     clock: Callable[[], float] = time.monotonic
     on_eject: Callable[[str], None] | None = None
-    backends: dict[str, Backend] = field(default_factory=dict)
+    on_remove: Callable[[str], None] | None = None
+    backends: dict[str, Backend] = field(default_factory=dict)  # by URL
+    _by_name: dict[str, Backend] = field(default_factory=dict, init=False, repr=False)
+    # Gone from the set with attempts still open: their series go when the last one ends.
+    _leaving: dict[str, Backend] = field(default_factory=dict, init=False, repr=False)
 
-    def set_urls(self, urls: list[str]) -> None:
-        """The replica set now (discovery's answer): new ones are added unready until their
-        first poll, gone ones dropped."""
-        wanted = {u.rstrip("/") for u in urls}
-        for url in list(self.backends):
-            if url not in wanted:
+    def set_urls(self, urls: Iterable[str]) -> None:
+        """:meth:`set_replicas` for replicas known by URL alone, each named ``host:port``."""
+        self.set_replicas({replica_name(url): url for url in urls})
+
+    def set_replicas(self, replicas: Mapping[str, str]) -> None:
+        """The replica set now (discovery's answer), ``name -> url``: new ones are added
+        unready until their first poll, gone ones dropped (a name at a new URL is a new
+        replica under the same name). A name that left is reported to ``on_remove`` at once,
+        or when its last open attempt ends."""
+        wanted = {url.rstrip("/"): name for name, url in replicas.items()}
+        for url, b in list(self.backends.items()):
+            if wanted.get(url) != b.name:
                 del self.backends[url]
-        for url in wanted:
+                if b.name not in replicas:
+                    self._leave(b)
+        for url, name in wanted.items():
             if url not in self.backends:
-                self.backends[url] = Backend(url, self.backend_type, ReplicaState(url, ready=False))
+                self._leaving.pop(name, None)  # back before its last attempt ended
+                state = ReplicaState(name, ready=False)
+                self.backends[url] = Backend(url, self.backend_type, state)
+        self._by_name = {b.name: b for b in self.backends.values()}
+
+    def _leave(self, b: Backend) -> None:
+        if b.in_flight:
+            self._leaving[b.name] = b
+        elif self.on_remove is not None:
+            self.on_remove(b.name)
+
+    def named(self, name: str) -> Backend:
+        """The replica called ``name`` (a picked :class:`ReplicaState`'s name). Raises
+        ``KeyError`` when none is."""
+        return self._by_name[name]
+
+    def present(self, b: Backend) -> bool:
+        """Whether ``b`` is still in the set (not dropped by discovery)."""
+        return self.backends.get(b.url) is b
 
     def states(self) -> list[ReplicaState]:
         return [b.state for b in self.backends.values()]
@@ -141,6 +185,10 @@ class ReplicaPool:
         b.in_flight -= 1
         if b.state.report is attempt.report:
             b.state.in_flight_since_report = max(0, b.state.in_flight_since_report - 1)
+        if b.in_flight == 0 and self._leaving.get(b.name) is b:
+            del self._leaving[b.name]
+            if self.on_remove is not None:
+                self.on_remove(b.name)
 
     # ----------------------------------------------------------------- polling
 
@@ -161,7 +209,7 @@ class ReplicaPool:
                 task.cancel()
 
     async def _poll_loop(self, b: Backend) -> None:
-        while self.backends.get(b.url) is b:
+        while self.present(b):
             if not b.ejected or self.clock() >= b.next_probe_at:
                 await self.poll(b)
             await asyncio.sleep(self.poll_interval_s)
@@ -248,7 +296,7 @@ class ReplicaPool:
             b.backoff_s = min(self.max_backoff_s, b.backoff_s * 2) if again else self.backoff_s
             b.next_probe_at = self.clock() + b.backoff_s
             logger.warning("replica %s ejected after %d failures (%s)", b.name, failures, why)
-            if self.on_eject is not None:
+            if self.on_eject is not None and self.present(b):  # a gone one keeps no series
                 self.on_eject(b.name)
 
     def record_success_request(self, b: Backend) -> None:

@@ -234,7 +234,7 @@ class Proxy:
         if attempts.last is not None:  # this attempt is a retry
             self.metrics.retries.labels(reason=attempts.last.reason).inc()
         self.metrics.picks.labels(policy=self.picker.policy, reason=pick.reason).inc()
-        return self.pool.backends[pick.replica.name]
+        return self.pool.named(pick.replica.name)
 
     async def forward(
         self,

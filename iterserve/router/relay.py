@@ -79,7 +79,7 @@ class Relay:
         """
         code = response.status
         self.metrics.requests.labels(replica=backend.name, code=str(code)).inc()
-        back = back_headers(response.headers, backend.name)
+        back = back_headers(response.headers, backend.url)
         if code >= 500 or code == 429:
             try:
                 body = await response.read()

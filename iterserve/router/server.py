@@ -78,7 +78,9 @@ def _background(
     async def background() -> AsyncIterator[None]:
         tasks = []
         if discovery is not None:
-            on_change = lambda endpoints: pool.set_urls([e.url for e in endpoints])  # noqa: E731
+            from iterserve.router.discovery import replicas_by_name
+
+            on_change = lambda endpoints: pool.set_replicas(replicas_by_name(endpoints))  # noqa: E731
             tasks.append(asyncio.create_task(discovery.run(on_change)))
         timeout = aiohttp.ClientTimeout(total=config.poll_timeout_ms / 1000)
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S)

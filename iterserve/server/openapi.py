@@ -206,7 +206,7 @@ def _live_settings_schemas() -> dict[str, Any]:
         },
         "additionalProperties": False,  # unknown and restart-only keys: 422
         "examples": [
-            {"max_num_seqs": 16, "priority_preemption_margin": 1},
+            {"max_num_seqs": 16, "priority_preemption_margin": 0},
             {"tiers": [{"name": "premium", "priority": 0, "max_queue_wait_ms": 500}]},
         ],
     }

@@ -422,6 +422,7 @@ def test_aged_request_is_admitted_before_newer_arrivals_under_premium_load(
         max_num_batched_tokens=16,
         num_kv_blocks=256,
         aging_interval_s=case.aging_interval_s,
+        priority_preemption_margin=0,  # the admission order alone, no seat taken back
     )
     t0 = case.t0_step * case.dt
     deadline = t0 + case.aging_interval_s * (2 - 0)  # best-effort - premium

@@ -80,9 +80,17 @@ def test_premium_arrival_preempts_a_best_effort_seat(margin: int) -> None:
     assert h.scheduler.num_preemptions_by_reason["kv"] == 0
 
 
+def test_the_policy_is_on_by_default_between_adjacent_tiers() -> None:
+    assert SchedulerConfig().priority_preemption_margin == 1
+    h = Harness(max_num_seqs=2)
+    fill_seats(h, 2, priority=STANDARD)
+    h.add("p", 3, max_tokens=4, priority=PREMIUM)
+    assert h.steps_until_sampled("p", limit=2) == 1
+    assert h.priority_preemptions == 1
+
+
 def test_without_the_policy_the_premium_arrival_waits_for_a_seat() -> None:
-    h = Harness(max_num_seqs=4)  # priority_preemption_margin defaults to 0: off
-    assert SchedulerConfig().priority_preemption_margin == 0
+    h = Harness(max_num_seqs=4, priority_preemption_margin=0)  # off
     fill_seats(h, 4)
     h.add("p", 3, max_tokens=4, priority=PREMIUM)
     assert h.steps_until_sampled("p", limit=20) is None
@@ -506,7 +514,7 @@ def test_a_protected_request_stays_protected_from_priority_preemption() -> None:
 
 
 def test_the_live_setting_turns_the_policy_on_between_iterations() -> None:
-    h = Harness(max_num_seqs=2)
+    h = Harness(max_num_seqs=2, priority_preemption_margin=0)
     fill_seats(h, 2)
     h.add("p", 3, max_tokens=4, priority=PREMIUM)
     assert h.steps_until_sampled("p", limit=3) is None
@@ -565,7 +573,7 @@ def test_priority_victims_none_when_off_fcfs_aged_after_a_preemption_or_protecte
     victim = running("b", BEST_EFFORT, 0, arrival_time=0.0)
     on = SchedulerConfig(priority_preemption_margin=1, aging_interval_s=1000.0)
     assert policy.priority_victims(candidate, [victim], 10.0, 10, on) == [victim]
-    off = SchedulerConfig(aging_interval_s=1000.0)
+    off = SchedulerConfig(priority_preemption_margin=0, aging_interval_s=1000.0)
     assert policy.priority_victims(candidate, [victim], 10.0, 10, off) == []
     fcfs = SchedulerConfig(priority_preemption_margin=1, scheduling_policy="fcfs")
     assert policy.priority_victims(candidate, [victim], 10.0, 10, fcfs) == []

@@ -354,6 +354,7 @@ def test_anti_thrashing_in_the_engine() -> None:
         block_size=1,
         max_model_len=64,
         preemption_mode="recompute",
+        priority_preemption_margin=0,  # KV preemption's anti-thrashing alone
     )
     arrivals = {
         0: [("x", 3, 12, "premium"), ("w", 3, 17, "standard"), ("z", 1, 6, "best-effort")],

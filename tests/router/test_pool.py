@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from iterserve.router.pool import Backend, ReplicaPool
+from iterserve.router.scoring import Picker, scores
 
 URL = "http://r:1"
 
@@ -128,6 +131,57 @@ def test_auto_detection_reads_an_sglang_replica_without_load() -> None:
     assert report is not None
     assert (report.num_running, report.num_waiting, report.kv_cache_usage) == (4, 1, 0.5)
     assert asked == ["/load", "/metrics"]
+
+
+# SGLang's scheduler labels (model_name, engine_type, tp_rank, pp_rank, moe_ep_rank; priority ""
+# with --enable-priority-scheduling; dp_rank with data-parallel attention: one scheduler, one
+# queue and one KV pool per rank, so queues add up and usage averages). A per-priority series
+# next to the total must not count twice.
+SGLANG_LABELS = (
+    'model_name="Qwen/Qwen3-8B",engine_type="unified",tp_rank="0",pp_rank="0",moe_ep_rank="0"'
+)
+SGLANG_DP_METRICS = f"""\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{{{SGLANG_LABELS},priority="",dp_rank="0"}} 3.0
+sglang:num_running_reqs{{{SGLANG_LABELS},priority="",dp_rank="1"}} 5.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{{{SGLANG_LABELS},priority="",dp_rank="0"}} 2.0
+sglang:num_queue_reqs{{{SGLANG_LABELS},priority="",dp_rank="1"}} 4.0
+sglang:num_queue_reqs{{{SGLANG_LABELS},priority="1",dp_rank="1"}} 4.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{{{SGLANG_LABELS},priority="",dp_rank="0"}} 0.6
+sglang:token_usage{{{SGLANG_LABELS},priority="",dp_rank="1"}} 0.8
+""".encode()
+
+
+def test_an_sglang_replica_with_data_parallel_ranks_is_read_and_scored_against_vllm() -> None:
+    answers = {
+        "http://sglang:30000/metrics": (200, SGLANG_DP_METRICS),
+        "http://sglang:30000/load": (404, b'{"detail":"Not Found"}'),
+        "http://vllm:8000/load": (200, VLLM_LOAD),
+        "http://vllm:8000/metrics": (200, VLLM_METRICS),
+    }
+
+    async def fetch(url: str, headers: dict[str, str]) -> tuple[int, bytes]:
+        return answers[url]
+
+    pool = ReplicaPool(fetch)
+    pool.set_urls(["http://sglang:30000", "http://vllm:8000"])
+    asyncio.run(pool.poll_all())
+    sglang, vllm = pool.named("sglang:30000"), pool.named("vllm:8000")
+    assert (sglang.kind, vllm.kind) == ("sglang", "vllm")
+    report = sglang.state.report
+    assert report is not None and sglang.state.ready
+    assert (report.num_running, report.num_waiting) == (8, 6)  # the ranks' totals
+    assert report.kv_cache_usage == pytest.approx(0.7)
+    # vLLM: 25% KV, 5 waiting; SGLang: 70% KV, 6 waiting: the vLLM replica scores lower.
+    now = report.received_at
+    picked = Picker("least_kv", prefix_affinity=False).pick(pool.states(), now)
+    assert picked.replica.name == "vllm:8000"
+    assert scores(pool.states(), now)["sglang:30000"] > scores(pool.states(), now)["vllm:8000"]
 
 
 def test_auto_detection_keeps_iterserve_on_load() -> None:

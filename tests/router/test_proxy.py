@@ -22,6 +22,7 @@ from server_utils import Server, free_port, run_server
 from sim_profiles import make_profile, write_profile
 
 from iterserve.cli import build_parser
+from iterserve.router.pool import replica_name
 from iterserve.router.server import build
 
 # 20 ms per iteration: streams take visible time, tests stay short.
@@ -73,7 +74,7 @@ def test_new_requests_go_to_the_idle_replica(profile_file: Path) -> None:
                     ]
                     assert all(a.status_code == 200 for a in answers)
                     counts = _requests_by_replica(await http.get(url + "/metrics"))
-                    assert counts == {idle.url: 6}, counts
+                    assert counts == {replica_name(idle.url): 6}, counts
                     for t in loaders:
                         t.cancel()
                 await until(lambda: all(b.in_flight == 0 for b in pool.backends.values()), "zero")

@@ -235,7 +235,8 @@ def test_a_stream_the_replica_cuts_ends_with_an_error_event() -> None:
     assert json.loads(CUT_EVENT[len(b"data: ") :])["error"]["type"] == "bad_gateway"
     assert client.ended
     assert proxy.pool.backends[A].request_failures == 1
-    assert proxy.metrics.requests.labels(replica=A, code="stream_cut")._value.get() == 1
+    # Labelled by the replica's name (host:port for a --backend URL), not its URL.
+    assert proxy.metrics.requests.labels(replica="a:1", code="stream_cut")._value.get() == 1
 
 
 def test_a_whole_answer_cut_off_is_a_502() -> None:
@@ -306,8 +307,8 @@ def _route(proxy: Proxy, request: ProxiedRequest) -> Client:
 
 
 def _in_pick_order(proxy: Proxy) -> list[str]:
-    """The replicas in the order ``round_robin`` tries them (the pool's order)."""
-    return [state.name for state in proxy.pool.states()]
+    """The replicas' URLs in the order ``round_robin`` tries them (the pool's order)."""
+    return [proxy.pool.named(state.name).url for state in proxy.pool.states()]
 
 
 def test_a_failed_attempt_is_retried_on_the_other_replica() -> None:

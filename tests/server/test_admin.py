@@ -120,10 +120,10 @@ def test_put_merges_versions_noops_and_reaches_the_engine(tokenizer: Any) -> Non
 
 def test_put_priority_preemption_margin_reaches_the_engine(tokenizer: Any) -> None:
     async def check(http: httpx.AsyncClient, fake: FakeEngineClient) -> None:
-        assert (await get_config(http))["priority_preemption_margin"] == 0  # off by default
-        after = await put_config(http, {"priority_preemption_margin": 1})
-        assert after["priority_preemption_margin"] == 1
-        assert fake.config_updates[-1].priority_preemption_margin == 1
+        assert (await get_config(http))["priority_preemption_margin"] == 1  # on by default
+        after = await put_config(http, {"priority_preemption_margin": 0})
+        assert after["priority_preemption_margin"] == 0
+        assert fake.config_updates[-1].priority_preemption_margin == 0
 
     run_with_server(tokenizer, check, CONFIG)
 
