@@ -18,11 +18,12 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 import unicodedata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Annotated, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
 import pydantic
 import yaml
@@ -177,6 +178,41 @@ class ApiKeys:
         return None if not key else self.grants.get(_digest(key))
 
 
+class _KeysLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` refusing a field given twice in one entry (PyYAML keeps the last
+    silently: an entry's second ``key:`` would hide its first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *entry``: merged by super
+                continue
+            name = self.construct_object(key_node, deep=deep)
+            if not isinstance(name, str | int | float | bool):
+                continue  # unhashable: super refuses it
+            if name in seen:
+                field = name if name in ApiKeyEntry.model_fields else "a field"
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{field} given twice in one entry", key_node.start_mark
+                )
+            seen.add(name)
+        return super().construct_mapping(node, deep)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error without the file's text: PyYAML's message quotes the line it failed on,
+    which may hold a key (a key is never printed). Quoted names (aliases, tags) are dropped
+    too; single characters and ``<stream end>``-like tokens are kept."""
+    if isinstance(e, yaml.reader.ReaderError):
+        return f"not UTF-8 or UTF-16 text ({e.reason}) at byte {e.position}"
+    if not isinstance(e, yaml.MarkedYAMLError):
+        return type(e).__name__
+    said = ", ".join(part for part in (e.context, e.problem) if part) or "a syntax error"
+    problem = re.sub(r"'(?!<)[^' ]{3,}'", "'...'", said)
+    mark = e.problem_mark or e.context_mark
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark else problem
+
+
 def parse_api_keys(data: bytes, path: str) -> ApiKeys:
     """A keys file's contents (the module docstring's shape).
 
@@ -185,11 +221,15 @@ def parse_api_keys(data: bytes, path: str) -> ApiKeys:
             field named; never the key itself) or a key given twice.
     """
     try:
-        raw = yaml.safe_load(data)
+        raw = yaml.load(data, Loader=_KeysLoader)  # a SafeLoader
     except yaml.YAMLError as e:
-        raise CredentialsError(f"{path}: not YAML: {e}") from e
+        raise CredentialsError(f"{path}: not YAML: {_yaml_problem(e)}") from None
+    except RecursionError:
+        raise CredentialsError(f"{path}: not YAML: nested too deeply") from None
     try:
         entries = _ENTRIES.validate_python(raw if raw is not None else [])
+    except RecursionError:
+        raise CredentialsError(f"{path}: nested too deeply") from None
     except pydantic.ValidationError as e:
         first = e.errors()[0]
         loc = list(first["loc"])

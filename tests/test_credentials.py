@@ -31,6 +31,18 @@ from iterserve.credentials import (
         ("- {key: sk-secret-1, tenant: a}\n- {key: sk-secret-1, tenant: b}", "entry 1: the key"),
         ("{a: 1}", "the file: Input should be a valid list"),
         ("[", "not YAML"),
+        # PyYAML's own message quotes the line it failed on (the key with it): never printed.
+        ('- key: "sk-secret-1\n  tenant: a', r"not YAML: while scanning a quoted scalar.*line 2"),
+        ("- {key: sk-secret-1 tenant: a}", r"not YAML: .*expected ',' or '}'.*\(line 1"),
+        ("- {key: sk-secret-1, tenant: a}\n---\n- x", "not YAML: expected a single document"),
+        ("- {key: *sk-secret-1, tenant: a}", "not YAML: found undefined alias '...'"),
+        # A field given twice: PyYAML keeps the last silently (the first key lost unseen).
+        ("- {key: sk-secret-1, tenant: a, tenant: b}", "not YAML: tenant given twice"),
+        ("- key: sk-secret-0\n  key: sk-secret-1\n  tenant: a", "key given twice"),
+        ("- {? [a]: 1, key: sk-secret-1, tenant: a}", "not YAML: while constructing a mapping"),
+        # Nested past Python's recursion limit: a CredentialsError, not a RecursionError.
+        ("[" * 50_000, "not YAML: nested too deeply"),
+        ("- " * 5_000 + "x", "not YAML: nested too deeply"),
         ("", "no key"),
     ],
 )
@@ -39,6 +51,13 @@ def test_a_bad_keys_file_names_the_file_and_entry_never_the_key(text: str, messa
         parse_api_keys(text.encode(), "/keys.yaml")
     assert str(e.value).startswith("/keys.yaml: ")
     assert "sk-secret-1" not in str(e.value)
+
+
+def test_a_merge_key_is_not_a_field_given_twice() -> None:
+    keys = parse_api_keys(
+        b"- &a {key: sk-acme-0001, tenant: acme}\n- {<<: *a, key: sk-acme-0002}", "f"
+    )
+    assert len(keys) == 2
 
 
 def test_grants_and_tokens() -> None:
