@@ -213,9 +213,17 @@ def test_a_keys_file_rewritten_too_deeply_nested_is_logged_not_a_500(
 def test_a_bad_keys_file_at_start_names_the_file_and_the_entry(tmp_path: Path) -> None:
     path = tmp_path / "keys.yaml"
     path.write_text(KEYS + "- {key: sk-acme-0001, tenant: again}\n")
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
     with pytest.raises(CredentialsError, match=rf"{path}: entry 2: the key of entry 0 again"):
-        config = RouterConfig((A,), api_keys_file=str(path))
+        config = RouterConfig((A,), api_keys_file=str(path), router_token_file=str(token))
         Proxy(ReplicaPool(), Picker("round_robin"), config, RouterMetrics())
+    # Found by the breaker: keys without the router token started, and the replicas then
+    # trusted none of the key's headers (an integer priority escaped the key's tiers).
+    with pytest.raises(ValueError, match="--api-keys-file needs --router-token-file"):
+        RouterConfig((A,), api_keys_file=str(path))
+    with pytest.raises(ValueError, match="--api-keys-file needs --router-token-file"):
+        RouterConfig((A,), api_keys_file=str(path), backend_api_key="backend-key-1")
     with pytest.raises(ValueError, match=r"--api-key \(one key\) or --api-keys-file, not both"):
         RouterConfig((A,), api_key="k", api_keys_file=str(path))
     with pytest.raises(ValueError, match="--backend-api-key or --router-token-file"):
