@@ -300,6 +300,7 @@ class WatchedFile(Generic[T]):
         except OSError as e:
             raise CredentialsError(f"{path}: {e.strerror}") from e
         self.checked_at = clock()
+        self.unreadable: str | None = None  # the error of the last failed read, if any
 
     def _identity(self) -> tuple[int, ...]:
         s = os.stat(self.path)
@@ -321,9 +322,13 @@ class WatchedFile(Generic[T]):
             with open(self.path, "rb") as f:
                 data = f.read()
             self.identity = identity  # a bad version is logged once, not every second
+            self.unreadable = None
             self.value = self.parse(data, self.path)
             logger.info("%s: re-read", self.path)
         except OSError as e:
-            logger.error("%s: cannot be read (%s); keeping the last good version", self.path, e)
+            if str(e) != self.unreadable:  # logged once, not every second until it is back
+                logger.error("%s: cannot be read (%s); keeping the last good version", self.path, e)
+            self.unreadable = str(e)
+            return
         except CredentialsError as e:
             logger.error("%s; keeping the last good version", e)

@@ -4,6 +4,7 @@ interval, in place or by a new inode."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -104,3 +105,27 @@ def test_a_watched_file_is_stat_ed_at_most_once_per_interval(tmp_path: Path) -> 
     assert watched.current() == "token-cccccccc"
     with pytest.raises(CredentialsError, match="No such file"):
         WatchedFile(str(path), parse_token)
+
+
+def test_a_missing_file_is_logged_once_not_every_second(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by the breaker: a deleted (or unreadable) file logged an ERROR at every check,
+    once a second for as long as it stayed gone."""
+    now = [100.0]
+    path = tmp_path / "token"
+    path.write_text("token-aaaaaaaa")
+    watched = WatchedFile(str(path), parse_token, check_interval_s=1.0, clock=lambda: now[0])
+    path.unlink()
+    with caplog.at_level(logging.ERROR, "iterserve.credentials"):
+        for _ in range(5):
+            now[0] += 1.0
+            assert watched.current() == "token-aaaaaaaa"
+        assert caplog.text.count("cannot be read") == 1
+        path.write_text("token-bbbbbbbb")
+        now[0] += 1.0
+        assert watched.current() == "token-bbbbbbbb"
+        path.unlink()  # gone again: logged again
+        now[0] += 1.0
+        assert watched.current() == "token-bbbbbbbb"
+    assert caplog.text.count("cannot be read") == 2
