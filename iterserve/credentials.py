@@ -131,6 +131,8 @@ class Grant:
             default = None if default_tier is None else json.loads(default_tier)
         except ValueError as e:
             raise CredentialsError(f"malformed tier header: {e}") from e
+        except RecursionError:  # nested past the recursion limit: not the router's JSON
+            raise CredentialsError("malformed tier header: nested too deeply") from None
         if names is not None and not (
             isinstance(names, list) and all(isinstance(n, str) for n in names)
         ):
