@@ -237,7 +237,12 @@ def parse_api_keys(data: bytes, path: str) -> ApiKeys:
         first = e.errors()[0]
         loc = list(first["loc"])
         where = f"entry {loc[0]}" if loc and isinstance(loc[0], int) else "the file"
-        field = ".".join(str(x) for x in loc[1:])
+        # An unknown field is named only when it reads like a field's name: a key pasted
+        # where a field belongs (``- {key: sk-a, tenant: t, sk-b: x}``) is never printed.
+        field = ".".join(
+            str(x) if isinstance(x, int) or re.fullmatch(r"[a-z_]{1,32}", x) else "a field"
+            for x in loc[1:]
+        )
         message = first["msg"].removeprefix("Value error, ")
         problem = f"{field}: {message}" if field else message
         raise CredentialsError(

@@ -29,6 +29,9 @@ from iterserve.credentials import (
         ("- {key: sk-secret-1, tenant: a, tiers: [x], default_tier: y}", "'y' is not one of"),
         ("- {key: sk-secret-1, tenant: a, tiers: []}", "entry 0: tiers: List should have"),
         ("- {key: sk-secret-1, tenant: a, extra: 1}", "entry 0: extra: Extra inputs"),
+        # A key pasted where a field belongs: not named.
+        ("- {key: sk-secret-0, tenant: a, sk-secret-1: x}", "entry 0: a field: Extra inputs"),
+        ("- {key: sk-secret-0, tenant: a, Sk-Secret-1: x}", "entry 0: a field: Extra inputs"),
         ("- {key: sk-secret-1, tenant: ' a'}", "entry 0: tenant: .*printable"),
         ("- {key: short, tenant: a}", "entry 0: key: String should have at least 8"),
         ("- {key: sk-secret-1, tenant: a}\n- {key: sk-secret-1, tenant: b}", "entry 1: the key"),
