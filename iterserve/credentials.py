@@ -18,11 +18,12 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 import unicodedata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Annotated, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
 import pydantic
 import yaml
@@ -130,6 +131,8 @@ class Grant:
             default = None if default_tier is None else json.loads(default_tier)
         except ValueError as e:
             raise CredentialsError(f"malformed tier header: {e}") from e
+        except RecursionError:  # nested past the recursion limit: not the router's JSON
+            raise CredentialsError("malformed tier header: nested too deeply") from None
         if names is not None and not (
             isinstance(names, list) and all(isinstance(n, str) for n in names)
         ):
@@ -177,6 +180,42 @@ class ApiKeys:
         return None if not key else self.grants.get(_digest(key))
 
 
+class _KeysLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """``yaml.SafeLoader`` refusing a field given twice in one entry (PyYAML keeps the last
+    silently: an entry's second ``key:`` would hide its first); libyaml's when PyYAML has it
+    (a re-read runs on the event loop: the pure-Python loader is about 5 times slower)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *entry``: merged by super
+                continue
+            name = self.construct_object(key_node, deep=deep)
+            if not isinstance(name, str | int | float | bool):
+                continue  # unhashable: super refuses it
+            if name in seen:
+                field = name if name in ApiKeyEntry.model_fields else "a field"
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{field} given twice in one entry", key_node.start_mark
+                )
+            seen.add(name)
+        return super().construct_mapping(node, deep)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error without the file's text: PyYAML's message quotes the line it failed on,
+    which may hold a key (a key is never printed). Quoted names (aliases, tags) are dropped
+    too; single characters and ``<stream end>``-like tokens are kept."""
+    if isinstance(e, yaml.reader.ReaderError):
+        return f"not UTF-8 or UTF-16 text ({e.reason}) at byte {e.position}"
+    if not isinstance(e, yaml.MarkedYAMLError):
+        return type(e).__name__
+    said = ", ".join(part for part in (e.context, e.problem) if part) or "a syntax error"
+    problem = re.sub(r"'(?!<)[^' ]{3,}'", "'...'", said)
+    mark = e.problem_mark or e.context_mark
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark else problem
+
+
 def parse_api_keys(data: bytes, path: str) -> ApiKeys:
     """A keys file's contents (the module docstring's shape).
 
@@ -185,16 +224,25 @@ def parse_api_keys(data: bytes, path: str) -> ApiKeys:
             field named; never the key itself) or a key given twice.
     """
     try:
-        raw = yaml.safe_load(data)
+        raw = yaml.load(data, Loader=_KeysLoader)  # a SafeLoader
     except yaml.YAMLError as e:
-        raise CredentialsError(f"{path}: not YAML: {e}") from e
+        raise CredentialsError(f"{path}: not YAML: {_yaml_problem(e)}") from None
+    except RecursionError:
+        raise CredentialsError(f"{path}: not YAML: nested too deeply") from None
     try:
         entries = _ENTRIES.validate_python(raw if raw is not None else [])
+    except RecursionError:
+        raise CredentialsError(f"{path}: nested too deeply") from None
     except pydantic.ValidationError as e:
         first = e.errors()[0]
         loc = list(first["loc"])
         where = f"entry {loc[0]}" if loc and isinstance(loc[0], int) else "the file"
-        field = ".".join(str(x) for x in loc[1:])
+        # An unknown field is named only when it reads like a field's name: a key pasted
+        # where a field belongs (``- {key: sk-a, tenant: t, sk-b: x}``) is never printed.
+        field = ".".join(
+            str(x) if isinstance(x, int) or re.fullmatch(r"[a-z_]{1,32}", x) else "a field"
+            for x in loc[1:]
+        )
         message = first["msg"].removeprefix("Value error, ")
         problem = f"{field}: {message}" if field else message
         raise CredentialsError(
@@ -259,6 +307,7 @@ class WatchedFile(Generic[T]):
         except OSError as e:
             raise CredentialsError(f"{path}: {e.strerror}") from e
         self.checked_at = clock()
+        self.unreadable: str | None = None  # the error of the last failed read, if any
 
     def _identity(self) -> tuple[int, ...]:
         s = os.stat(self.path)
@@ -280,9 +329,13 @@ class WatchedFile(Generic[T]):
             with open(self.path, "rb") as f:
                 data = f.read()
             self.identity = identity  # a bad version is logged once, not every second
+            self.unreadable = None
             self.value = self.parse(data, self.path)
             logger.info("%s: re-read", self.path)
         except OSError as e:
-            logger.error("%s: cannot be read (%s); keeping the last good version", self.path, e)
+            if str(e) != self.unreadable:  # logged once, not every second until it is back
+                logger.error("%s: cannot be read (%s); keeping the last good version", self.path, e)
+            self.unreadable = str(e)
+            return
         except CredentialsError as e:
             logger.error("%s; keeping the last good version", e)

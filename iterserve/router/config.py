@@ -137,6 +137,14 @@ class RouterConfig:
             raise ValueError("give --api-key (one key) or --api-keys-file, not both")
         if self.backend_api_key and self.router_token_file:
             raise ValueError("give --backend-api-key or --router-token-file, not both")
+        if self.api_keys_file and not self.router_token_file:
+            # Without the token the replicas trust none of the key's headers: an integer
+            # priority escapes its tiers, its default tier is not applied, and a replica
+            # with credentials of its own counts every request as the ``default`` tenant.
+            raise ValueError(
+                "--api-keys-file needs --router-token-file (the replicas trust the key's "
+                "tenant and tiers only from requests bearing the router token)"
+            )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:

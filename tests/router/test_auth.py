@@ -194,12 +194,36 @@ def test_the_files_are_re_read_after_a_secret_swap_and_a_bad_rewrite_keeps_the_l
     assert "keeping the last good version" in caplog.text
 
 
+def test_a_keys_file_rewritten_too_deeply_nested_is_logged_not_a_500(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by the breaker: a rewrite nested past the recursion limit raised RecursionError
+    out of the request's key check (a bare 500 from uvicorn, the request lost)."""
+    proxy, http, volume = _proxy(tmp_path)
+    assert proxy.auth.keys is not None
+    proxy.auth.keys.check_interval_s = 0.0
+    with caplog.at_level(logging.ERROR, "iterserve.credentials"):
+        volume.write({"keys.yaml": "[" * 50_000, "token": TOKEN})
+        assert _call(proxy, "sk-acme-0001", {"prompt": "hi"})[0] == 200
+    assert "keeping the last good version" in caplog.text
+    assert "nested too deeply" in caplog.text or "maximum nesting depth" in caplog.text
+    assert len(http.sent) == 1
+
+
 def test_a_bad_keys_file_at_start_names_the_file_and_the_entry(tmp_path: Path) -> None:
     path = tmp_path / "keys.yaml"
     path.write_text(KEYS + "- {key: sk-acme-0001, tenant: again}\n")
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
     with pytest.raises(CredentialsError, match=rf"{path}: entry 2: the key of entry 0 again"):
-        config = RouterConfig((A,), api_keys_file=str(path))
+        config = RouterConfig((A,), api_keys_file=str(path), router_token_file=str(token))
         Proxy(ReplicaPool(), Picker("round_robin"), config, RouterMetrics())
+    # Found by the breaker: keys without the router token started, and the replicas then
+    # trusted none of the key's headers (an integer priority escaped the key's tiers).
+    with pytest.raises(ValueError, match="--api-keys-file needs --router-token-file"):
+        RouterConfig((A,), api_keys_file=str(path))
+    with pytest.raises(ValueError, match="--api-keys-file needs --router-token-file"):
+        RouterConfig((A,), api_keys_file=str(path), backend_api_key="backend-key-1")
     with pytest.raises(ValueError, match=r"--api-key \(one key\) or --api-keys-file, not both"):
         RouterConfig((A,), api_key="k", api_keys_file=str(path))
     with pytest.raises(ValueError, match="--backend-api-key or --router-token-file"):

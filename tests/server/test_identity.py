@@ -14,7 +14,9 @@ import pytest
 from fake_engine import FakeEngineClient, run_with_server
 
 from iterserve.config import ConfigError, ServerConfig
+from iterserve.openai_http import APIError
 from iterserve.server.app import build_app
+from iterserve.server.identity import ServerAuth
 
 KEYS = """
 - key: sk-acme-0001
@@ -113,6 +115,16 @@ def test_a_direct_key_gets_its_tenant_and_tiers_and_integer_priorities_are_check
         assert 'tenant="bob"' not in metrics
 
     run_with_server(tokenizer, check, server_config=_config(tmp_path))
+
+
+def test_a_tier_header_nested_past_the_recursion_limit_is_400_not_500(tmp_path: Path) -> None:
+    """Found by the breaker: ``X-Iterserve-Tiers: [[[[...`` with the router token raised
+    RecursionError out of the Bearer check (a 500, the connection dropped)."""
+    auth = ServerAuth(_config(tmp_path))
+    for name in (b"x-iterserve-tiers", b"x-iterserve-default-tier"):
+        with pytest.raises(APIError) as e:
+            auth.grant_for(f"Bearer {TOKEN}".encode(), [(name, b"[" * 100_000)])
+        assert e.value.status == 400 and "nested too deeply" in str(e.value.body())
 
 
 def test_a_bad_keys_file_refuses_to_start(tmp_path: Path) -> None:
