@@ -258,19 +258,30 @@ def parse_api_keys(data: bytes, path: str) -> ApiKeys:
     return ApiKeys(entries)
 
 
-def parse_token(data: bytes, path: str) -> str:
-    """A token file's contents: one token, surrounding blanks and newlines dropped.
+def parse_tokens(data: bytes, path: str) -> tuple[str, ...]:
+    """A token file's contents: one token per line, blank lines and surrounding blanks
+    dropped, in order. The first is the one to send, every one is accepted: a rotation
+    writes ``NEW\nOLD`` (or, where the sender reads the same file, ``OLD\nNEW`` first), so
+    a request carrying either passes while the kubelet has not yet given every pod the new
+    file (the admin token, docs/server.md; the router token, docs/kubernetes.md).
 
     Raises:
-        CredentialsError: empty, not ASCII, or with blanks inside.
+        CredentialsError: no token, not ASCII, or a line with blanks or control characters
+            inside (no HTTP client can send such a token).
     """
     try:
-        token = data.decode("ascii").strip()
+        text = data.decode("ascii")
     except UnicodeDecodeError:
         raise CredentialsError(f"{path}: the token is not ASCII") from None
-    if len(token) < 8 or any(not 0x21 <= ord(c) <= 0x7E for c in token):
-        raise CredentialsError(f"{path}: expected one token of 8+ printable characters")
-    return token
+    tokens = tuple(line.strip() for line in text.splitlines() if line.strip())
+    if not tokens:
+        raise CredentialsError(f"{path}: no token in it")
+    for number, token in enumerate(tokens, 1):
+        if any(not 0x21 <= ord(c) <= 0x7E for c in token):
+            raise CredentialsError(
+                f"{path}: token {number} has whitespace or control characters inside"
+            )
+    return tokens
 
 
 # ----------------------------------------------------------------- files re-read on change

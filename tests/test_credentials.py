@@ -17,7 +17,7 @@ from iterserve.credentials import (
     WatchedFile,
     _KeysLoader,
     parse_api_keys,
-    parse_token,
+    parse_tokens,
 )
 
 
@@ -83,31 +83,33 @@ def test_grants_and_tokens() -> None:
         "acme", frozenset({"standard"}), "standard"
     )
     assert keys.grant_for(b"Bearer sk-acme-000") is None and keys.grant_for(b"") is None
-    assert parse_token(b"  tok-12345678\n", "t") == "tok-12345678"
-    with pytest.raises(CredentialsError, match="t: expected one token"):
-        parse_token(b"tok 12345678", "t")
+    assert parse_tokens(b"  tok-12345678\n\n old-1234\n", "t") == ("tok-12345678", "old-1234")
+    with pytest.raises(CredentialsError, match="t: token 1 has whitespace"):
+        parse_tokens(b"tok 12345678", "t")
+    with pytest.raises(CredentialsError, match="t: no token"):
+        parse_tokens(b" \n", "t")
 
 
 def test_a_watched_file_is_stat_ed_at_most_once_per_interval(tmp_path: Path) -> None:
     now = [100.0]
     path = tmp_path / "token"
     path.write_text("token-aaaaaaaa")
-    watched = WatchedFile(str(path), parse_token, check_interval_s=1.0, clock=lambda: now[0])
+    watched = WatchedFile(str(path), parse_tokens, check_interval_s=1.0, clock=lambda: now[0])
     path.write_text("token-bbbbbbbb")  # in place: same inode and size, a new mtime
     os.utime(path, ns=(1, 1))
     now[0] += 0.5
-    assert watched.current() == "token-aaaaaaaa"  # not checked yet
+    assert watched.current() == ("token-aaaaaaaa",)  # not checked yet
     now[0] += 0.5
-    assert watched.current() == "token-bbbbbbbb"
+    assert watched.current() == ("token-bbbbbbbb",)
     (tmp_path / "new").write_text("token-cccccccc")
     os.replace(tmp_path / "new", path)  # a new inode
     now[0] += 1.0
-    assert watched.current() == "token-cccccccc"
+    assert watched.current() == ("token-cccccccc",)
     path.unlink()  # gone: the last good one stays
     now[0] += 1.0
-    assert watched.current() == "token-cccccccc"
+    assert watched.current() == ("token-cccccccc",)
     with pytest.raises(CredentialsError, match="No such file"):
-        WatchedFile(str(path), parse_token)
+        WatchedFile(str(path), parse_tokens)
 
 
 def test_a_missing_file_is_logged_once_not_every_second(
@@ -118,17 +120,17 @@ def test_a_missing_file_is_logged_once_not_every_second(
     now = [100.0]
     path = tmp_path / "token"
     path.write_text("token-aaaaaaaa")
-    watched = WatchedFile(str(path), parse_token, check_interval_s=1.0, clock=lambda: now[0])
+    watched = WatchedFile(str(path), parse_tokens, check_interval_s=1.0, clock=lambda: now[0])
     path.unlink()
     with caplog.at_level(logging.ERROR, "iterserve.credentials"):
         for _ in range(5):
             now[0] += 1.0
-            assert watched.current() == "token-aaaaaaaa"
+            assert watched.current() == ("token-aaaaaaaa",)
         assert caplog.text.count("cannot be read") == 1
         path.write_text("token-bbbbbbbb")
         now[0] += 1.0
-        assert watched.current() == "token-bbbbbbbb"
+        assert watched.current() == ("token-bbbbbbbb",)
         path.unlink()  # gone again: logged again
         now[0] += 1.0
-        assert watched.current() == "token-bbbbbbbb"
+        assert watched.current() == ("token-bbbbbbbb",)
     assert caplog.text.count("cannot be read") == 2

@@ -21,7 +21,7 @@ from iterserve.credentials import (
     Grant,
     WatchedFile,
     parse_api_keys,
-    parse_token,
+    parse_tokens,
     tier_not_allowed,
 )
 from iterserve.openai_http import APIError, bearer_matches, invalid_api_key
@@ -45,7 +45,9 @@ class RouterAuth:
             WatchedFile(config.api_keys_file, parse_api_keys) if config.api_keys_file else None
         )
         self.token = (
-            WatchedFile(config.router_token_file, parse_token) if config.router_token_file else None
+            WatchedFile(config.router_token_file, parse_tokens)
+            if config.router_token_file
+            else None
         )
 
     def grant_for(self, authorization: bytes) -> Grant:
@@ -73,7 +75,8 @@ class RouterAuth:
 
     def upstream_authorization(self) -> str | None:
         """The ``Authorization`` value sent to the replicas, if any."""
-        key = self.token.current() if self.token is not None else self.backend_api_key
+        # The file's first token (the others are what the replicas also accept: a rotation).
+        key = self.token.current()[0] if self.token is not None else self.backend_api_key
         return f"Bearer {key}" if key else None
 
     def trusted_headers(self, grant: Grant) -> dict[str, str] | None:

@@ -28,7 +28,7 @@ from iterserve.credentials import (
     Grant,
     WatchedFile,
     parse_api_keys,
-    parse_token,
+    parse_tokens,
     tier_not_allowed,
 )
 from iterserve.engine.limits import RequestLimits
@@ -53,7 +53,7 @@ class ServerAuth:
                 WatchedFile(config.api_keys_file, parse_api_keys) if config.api_keys_file else None
             )
             self.token = (
-                WatchedFile(config.router_token_file, parse_token)
+                WatchedFile(config.router_token_file, parse_tokens)
                 if config.router_token_file
                 else None
             )
@@ -74,7 +74,9 @@ class ServerAuth:
             APIError: 401 (a key is required and this one is not known); 400 (the router's
                 tier headers malformed).
         """
-        if self.token is not None and bearer_matches(authorization, self.token.current()):
+        if self.token is not None and any(
+            bearer_matches(authorization, token) for token in self.token.current()
+        ):
             found = {name: value for name, value in headers if name in _TIER_HEADERS}
             try:
                 return Grant.from_trusted_headers(

@@ -186,6 +186,14 @@ def test_the_files_are_re_read_after_a_secret_swap_and_a_bad_rewrite_keeps_the_l
     assert _call(proxy, "sk-carol-001", {"prompt": "hi"})[0] == 200
     assert http.sent[-1]["x-tenant-id"] == "carol"
     assert http.sent[-1]["authorization"] == "Bearer router-token-2"
+    # A rotation's second step: the new token first, the old one still accepted by replicas.
+    volume.write(
+        {"keys.yaml": "- {key: sk-carol-001, tenant: carol}", "token": "t-3\nrouter-token-2"}
+    )
+    assert _call(proxy, "sk-carol-001", {"prompt": "hi"})[0] == 200
+    assert http.sent[-1]["authorization"] == "Bearer t-3"
+    volume.write({"keys.yaml": "- {key: sk-carol-001, tenant: carol}", "token": "router-token-2"})
+    assert _call(proxy, "sk-carol-001", {"prompt": "hi"})[0] == 200
     with caplog.at_level(logging.ERROR, "iterserve.credentials"):
         volume.write({"keys.yaml": "- {key: sk-dave-0001}", "token": " "})
         assert _call(proxy, "sk-carol-001", {"prompt": "hi"})[0] == 200

@@ -93,26 +93,27 @@ def test_token_file_is_reread_after_a_secret_swap_and_accepts_every_line(
 def test_token_file_read_once_per_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "token"
     path.write_text("a\n")
-    tokens = AdminTokens("flag-token", str(path))
     reads: list[str] = []
-    original = admin_auth.read_token_file
+    original = admin_auth.parse_tokens
 
-    def counting(p: str) -> tuple[str, ...]:
+    def counting(data: bytes, p: str) -> tuple[str, ...]:
         reads.append(p)
-        return original(p)
+        return original(data, p)
 
-    monkeypatch.setattr(admin_auth, "read_token_file", counting)
+    monkeypatch.setattr(admin_auth, "parse_tokens", counting)
+    tokens = AdminTokens("flag-token", str(path))
+    assert reads == [str(path)]
     assert tokens.accepted() == ("a", "flag-token") and tokens.accepted() == ("a", "flag-token")
-    assert reads == []  # unchanged: stat'ed, not read
+    assert len(reads) == 1  # unchanged: stat'ed, not read
     path.write_text("b\na\n")
-    assert tokens.accepted() == ("b", "a", "flag-token") and len(reads) == 1
+    assert tokens.accepted() == ("b", "a", "flag-token") and len(reads) == 2
     path.unlink()  # mid-swap: the tokens read last stay
     assert tokens.accepted() == ("b", "a", "flag-token")
 
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [(None, "No such file"), ("\n\n", "no token"), ("a b\n", "whitespace")],
+    [(None, "No such file"), ("\n\n", "no token"), ("a b\n", "whitespace"), ("é\n", "ASCII")],
 )
 def test_an_unusable_token_file_is_refused_at_start(
     tmp_path: Path, content: str | None, message: str

@@ -32,7 +32,7 @@ PRIORITY = {"premium": 0, "standard": 1, "best-effort": 2}  # the default tiers
 
 def _config(tmp_path: Path) -> ServerConfig:
     (tmp_path / "keys.yaml").write_text(KEYS)
-    (tmp_path / "token").write_text(TOKEN + "\n")
+    (tmp_path / "token").write_text(TOKEN + "\nrouter-token-old\n")  # mid-rotation
     return ServerConfig(
         api_key="plain-key-1",
         api_keys_file=str(tmp_path / "keys.yaml"),
@@ -75,6 +75,9 @@ def test_tenant_and_tier_headers_are_honoured_only_with_the_router_token(
         assert (await _post(http, "nope-nope", **standard_only)).status_code == 401
         r = await _post(http, TOKEN, x_iterserve_tiers="premium")  # not the router's JSON
         assert r.status_code == 400
+        # The file's other token (a rotation's): trusted as well.
+        r = await _post(http, "router-token-old", {"priority": "premium"}, **standard_only)
+        assert r.status_code == 403
         seen = [(a.tenant, a.priority) for a in fake.added]
         assert seen == [("acme", 1), ("free", 0), ("via-user", 1), ("bob", 1), ("default", 0)]
 
