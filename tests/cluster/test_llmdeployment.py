@@ -134,8 +134,9 @@ def test_router_pod_follows_the_clusters_endpointslices(
             r'iterserve_router_requests_total\{code="200",replica="([^"]+)"\} (\S+)', metrics
         )
     }
-    assert {url for url, n in served.items() if n > 0} == {
-        pod_url(p) for p in server_pods(cluster, deployed)
+    # Labelled by pod name (the EndpointSlice's targetRef), not URL: no series per pod IP.
+    assert {name for name, n in served.items() if n > 0} == {
+        p["metadata"]["name"] for p in server_pods(cluster, deployed)
     }, served
 
 
