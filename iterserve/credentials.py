@@ -350,3 +350,16 @@ class WatchedFile(Generic[T]):
             return
         except CredentialsError as e:
             logger.error("%s; keeping the last good version", e)
+
+
+def watch_credentials(
+    api_keys_file: str | None, router_token_file: str | None
+) -> tuple[WatchedFile[ApiKeys] | None, WatchedFile[tuple[str, ...]] | None]:
+    """The keys file and the router-token file, each read now and watched (None: not given).
+
+    Raises:
+        CredentialsError: a file that cannot be read or parsed.
+    """
+    keys = WatchedFile(api_keys_file, parse_api_keys) if api_keys_file else None
+    token = WatchedFile(router_token_file, parse_tokens) if router_token_file else None
+    return keys, token

@@ -435,12 +435,13 @@ class RolloutSpec(_Model):
         "baseline's over the bake, as a fraction (0.15: +15%). Default 0.15.",
     )
     minRequests: int = Field(
-        20,
+        100,
         ge=1,
         le=1_000_000,
         description="Requests each group (canaries, baseline) must have served in the bake "
         "window before the gate decides; with fewer when bakeTime ends, the bake goes on "
-        "(Rollout condition: WaitingForTraffic). Default 20.",
+        "(Rollout condition: WaitingForTraffic). Default 100: below it a p99 is the "
+        "slowest request, and one late first token would roll a harmless change back.",
     )
 
 

@@ -19,10 +19,8 @@ from typing import Any
 
 from iterserve.credentials import (
     Grant,
-    WatchedFile,
-    parse_api_keys,
-    parse_tokens,
     tier_not_allowed,
+    watch_credentials,
 )
 from iterserve.openai_http import APIError, bearer_matches, invalid_api_key
 from iterserve.router.config import RouterConfig
@@ -41,14 +39,7 @@ class RouterAuth:
     def __init__(self, config: RouterConfig) -> None:
         self.api_key = config.api_key
         self.backend_api_key = config.backend_api_key
-        self.keys = (
-            WatchedFile(config.api_keys_file, parse_api_keys) if config.api_keys_file else None
-        )
-        self.token = (
-            WatchedFile(config.router_token_file, parse_tokens)
-            if config.router_token_file
-            else None
-        )
+        self.keys, self.token = watch_credentials(config.api_keys_file, config.router_token_file)
 
     def grant_for(self, authorization: bytes) -> Grant:
         """The grant of a request's ``Authorization`` header value.

@@ -26,10 +26,8 @@ from iterserve.credentials import (
     TIERS_HEADER,
     CredentialsError,
     Grant,
-    WatchedFile,
-    parse_api_keys,
-    parse_tokens,
     tier_not_allowed,
+    watch_credentials,
 )
 from iterserve.engine.limits import RequestLimits
 from iterserve.engine.request import DEFAULT_TENANT
@@ -49,13 +47,8 @@ class ServerAuth:
     def __init__(self, config: ServerConfig) -> None:
         self.api_key = config.api_key
         try:
-            self.keys = (
-                WatchedFile(config.api_keys_file, parse_api_keys) if config.api_keys_file else None
-            )
-            self.token = (
-                WatchedFile(config.router_token_file, parse_tokens)
-                if config.router_token_file
-                else None
+            self.keys, self.token = watch_credentials(
+                config.api_keys_file, config.router_token_file
             )
         except CredentialsError as e:
             raise ConfigError(str(e)) from e

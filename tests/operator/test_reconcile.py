@@ -8,17 +8,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
-import json
 from typing import Any
 
 import aiohttp
 import kopf
 import pytest
+from kube_fakes import MemoryKube
 from kubernetes.aio.client.exceptions import ApiException
 
 from iterserve.operator import handlers
 from iterserve.operator.admin_token import ROTATE_ANNOTATION, ROTATED_STATUS
-from iterserve.operator.kube import Kube
 from iterserve.operator.reconcile import OperatorSettings, reconcile, unschedulable
 from iterserve.operator.spec import SpecError
 
@@ -33,37 +32,6 @@ BODY: dict[str, Any] = {
         "resources": {"gpus": 0},
     },
 }
-
-
-class MemoryKube(Kube):
-    """Objects by (kind, name); ``refuse`` kinds answer 422 on create, as the API server
-    answers an invalid object."""
-
-    def __init__(self, refuse: tuple[str, ...] = ()) -> None:
-        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
-        self.refuse = refuse
-
-    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any | None:
-        return copy.deepcopy(self.objects.get((kind, name)))
-
-    async def create(self, body: dict[str, Any]) -> Any:
-        if body["kind"] in self.refuse:
-            status = {"kind": "Status", "message": f"{body['kind']} is invalid: bad field"}
-            raise ApiException(status=422, reason=json.dumps(status))
-        self.objects[body["kind"], body["metadata"]["name"]] = json.loads(json.dumps(body))
-        return body
-
-    async def patch(self, body: dict[str, Any]) -> Any:
-        live = self.objects[body["kind"], body["metadata"]["name"]]
-        for key, value in body.items():
-            live[key] = {**live.get(key, {}), **value} if isinstance(value, dict) else value
-        return live
-
-    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        self.objects.pop((kind, name), None)
-
-    async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[Any]:
-        return []
 
 
 def _reconcile(kube: MemoryKube, body: dict[str, Any] = BODY) -> Any:

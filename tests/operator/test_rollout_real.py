@@ -14,7 +14,6 @@ import asyncio
 import base64
 import contextlib
 import copy
-import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,10 +21,10 @@ from typing import Any
 
 import httpx
 import pytest
+from kube_fakes import MemoryKube
 from server_utils import Server, run_server
 from sim_profiles import make_profile, write_profile
 
-from iterserve.operator.kube import Kube
 from iterserve.operator.reconcile import OperatorSettings, Outcome, reconcile
 
 TOKEN = "admin-secret"
@@ -43,32 +42,15 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]
         yield [s.result() for s in starting]
 
 
-class PodsKube(Kube):
+class PodsKube(MemoryKube):
     """Objects in memory; the server pods are the replicas (ready, port ``http``)."""
 
     def __init__(self, servers: list[Server]) -> None:
+        super().__init__()
         token = {"token": base64.b64encode(TOKEN.encode()).decode()}
         secret = {"apiVersion": "v1", "kind": "Secret", "data": token}
-        self.objects: dict[tuple[str, str], dict[str, Any]] = {
-            ("Secret", "tiny-admin"): {**secret, "metadata": {"name": "tiny-admin"}}
-        }
+        self.objects[("Secret", "tiny-admin")] = {**secret, "metadata": {"name": "tiny-admin"}}
         self.servers = servers
-
-    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any | None:
-        return copy.deepcopy(self.objects.get((kind, name)))
-
-    async def create(self, body: dict[str, Any]) -> Any:
-        self.objects[body["kind"], body["metadata"]["name"]] = json.loads(json.dumps(body))
-        return body
-
-    async def patch(self, body: dict[str, Any]) -> Any:
-        live = self.objects[body["kind"], body["metadata"]["name"]]
-        for key, value in body.items():
-            live[key] = {**live.get(key, {}), **value} if isinstance(value, dict) else value
-        return live
-
-    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        self.objects.pop((kind, name), None)
 
     async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[Any]:
         ready = {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}
@@ -172,9 +154,16 @@ async def _scenario(
 
 
 def test_a_harmless_change_is_promoted_to_every_pod(replicas: list[Server]) -> None:
-    # The default gate; enough requests that one late first token (a busy machine) is not
-    # the p99 of either group.
-    rollout = {"bakeTime": "2s", "minRequests": 120}
+    # A generous gate (x5): on a busy machine (CI's two cores under two test workers) the p99
+    # of ~100 requests is their one or two slowest, which scheduling jitter alone can push a
+    # bucket up on either pod; the gate's arithmetic at the default limits is unit-tested
+    # (test_rollout.py), and the harmful change below is judged at the default limits.
+    rollout = {
+        "bakeTime": "2s",
+        "minRequests": 120,
+        "maxTTFTP99Increase": 4.0,
+        "maxTPOTP50Increase": 4.0,
+    }
     resource, status, _, statuses = asyncio.run(
         _scenario(replicas, rollout, per_pod=1, change={"maxNumBatchedTokens": 512})
     )
