@@ -44,7 +44,7 @@ k8s:
 	scripts/k8s-build >/dev/null
 
 cluster: install tools k8s
-	PATH=$(abspath $(TOOLS)):$$PATH PYTHONPATH=tools $(PY) -m localcluster $(ARGS)
+	PATH=$(abspath $(TOOLS)):$$PATH PYTHONPATH=tools$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m localcluster $(ARGS)
 
 run: install
 	$(VENV)/bin/iterserve serve $(ARGS)

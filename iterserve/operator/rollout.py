@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,7 +120,7 @@ async def plan(
         return Step([Push(pods, stable)], stable, dict(previous), rejected, rejected)
     if same or desired.hash == stable.hash:  # nothing new: ended rollouts keep their record
         condition = _ended_condition(previous)
-        record = dict(previous) or None
+        record = _ended(previous) or None
         if record is not None and phase in (BAKING, ROLLED_BACK) and not same:
             record["phase"] = SUPERSEDED  # the spec went back to the stable settings
         return Step(everyone.pushes, desired, record, condition)
@@ -127,9 +128,22 @@ async def plan(
 
 
 def _stable_of(record: Mapping[str, Any]) -> Settings:
-    return Settings(
-        dict(record["stableSettings"]), record["stableHash"], int(record["stableVersion"])
-    )
+    """The stable settings a bake keeps, exactly as they were: JSON text in the record,
+    because the status is written as a JSON merge patch (a null value deletes its key) and
+    read back through the API server (``2000.0`` comes back ``2000``): as a mapping, they
+    would return with other values and another hash, and a rollback would push those."""
+    stored = record["stableSettings"]
+    values = json.loads(stored) if isinstance(stored, str) else dict(stored)
+    return Settings(values, record["stableHash"], int(record["stableVersion"]))
+
+
+# Kept while a bake runs, dropped when it ends: the stable settings are the ConfigMap's again,
+# and the window's bucket counts (tens per pod) would stay in every ``kubectl get -o yaml``.
+_BAKE_ONLY = ("stableSettings", "windowStart")
+
+
+def _ended(record: Mapping[str, Any], **changes: Any) -> dict[str, Any]:
+    return {**{k: v for k, v in record.items() if k not in _BAKE_ONLY}, **changes}
 
 
 def _ended_condition(record: Mapping[str, Any]) -> tuple[str, str, str] | None:
@@ -159,7 +173,6 @@ async def _start(
         "targetVersion": desired.version,
         "stableHash": stable.hash,
         "stableVersion": stable.version,
-        "stableSettings": stable.values,
         "startedAt": timestamp(now_s),
     }
     if len(pods) < 2:
@@ -182,6 +195,7 @@ async def _start(
     )
     record.update(
         phase=BAKING,
+        stableSettings=json.dumps(stable.values, sort_keys=True),  # see _stable_of
         canaryPods=[p.name for p in canaries],
         windowStart=snapshots,
         message=message,
@@ -217,10 +231,9 @@ async def _bake(
         return step
     verdict = judge_window(record["windowStart"], await scrape(pods), canaries, limits_of(spec))
     elapsed_s = now_s - seconds_of(record["startedAt"])
-    new = dict(record)
     if verdict.enough and not verdict.within:
         message = f"beyond the gate after {elapsed_s:.0f} s: {verdict.text()}"
-        new.update(phase=ROLLED_BACK, message=message, rejectedHash=desired.hash)
+        new = _ended(record, phase=ROLLED_BACK, message=message, rejectedHash=desired.hash)
         condition = (
             "False",
             ROLLED_BACK,
@@ -232,7 +245,7 @@ async def _bake(
         return step
     if verdict.enough and elapsed_s >= spec.bakeTime:
         message = f"settings version {desired.version} promoted: {verdict.text()}"
-        new.update(phase=PROMOTED, message=message)
+        new = _ended(record, phase=PROMOTED, message=message)
         step = Step([Push(pods, desired)], desired, new, ("True", PROMOTED, message))
         step.events.append(("Normal", "RolloutPromoted", message))
         step.outcome = "promoted"
@@ -242,7 +255,7 @@ async def _bake(
         f"settings version {desired.version} on {', '.join(p.name for p in canaries)} "
         f"for {elapsed_s:.0f} of {spec.bakeTime:g} s: {verdict.text()}"
     )
-    new["message"] = message
+    new = {**record, "message": message}
     step = Step([Push(canaries, desired), Push(rest, stable)], stable, new)
     step.condition = step.applied = ("Unknown", reason, message)
     return step

@@ -5,6 +5,7 @@ on scrapes the test writes: every figure below is computed by hand."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from typing import Any
 
@@ -153,7 +154,7 @@ def test_a_change_goes_to_the_first_pods_by_name_and_the_configmap_keeps_the_old
     assert step.config_map == OLD
     assert step.record is not None and step.record["phase"] == BAKING
     assert step.record["windowStart"]["pod-a"] == _pod(0.05)
-    assert step.record["stableSettings"] == OLD.values
+    assert json.loads(step.record["stableSettings"]) == OLD.values
     assert step.condition is not None and step.condition[:2] == ("Unknown", BAKING)
     assert step.events[0][:2] == ("Normal", "RolloutStarted")
 
@@ -249,3 +250,33 @@ def test_the_status_patch_drops_what_the_new_record_lacks() -> None:
         "phase": BAKING, "windowStart": {"b": {}, "a": None}, "rejectedHash": None,
     }  # fmt: skip
     assert replacing(old, None) is None and replacing(None, new) == new
+
+
+def _through_the_api_server(value: Any) -> Any:
+    """A status as the API server gives it back after kopf's JSON merge patch: a null value
+    deletes its key, and an integral float comes back an integer (Go's JSON)."""
+    if isinstance(value, dict):
+        return {k: _through_the_api_server(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_through_the_api_server(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def test_a_rollback_restores_the_stable_settings_exactly_and_the_record_shrinks() -> None:
+    """Found by a new user: the stable settings kept in the status as a mapping came back
+    with 2000.0 as 2000 and without their nulls; the rollback pushed (and wrote into the
+    ConfigMap) those, whose hash was not the stable one, so going back to the stable
+    settings later started a canary of identical settings."""
+    stable = Settings({"max_num_seqs": 8, "max_waiting_per_tenant": None, "wait_ms": 2000.0},
+                      "old-hash", 1)  # fmt: skip
+    pods = Pods("a", "b")
+    started = asyncio.run(plan(CANARY, NEW, stable, {}, pods.targets, pods.scrape, T0))
+    record = _through_the_api_server(started.record)
+    pods.ttft["a"] += [0.7, 0.7]
+    pods.ttft["b"] += [0.05, 0.05]
+    step = asyncio.run(plan(CANARY, NEW, stable, record, pods.targets, pods.scrape, T0 + 3))
+    assert step.record is not None and step.record["phase"] == ROLLED_BACK
+    assert step.config_map == stable and [p.settings for p in step.pushes] == [stable]
+    assert "stableSettings" not in step.record and "windowStart" not in step.record

@@ -319,8 +319,9 @@ def test_namespaced_rbac_is_the_cluster_wide_rules_per_namespace(
 
 
 def test_secrets_only_where_llmdeployments_live(helm: Path) -> None:
-    """Cluster-wide, the ClusterRole holds no Secrets: a Role per secretNamespaces entry does
-    (default: the release's namespace), or the ClusterRole with secretsInAllNamespaces."""
+    """Cluster-wide, the ClusterRole holds no Secrets: a Role in the release's namespace and
+    in each secretNamespaces entry does (the release's kept when others are listed: a new
+    user's walk-through lost it), or the ClusterRole with secretsInAllNamespaces."""
 
     def secret_grants(objects: list[dict[str, Any]]) -> dict[tuple[str, str | None], bool]:
         return {
@@ -335,12 +336,15 @@ def test_secrets_only_where_llmdeployments_live(helm: Path) -> None:
         ("ClusterRole", None): False,
         ("Role", NAMESPACE): True,
     }
-    listed = _template(helm, "--set", "secretNamespaces={serving,batch}")
+    listed = _template(helm, "--set", f"secretNamespaces={{serving,batch,{NAMESPACE}}}")
     assert secret_grants(listed) == {
-        ("ClusterRole", None): False, ("Role", "serving"): True, ("Role", "batch"): True
+        ("ClusterRole", None): False, ("Role", NAMESPACE): True, ("Role", "serving"): True,
+        ("Role", "batch"): True,
     }  # fmt: skip
     bindings = [o for o in listed if o["kind"] == "RoleBinding"]
-    assert {b["metadata"]["namespace"] for b in bindings} == {"serving", "batch"}
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == sorted(
+        [NAMESPACE, "serving", "batch"]
+    )  # one each, the release's namespace listed again included
     assert all(b["subjects"][0]["namespace"] == NAMESPACE for b in bindings)
     everywhere = _template(helm, "--set", "secretsInAllNamespaces=true")
     assert secret_grants(everywhere) == {("ClusterRole", None): True}
