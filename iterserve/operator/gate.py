@@ -36,7 +36,9 @@ def parse_snapshot(text: str, names: Iterable[str] = GATED) -> Snapshot:
     text format), summed over their labels; a histogram not on the page has no entry.
 
     Raises:
-        ValueError: the page is not the text format.
+        ValueError: the page is not the text format, or a bucket's bound is not a number or
+            its count not a finite count (what the gate could not compute on, or the status
+            could not hold).
     """
     wanted = set(names)
     snapshot: Snapshot = {}
@@ -47,6 +49,8 @@ def parse_snapshot(text: str, names: Iterable[str] = GATED) -> Snapshot:
         for sample in family.samples:
             if sample.name == family.name + "_bucket":
                 le = sample.labels["le"]
+                if math.isnan(float(le)) or not 0.0 <= sample.value < math.inf:
+                    raise ValueError(f"not a histogram bucket: {sample}")
                 buckets[le] = buckets.get(le, 0.0) + sample.value
     return snapshot
 

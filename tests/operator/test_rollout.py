@@ -77,6 +77,18 @@ def test_snapshot_sums_the_tiers_of_a_real_exposition() -> None:
     assert snapshot == {gate.TTFT: {"0.1": 1.0, "0.2": 2.0, "+Inf": 3.0}}
 
 
+@pytest.mark.parametrize(
+    "bucket",
+    ['{le="fast"} 5', '{le="+Inf"} NaN', '{le="+Inf"} +Inf', '{le="+Inf"} -5', '{le="NaN"} 1'],
+)
+def test_a_garbage_histogram_is_not_the_text_format(bucket: str) -> None:
+    # Breaker finding: these parsed, then crashed the gate (float('fast'), int(nan)) on every
+    # reconcile, or put NaN into status.rollout (not JSON): a pod's garbage blocked the resource.
+    page = f"# TYPE {gate.TTFT} histogram\n{gate.TTFT}_bucket{bucket}\n"
+    with pytest.raises(ValueError):
+        gate.parse_snapshot(page)
+
+
 def test_the_gate_compares_p99_ttft_and_median_tpot() -> None:
     limits = gate.GateLimits(max_ttft_p99_increase=0.2, max_tpot_p50_increase=0.15, min_requests=4)
     same = {gate.TTFT: buckets(0.05, 0.05, 0.15, 0.15), gate.TPOT: buckets(0.05, 0.05, 0.05, 0.05)}
