@@ -215,9 +215,14 @@ async def _bake(
         step = Step([Push(canaries, desired), Push(rest, stable)], stable, dict(record))
         step.condition = step.applied = ("Unknown", "WaitingForPods", message)
         return step
-    verdict = judge_window(record["windowStart"], await scrape(pods), canaries, limits_of(spec))
+    start, scraped = record["windowStart"], await scrape(pods)
+    verdict = judge_window(start, scraped, canaries, limits_of(spec))
     elapsed_s = now_s - seconds_of(record["startedAt"])
     new = dict(record)
+    # A pod whose scrape failed at the start has its window from its first good scrape (else
+    # a lone canary that was slow once would never count, and the bake never end).
+    late = {pod: scraped[pod] for pod in start if start[pod] is None and scraped.get(pod)}
+    new["windowStart"] = {**start, **late}
     if verdict.enough and not verdict.within:
         message = f"beyond the gate after {elapsed_s:.0f} s: {verdict.text()}"
         new.update(phase=ROLLED_BACK, message=message, rejectedHash=desired.hash)
@@ -255,8 +260,9 @@ def judge_window(
     limits: gate.GateLimits,
 ) -> gate.Verdict:
     """The gate on the window from ``start`` (the scrape when the rollout began) to ``now``.
-    A pod is left out when a scrape of it failed (now, or at the start while it was ready);
-    a pod that was not there at the start counts whole (it began in the window)."""
+    A pod is left out when a scrape of it failed (now, or at the start while it was ready:
+    :func:`plan` then starts its window at its next good scrape); a pod that was not there
+    at the start counts whole (it began in the window)."""
     names = {p.name for p in canaries}
     groups: dict[bool, gate.Snapshot] = {True: {}, False: {}}
     for pod, snapshot in now.items():

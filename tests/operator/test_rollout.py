@@ -261,3 +261,25 @@ def test_the_status_patch_drops_what_the_new_record_lacks() -> None:
         "phase": BAKING, "windowStart": {"b": {}, "a": None}, "rejectedHash": None,
     }  # fmt: skip
     assert replacing(old, None) is None and replacing(None, new) == new
+
+
+def test_a_canary_whose_first_scrape_failed_is_judged_from_its_next_one() -> None:
+    # Breaker finding: a canary whose /metrics was slow when the rollout began was left out of
+    # every window, so the only canary never counted and the bake waited for traffic forever.
+    pods = Pods("a", "b")
+    good = pods.scrape
+
+    async def slow_a(targets: list[PodTarget]) -> dict[str, gate.Snapshot | None]:
+        return {**await good(targets), "a": None}
+
+    pods.scrape = slow_a  # type: ignore[method-assign]
+    record = pods.step({}, T0).record
+    assert record is not None and record["windowStart"]["a"] is None
+    pods.scrape = good  # type: ignore[method-assign]
+    pods.ttft["a"] += [0.05]  # before a's window starts: not counted
+    later = pods.step(record, T0 + 5).record
+    assert later is not None and later["windowStart"]["a"] == _pod(0.05)
+    pods.ttft["a"] += [0.05, 0.15]
+    pods.ttft["b"] += [0.05, 0.15]
+    done = pods.step(later, T0 + 10)
+    assert done.record is not None and done.record["phase"] == PROMOTED
