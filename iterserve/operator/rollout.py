@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,9 +111,11 @@ async def plan(
         desired.version,
     )
     phase = previous.get("phase")
-    if same and phase == BAKING:
+    if same and phase == BAKING and _intact(previous):
         stable = _stable_of(previous)
         return await _bake(spec, desired, stable, previous, pods, scrape, now_s)
+    if same and phase == BAKING:  # a record edited by hand: the bake starts again
+        return await _start(spec, desired, stable, pods, scrape, now_s)
     if same and phase == ROLLED_BACK:  # rejected: not tried again
         message = f"settings version {desired.version} rolled back: {previous.get('message')}"
         rejected: tuple[str, str, str] = ("False", ROLLED_BACK, message)
@@ -124,6 +127,34 @@ async def plan(
             record["phase"] = SUPERSEDED  # the spec went back to the stable settings
         return Step(everyone.pushes, desired, record, condition)
     return await _start(spec, desired, stable, pods, scrape, now_s)
+
+
+def _intact(record: Mapping[str, Any]) -> bool:
+    """Whether a bake's record (``status.rollout``, which anyone may edit) is as
+    :func:`_start` wrote it."""
+    try:
+        _stable_of(record)
+        seconds_of(record["startedAt"])
+        pods, start = record["canaryPods"], record["windowStart"]
+        return (
+            isinstance(pods, list)
+            and all(isinstance(p, str) for p in pods)
+            and isinstance(start, Mapping)
+            and all(s is None or _is_snapshot(s) for s in start.values())
+        )
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def _is_snapshot(value: Any) -> bool:
+    return isinstance(value, Mapping) and all(
+        isinstance(b, Mapping)
+        and all(
+            isinstance(n, int | float) and not isinstance(n, bool) and 0 <= n < math.inf
+            for n in b.values()
+        )
+        for b in value.values()
+    )
 
 
 def _stable_of(record: Mapping[str, Any]) -> Settings:

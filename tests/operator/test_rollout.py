@@ -283,3 +283,27 @@ def test_a_canary_whose_first_scrape_failed_is_judged_from_its_next_one() -> Non
     pods.ttft["b"] += [0.05, 0.15]
     done = pods.step(later, T0 + 10)
     assert done.record is not None and done.record["phase"] == PROMOTED
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"canaryPods": None},
+        {"canaryPods": "a"},
+        {"startedAt": "yesterday"},
+        {"windowStart": ["a"]},
+        {"windowStart": {"a": {gate.TTFT: {"+Inf": "many"}}}},
+        {"stableSettings": None},
+        {"stableVersion": "one"},
+    ],
+)
+def test_a_hand_edited_bake_record_starts_the_rollout_again(edit: dict[str, Any]) -> None:
+    # Breaker finding: a malformed status.rollout of a bake raised on every reconcile (before
+    # anything was applied), so the resource was stuck until someone cleared the status.
+    pods = Pods("a", "b")
+    record = pods.step({}, T0).record
+    assert record is not None
+    step = pods.step({**record, **edit}, T0 + 5)
+    assert step.record is not None and step.record["phase"] == BAKING
+    assert step.record["startedAt"] == timestamp(T0 + 5)
+    assert _groups(step) == {"new-hash": ["a"], "old-hash": ["b"]} and step.config_map == OLD
