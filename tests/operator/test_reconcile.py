@@ -154,6 +154,20 @@ def test_a_token_no_header_can_carry_is_reported() -> None:
         _reconcile(kube)
 
 
+def test_a_token_the_pods_refuse_is_reported() -> None:
+    # Breaker finding: a non-ASCII token passed the operator (str.isprintable) but the pods'
+    # --admin-token-file refuses it (ASCII only): a new pod crash-looped, the others kept the
+    # old token and refused every push. CRLF line ends and blank lines stay fine.
+    kube = MemoryKube()
+    token = base64.b64encode("t\u00f6ken\n".encode()).decode()
+    kube.objects["Secret", "tiny-admin"] = _secret("tiny-admin", {"token": token})
+    with pytest.raises(SpecError, match=r"Secret tiny-admin: key token.*not ASCII"):
+        _reconcile(kube)
+    token = base64.b64encode(b"\r\n\r\nnew\r\n\r\nold\r\n").decode()
+    kube.objects["Secret", "tiny-admin"] = _secret("tiny-admin", {"token": token})
+    _reconcile(kube)
+
+
 def test_the_timer_warns_once_about_an_invalid_spec(monkeypatch: pytest.MonkeyPatch) -> None:
     warned: list[str] = []
     monkeypatch.setattr(kopf, "warn", lambda body, reason, message: warned.append(reason))
