@@ -100,17 +100,21 @@ async def plan(
 
     Args:
         desired: what the spec asks for. stable: what the ConfigMap holds (None: no
-            ConfigMap yet, nothing to roll from). previous: ``status.rollout`` so far.
+            ConfigMap yet, nothing to roll from; or deleted during a rollout of
+            ``desired``, whose record then says what was stable). previous:
+            ``status.rollout`` so far.
         pods: the ready server pods. scrape: reads their ``/metrics``. now_s: epoch seconds.
     """
     everyone = Step([Push(pods, desired)], desired)
-    if spec.strategy == "all" or stable is None:
-        return everyone
     same = (previous.get("targetHash"), previous.get("targetVersion")) == (
         desired.hash,
         desired.version,
     )
     phase = previous.get("phase")
+    if stable is None and same and phase in (BAKING, ROLLED_BACK) and _intact_stable(previous):
+        stable = _stable_of(previous)  # the ConfigMap deleted mid-rollout: the record's
+    if spec.strategy == "all" or stable is None:
+        return everyone
     if same and phase == BAKING and _intact(previous):
         stable = _stable_of(previous)
         return await _bake(spec, desired, stable, previous, pods, scrape, now_s)
@@ -142,6 +146,14 @@ def _intact(record: Mapping[str, Any]) -> bool:
             and isinstance(start, Mapping)
             and all(s is None or _is_snapshot(s) for s in start.values())
         )
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def _intact_stable(record: Mapping[str, Any]) -> bool:
+    try:
+        _stable_of(record)
+        return True
     except (KeyError, TypeError, ValueError):
         return False
 

@@ -307,3 +307,20 @@ def test_a_hand_edited_bake_record_starts_the_rollout_again(edit: dict[str, Any]
     assert step.record is not None and step.record["phase"] == BAKING
     assert step.record["startedAt"] == timestamp(T0 + 5)
     assert _groups(step) == {"new-hash": ["a"], "old-hash": ["b"]} and step.config_map == OLD
+
+
+def test_a_deleted_configmap_neither_promotes_a_bake_nor_brings_back_a_rejected_change() -> None:
+    # Breaker finding: with no ConfigMap (deleted by hand) plan took it as "nothing to roll
+    # from" and pushed the baking, or the rolled-back, settings to every pod and the ConfigMap.
+    pods = Pods("a", "b")
+    baking = pods.step({}, T0).record
+    assert baking is not None
+    step = asyncio.run(plan(CANARY, NEW, None, baking, pods.targets, pods.scrape, T0 + 1))
+    assert step.record is not None and step.record["phase"] == BAKING
+    assert _groups(step) == {"new-hash": ["a"], "old-hash": ["b"]} and step.config_map == OLD
+    pods.ttft["a"] += [0.7, 0.7]
+    pods.ttft["b"] += [0.05, 0.05]
+    rejected = pods.step(baking, T0 + 3).record
+    assert rejected is not None and rejected["phase"] == ROLLED_BACK
+    step = asyncio.run(plan(CANARY, NEW, None, rejected, pods.targets, pods.scrape, T0 + 9))
+    assert _groups(step) == {"old-hash": ["a", "b"]} and step.config_map == OLD
