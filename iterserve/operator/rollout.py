@@ -8,6 +8,7 @@ pods' ``/metrics`` and judges the window since the rollout began (:mod:`iterserv
 
     Baking --(bake over, gate holds)--------------> Promoted    (all pods, ConfigMap)
        |---(enough requests, gate broken: early)--> RolledBack  (canaries back; change rejected)
+       |---(a canary's containers restarted)-------> RolledBack
        `---(bake over, too few requests)----------> Baking      (WaitingForTraffic)
 
 Fewer than two ready pods leave nothing to compare: the change goes to every pod at once
@@ -95,6 +96,7 @@ async def plan(
     pods: list[PodTarget],
     scrape: Scrape,
     now_s: float,
+    restarts: Mapping[str, int] | None = None,
 ) -> Step:
     """The step of this reconcile (see the module docstring).
 
@@ -104,6 +106,8 @@ async def plan(
             ``desired``, whose record then says what was stable). previous:
             ``status.rollout`` so far.
         pods: the ready server pods. scrape: reads their ``/metrics``. now_s: epoch seconds.
+        restarts: every server pod that exists (ready or not, not terminating) and its
+            containers' restarts; None: unknown (then a canary not ready is taken as gone).
     """
     everyone = Step([Push(pods, desired)], desired)
     same = (previous.get("targetHash"), previous.get("targetVersion")) == (
@@ -117,9 +121,9 @@ async def plan(
         return everyone
     if same and phase == BAKING and _intact(previous):
         stable = _stable_of(previous)
-        return await _bake(spec, desired, stable, previous, pods, scrape, now_s)
+        return await _bake(spec, desired, stable, previous, pods, scrape, now_s, restarts)
     if same and phase == BAKING:  # a record edited by hand: the bake starts again
-        return await _start(spec, desired, stable, pods, scrape, now_s)
+        return await _start(spec, desired, stable, pods, scrape, now_s, restarts)
     if same and phase == ROLLED_BACK:  # rejected: not tried again
         message = f"settings version {desired.version} rolled back: {previous.get('message')}"
         rejected: tuple[str, str, str] = ("False", ROLLED_BACK, message)
@@ -130,7 +134,7 @@ async def plan(
         if record is not None and phase in (BAKING, ROLLED_BACK) and not same:
             record["phase"] = SUPERSEDED  # the spec went back to the stable settings
         return Step(everyone.pushes, desired, record, condition)
-    return await _start(spec, desired, stable, pods, scrape, now_s)
+    return await _start(spec, desired, stable, pods, scrape, now_s, restarts)
 
 
 def _intact(record: Mapping[str, Any]) -> bool:
@@ -195,6 +199,7 @@ async def _start(
     pods: list[PodTarget],
     scrape: Scrape,
     now_s: float,
+    restarts: Mapping[str, int] | None = None,
 ) -> Step:
     """A new rollout: canaries chosen, the window's start scraped."""
     record: dict[str, Any] = {
@@ -226,6 +231,7 @@ async def _start(
     record.update(
         phase=BAKING,
         canaryPods=[p.name for p in canaries],
+        canaryRestarts={p.name: (restarts or {}).get(p.name, 0) for p in canaries},
         windowStart=snapshots,
         message=message,
     )
@@ -244,12 +250,16 @@ async def _bake(
     pods: list[PodTarget],
     scrape: Scrape,
     now_s: float,
+    restarts: Mapping[str, int] | None = None,
 ) -> Step:
     """A rollout under way: judged on the window so far."""
     canaries = [p for p in pods if p.name in record["canaryPods"]]
     rest = [p for p in pods if p.name not in record["canaryPods"]]
-    if not canaries and len(pods) >= 2:  # the canaries went: new ones, a new window
-        return await _start(spec, desired, stable, pods, scrape, now_s)
+    if crashed := _restarted(record, restarts):
+        return _rolled_back(desired, stable, record, pods, f"pod {crashed} restarted in the bake")
+    there = restarts is not None and any(n in restarts for n in record["canaryPods"])
+    if not canaries and len(pods) >= 2 and not there:  # the canaries went: new ones, a window
+        return await _start(spec, desired, stable, pods, scrape, now_s, restarts)
     if not canaries or not rest:  # one group has no ready pod (restarting): wait for it
         message = (
             f"settings version {desired.version} baking: waiting for a ready "
@@ -268,16 +278,7 @@ async def _bake(
     new["windowStart"] = {**start, **late}
     if verdict.enough and not verdict.within:
         message = f"beyond the gate after {elapsed_s:.0f} s: {verdict.text()}"
-        new.update(phase=ROLLED_BACK, message=message, rejectedHash=desired.hash)
-        condition = (
-            "False",
-            ROLLED_BACK,
-            f"settings version {desired.version} rolled back: {message}",
-        )
-        step = Step([Push(pods, stable)], stable, new, condition, condition)
-        step.events.append(("Warning", "RolloutRolledBack", condition[2]))
-        step.outcome = "rolled_back"
-        return step
+        return _rolled_back(desired, stable, new, pods, message)
     if verdict.enough and elapsed_s >= spec.bakeTime:
         message = f"settings version {desired.version} promoted: {verdict.text()}"
         new.update(phase=PROMOTED, message=message)
@@ -293,6 +294,36 @@ async def _bake(
     new["message"] = message
     step = Step([Push(canaries, desired), Push(rest, stable)], stable, new)
     step.condition = step.applied = ("Unknown", reason, message)
+    return step
+
+
+def _restarted(record: Mapping[str, Any], restarts: Mapping[str, int] | None) -> str | None:
+    """A canary whose containers restarted since the rollout began (a change that crashes
+    the engine: the pod comes back on the ConfigMap's settings, and would get it again)."""
+    before = record.get("canaryRestarts")
+    if restarts is None or not isinstance(before, Mapping):
+        return None
+    for name in record["canaryPods"]:
+        count = before.get(name)
+        if isinstance(count, int) and restarts.get(name, count) > count:
+            return str(name)
+    return None
+
+
+def _rolled_back(
+    desired: Settings,
+    stable: Settings,
+    record: Mapping[str, Any],
+    pods: list[PodTarget],
+    message: str,
+) -> Step:
+    """The change rejected: every pod and the ConfigMap on ``stable``."""
+    new = {**record, "phase": ROLLED_BACK, "message": message, "rejectedHash": desired.hash}
+    text = f"settings version {desired.version} rolled back: {message}"
+    condition = ("False", ROLLED_BACK, text)
+    step = Step([Push(pods, stable)], stable, new, condition, condition)
+    step.events.append(("Warning", "RolloutRolledBack", text))
+    step.outcome = "rolled_back"
     return step
 
 

@@ -344,3 +344,17 @@ def test_network_policies_switched_off_are_deleted() -> None:
     outcome = _reconcile(kube, body)
     assert not any(kind == "NetworkPolicy" for kind, _ in kube.objects)
     assert ("Normal", "Deleted", "NetworkPolicy tiny-server") in outcome.events
+
+
+def test_restart_counts_sum_the_containers_of_pods_not_terminating() -> None:
+    from iterserve.operator.reconcile import restart_counts
+
+    def pod(name: Any, *counts: Any, deleting: bool = False) -> dict[str, Any]:
+        meta = {"name": name, **({"deletionTimestamp": "t"} if deleting else {})}
+        return {"metadata": meta,
+                "status": {"containerStatuses": [{"restartCount": c} for c in counts]}}  # fmt: skip
+
+    pods = [pod("a", 1, 2), pod("b"), pod("c", 4, deleting=True), pod(None, 1), pod("d", "x")]
+    assert restart_counts([*pods, {"metadata": {"name": "e"}, "status": None}]) == {
+        "a": 3, "b": 0, "d": 0, "e": 0,
+    }  # fmt: skip

@@ -324,3 +324,31 @@ def test_a_deleted_configmap_neither_promotes_a_bake_nor_brings_back_a_rejected_
     assert rejected is not None and rejected["phase"] == ROLLED_BACK
     step = asyncio.run(plan(CANARY, NEW, None, rejected, pods.targets, pods.scrape, T0 + 9))
     assert _groups(step) == {"old-hash": ["a", "b"]} and step.config_map == OLD
+
+
+def test_a_canary_that_restarts_or_goes_unready_is_no_reason_to_pick_another() -> None:
+    # Breaker finding: a change that crashes the engine took the canary out of the ready pods
+    # (restarting), and the next reconcile made the next pod the canary, which crashed too:
+    # the change walked through the fleet. An unready canary that still exists is waited for;
+    # one whose containers restarted during the bake rolls the change back.
+    pods = Pods("a", "b", "c")
+
+    def step(record: dict[str, Any], ready: list[str], restarts: dict[str, int]) -> Step:
+        targets = [t for t in pods.targets if t.name in ready]
+        return asyncio.run(
+            plan(CANARY, NEW, OLD, record, targets, pods.scrape, T0 + 5, restarts=restarts)
+        )
+
+    started = asyncio.run(
+        plan(CANARY, NEW, OLD, {}, pods.targets, pods.scrape, T0, restarts={"a": 2, "b": 0, "c": 0})
+    ).record
+    assert started is not None and started["canaryPods"] == ["a"]
+    unready = step(started, ["b", "c"], {"a": 2, "b": 0, "c": 0})
+    assert unready.record == started and _groups(unready) == {"old-hash": ["b", "c"]}
+    assert unready.condition is not None and unready.condition[1] == "WaitingForPods"
+    crashed = step(started, ["b", "c"], {"a": 3, "b": 0, "c": 0})
+    assert crashed.record is not None and crashed.record["phase"] == ROLLED_BACK
+    assert "pod a restarted" in crashed.record["message"] and crashed.outcome == "rolled_back"
+    assert _groups(crashed) == {"old-hash": ["b", "c"]} and crashed.config_map == OLD
+    gone = step(started, ["b", "c"], {"b": 0, "c": 0})  # pod a deleted: new canaries
+    assert gone.record is not None and gone.record["canaryPods"] == ["b"]
