@@ -367,12 +367,15 @@ async def _start_from_zero(
 
 
 def restart_counts(pods: list[Mapping[str, Any]]) -> dict[str, int]:
-    """Each pod that is not terminating, by name: its containers' restarts, summed (pods
-    are what the API holds: anything malformed counts 0)."""
+    """Each pod that is not terminating nor ended (an evicted pod stays, phase Failed), by
+    name: its containers' restarts, summed (pods are what the API holds: anything malformed
+    counts 0)."""
     counts = {}
     for pod in pods:
         meta, status = _mapping(pod, "metadata"), _mapping(pod, "status")
         if meta.get("deletionTimestamp") or not isinstance(meta.get("name"), str):
+            continue
+        if status.get("phase") in ("Failed", "Succeeded"):
             continue
         containers = status.get("containerStatuses")
         counts[meta["name"]] = sum(

@@ -355,6 +355,7 @@ def test_restart_counts_sum_the_containers_of_pods_not_terminating() -> None:
                 "status": {"containerStatuses": [{"restartCount": c} for c in counts]}}  # fmt: skip
 
     pods = [pod("a", 1, 2), pod("b"), pod("c", 4, deleting=True), pod(None, 1), pod("d", "x")]
-    assert restart_counts([*pods, {"metadata": {"name": "e"}, "status": None}]) == {
+    evicted = {"metadata": {"name": "f"}, "status": {"phase": "Failed"}}
+    assert restart_counts([*pods, {"metadata": {"name": "e"}, "status": None}, evicted]) == {
         "a": 3, "b": 0, "d": 0, "e": 0,
     }  # fmt: skip
