@@ -144,14 +144,32 @@ def _intact(record: Mapping[str, Any]) -> bool:
         _stable_of(record)
         seconds_of(record["startedAt"])
         pods, start = record["canaryPods"], record["windowStart"]
+        pending = record.get("windowPending", [])
         return (
-            isinstance(pods, list)
-            and all(isinstance(p, str) for p in pods)
+            all(isinstance(names, list) for names in (pods, pending))
+            and all(isinstance(p, str) for p in [*pods, *pending])
             and isinstance(start, Mapping)
-            and all(s is None or _is_snapshot(s) for s in start.values())
+            and all(_is_snapshot(s) for s in start.values())
         )
     except (KeyError, TypeError, ValueError):
         return False
+
+
+def _window_fields(start: Mapping[str, gate.Snapshot | None]) -> dict[str, Any]:
+    """The window's start as the record holds it: ``windowStart`` the pods' snapshots, and
+    ``windowPending`` the pods whose scrape failed (not None in ``windowStart``: the status
+    is a JSON merge patch, where null deletes the key, and the pod would count whole)."""
+    fields: dict[str, Any] = {"windowStart": {k: v for k, v in start.items() if v is not None}}
+    if pending := sorted(k for k, v in start.items() if v is None):
+        fields["windowPending"] = pending
+    return fields
+
+
+def _window_start(record: Mapping[str, Any]) -> dict[str, gate.Snapshot | None]:
+    """The inverse of :func:`_window_fields`."""
+    start: dict[str, gate.Snapshot | None] = dict(record["windowStart"])
+    start.update(dict.fromkeys(record.get("windowPending", [])))
+    return start
 
 
 def _intact_stable(record: Mapping[str, Any]) -> bool:
@@ -232,7 +250,7 @@ async def _start(
         phase=BAKING,
         canaryPods=[p.name for p in canaries],
         canaryRestarts={p.name: (restarts or {}).get(p.name, 0) for p in canaries},
-        windowStart=snapshots,
+        **_window_fields(snapshots),
         message=message,
     )
     rest = ordered[len(canaries) :]
@@ -268,14 +286,15 @@ async def _bake(
         step = Step([Push(canaries, desired), Push(rest, stable)], stable, dict(record))
         step.condition = step.applied = ("Unknown", "WaitingForPods", message)
         return step
-    start, scraped = record["windowStart"], await scrape(pods)
+    start, scraped = _window_start(record), await scrape(pods)
     verdict = judge_window(start, scraped, canaries, limits_of(spec))
     elapsed_s = now_s - seconds_of(record["startedAt"])
     new = dict(record)
     # A pod whose scrape failed at the start has its window from its first good scrape (else
     # a lone canary that was slow once would never count, and the bake never end).
     late = {pod: scraped[pod] for pod in start if start[pod] is None and scraped.get(pod)}
-    new["windowStart"] = {**start, **late}
+    new.pop("windowPending", None)
+    new.update(_window_fields({**start, **late}))
     if verdict.enough and not verdict.within:
         message = f"beyond the gate after {elapsed_s:.0f} s: {verdict.text()}"
         return _rolled_back(desired, stable, new, pods, message)

@@ -273,16 +273,56 @@ def test_a_canary_whose_first_scrape_failed_is_judged_from_its_next_one() -> Non
         return {**await good(targets), "a": None}
 
     pods.scrape = slow_a  # type: ignore[method-assign]
-    record = pods.step({}, T0).record
-    assert record is not None and record["windowStart"]["a"] is None
+    record = _stored({}, pods.step({}, T0).record)
+    assert record["windowPending"] == ["a"] and "a" not in record["windowStart"]
     pods.scrape = good  # type: ignore[method-assign]
     pods.ttft["a"] += [0.05]  # before a's window starts: not counted
-    later = pods.step(record, T0 + 5).record
-    assert later is not None and later["windowStart"]["a"] == _pod(0.05)
+    later = _stored(record, pods.step(record, T0 + 5).record)
+    assert later["windowStart"]["a"] == _pod(0.05) and "windowPending" not in later
     pods.ttft["a"] += [0.05, 0.15]
     pods.ttft["b"] += [0.05, 0.15]
     done = pods.step(later, T0 + 10)
     assert done.record is not None and done.record["phase"] == PROMOTED
+
+
+def _merged(target: Any, patch: Any) -> Any:
+    """A JSON merge patch (RFC 7386) applied, as the API server applies kopf's."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merged(out.get(key), value)
+    return out
+
+
+def _stored(old: dict[str, Any], new: dict[str, Any] | None) -> dict[str, Any]:
+    """``status.rollout`` after the operator's patch from ``old`` to ``new``."""
+    assert new is not None
+    stored: dict[str, Any] = _merged({"rollout": old}, {"rollout": replacing(old, new)})["rollout"]
+    return stored
+
+
+def test_a_pod_whose_first_scrape_failed_stays_left_out_through_the_status_patch() -> None:
+    # Breaker finding: its start was None in windowStart, which the status merge patch deletes;
+    # the next reconcile found no start and counted the pod's whole life in the window (a
+    # canary's requests from before the change included).
+    pods = Pods("a", "b")
+    pods.ttft["a"] = [0.7] * 5  # before the rollout, on the old settings
+    good = pods.scrape
+
+    async def slow_a(targets: list[PodTarget]) -> dict[str, gate.Snapshot | None]:
+        return {**await good(targets), "a": None}
+
+    pods.scrape = slow_a  # type: ignore[method-assign]
+    record = _stored({}, pods.step({}, T0).record)
+    pods.scrape = good  # type: ignore[method-assign]
+    pods.ttft["b"] += [0.05, 0.05]
+    step = pods.step(record, T0 + 5)  # a answers again: its window starts now
+    assert step.record is not None and step.record["phase"] == BAKING
+    assert "not enough traffic: canaries 0" in step.record["message"]
 
 
 @pytest.mark.parametrize(
