@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from iterserve.config import LIVE_SCHEDULER_KEYS, SchedulerConfig
 from iterserve.operator import gate
 from iterserve.operator.push import PodTarget
 from iterserve.operator.spec import RolloutSpec
@@ -191,10 +192,14 @@ def _is_snapshot(value: Any) -> bool:
     )
 
 
+# Live settings that may be null (their default): the status is a JSON merge patch, where a
+# null deletes the key, so stableSettings comes back without them.
+_NULLABLE = tuple(k for k in LIVE_SCHEDULER_KEYS if getattr(SchedulerConfig(), k, 0) is None)
+
+
 def _stable_of(record: Mapping[str, Any]) -> Settings:
-    return Settings(
-        dict(record["stableSettings"]), record["stableHash"], int(record["stableVersion"])
-    )
+    values = {**dict.fromkeys(_NULLABLE), **record["stableSettings"]}
+    return Settings(values, record["stableHash"], int(record["stableVersion"]))
 
 
 def _ended_condition(record: Mapping[str, Any]) -> tuple[str, str, str] | None:

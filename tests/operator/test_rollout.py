@@ -127,7 +127,7 @@ def test_a_pod_that_failed_its_first_scrape_is_left_out() -> None:
 
 # -- the state machine -------------------------------------------------------------------------
 
-OLD = Settings({"max_num_seqs": 8}, "old-hash", 1)
+OLD = Settings({"max_num_seqs": 8, "max_waiting_per_tenant": None}, "old-hash", 1)  # every key
 NEW = Settings({"max_num_seqs": 1}, "new-hash", 2)
 CANARY = RolloutSpec(strategy="canary", bakeTime="10s", minRequests=2)
 T0 = 1_800_000_000.0
@@ -392,3 +392,23 @@ def test_a_canary_that_restarts_or_goes_unready_is_no_reason_to_pick_another() -
     assert _groups(crashed) == {"old-hash": ["b", "c"]} and crashed.config_map == OLD
     gone = step(started, ["b", "c"], {"b": 0, "c": 0})  # pod a deleted: new canaries
     assert gone.record is not None and gone.record["canaryPods"] == ["b"]
+
+
+def test_a_null_stable_setting_survives_the_status_patch() -> None:
+    # Breaker finding: stableSettings.max_waiting_per_tenant: null (no cap, the default) was
+    # deleted by the status merge patch, so the rollback pushed the stable settings without it:
+    # a PUT merges, and the canaries kept the rejected cap (never at the stable hash).
+    old = Settings({"max_num_seqs": 8, "max_waiting_per_tenant": None}, "old-hash", 1)
+    new = Settings({"max_num_seqs": 8, "max_waiting_per_tenant": 1}, "new-hash", 2)
+    pods = Pods("a", "b")
+
+    def step(record: dict[str, Any], now_s: float) -> Step:
+        return asyncio.run(plan(CANARY, new, old, record, pods.targets, pods.scrape, now_s))
+
+    record = _stored({}, step({}, T0).record)
+    assert "max_waiting_per_tenant" not in record["stableSettings"]  # what the API keeps
+    pods.ttft["a"] += [0.7, 0.7]
+    pods.ttft["b"] += [0.05, 0.05]
+    rolled_back = step(record, T0 + 3)
+    assert _groups(rolled_back) == {"old-hash": ["a", "b"]}
+    assert rolled_back.pushes[0].settings == old and rolled_back.config_map == old
