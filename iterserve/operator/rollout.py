@@ -160,7 +160,12 @@ def _window_fields(start: Mapping[str, gate.Snapshot | None]) -> dict[str, Any]:
     """The window's start as the record holds it: ``windowStart`` the pods' snapshots, and
     ``windowPending`` the pods whose scrape failed (not None in ``windowStart``: the status
     is a JSON merge patch, where null deletes the key, and the pod would count whole)."""
-    fields: dict[str, Any] = {"windowStart": {k: v for k, v in start.items() if v is not None}}
+    snapshots = {
+        pod: {name: b for name, b in snapshot.items() if name != gate.CONFIG}
+        for pod, snapshot in start.items()
+        if snapshot is not None
+    }
+    fields: dict[str, Any] = {"windowStart": snapshots}
     if pending := sorted(k for k, v in start.items() if v is None):
         fields["windowPending"] = pending
     return fields
@@ -292,6 +297,10 @@ async def _bake(
         step.condition = step.applied = ("Unknown", "WaitingForPods", message)
         return step
     start, scraped = _window_start(record), await scrape(pods)
+    for pod in canaries:  # not on the change (its push failed): no window so far
+        running = gate.hash_of(scraped.get(pod.name))
+        if running is not None and running != desired.hash:
+            start[pod.name] = scraped[pod.name] = None
     verdict = judge_window(start, scraped, canaries, limits_of(spec))
     elapsed_s = now_s - seconds_of(record["startedAt"])
     new = dict(record)
@@ -401,10 +410,20 @@ def scrape_pods(timeout_s: float) -> Scrape:
 
 
 async def _scrape_one(http: aiohttp.ClientSession, pod: PodTarget) -> gate.Snapshot | None:
+    """The pod's histograms, and the settings hash it runs (:data:`gate.CONFIG`) when its
+    ``/load`` says."""
     try:
         async with http.get(pod.url + "/metrics", allow_redirects=False) as r:
             if r.status != 200:
                 return None
-            return gate.parse_snapshot(await r.text())
+            snapshot = gate.parse_snapshot(await r.text())
     except Exception:  # any failure leaves this pod out of the window, never the others
         return None
+    try:
+        async with http.get(pod.url + "/load", allow_redirects=False) as r:
+            running = (await r.json(content_type=None)).get("config_hash") if r.ok else None
+        if isinstance(running, str):
+            snapshot[gate.CONFIG] = {running: 1.0}
+    except Exception:  # the window without the check: as before /load said
+        pass
+    return snapshot

@@ -412,3 +412,32 @@ def test_a_null_stable_setting_survives_the_status_patch() -> None:
     rolled_back = step(record, T0 + 3)
     assert _groups(rolled_back) == {"old-hash": ["a", "b"]}
     assert rolled_back.pushes[0].settings == old and rolled_back.config_map == old
+
+
+def test_a_canary_not_yet_on_the_change_is_not_judged_as_one() -> None:
+    # Breaker finding: a canary whose push failed (a 401 while the kubelet had not refreshed
+    # a rotated admin token, a timeout) kept the stable settings, and the gate compared stable
+    # with stable: the change was promoted without having run. A canary's window starts at
+    # its first scrape that shows the change's hash (GET /load config_hash).
+    pods = Pods("a", "b")
+    hashes = {"a": OLD.hash, "b": OLD.hash}
+    plain = pods.scrape
+
+    async def scrape(targets: list[PodTarget]) -> dict[str, gate.Snapshot | None]:
+        found = await plain(targets)
+        return {n: {**s, gate.CONFIG: {hashes[n]: 1.0}} for n, s in found.items() if s}
+
+    pods.scrape = scrape  # type: ignore[method-assign]
+    record = _stored({}, pods.step({}, T0).record)
+    assert gate.CONFIG not in record["windowStart"]["a"]  # not kept in the status
+    pods.ttft["a"] += [0.05, 0.15]  # served on the stable settings: the push did not land
+    pods.ttft["b"] += [0.05, 0.15]
+    stale = _stored(record, pods.step(record, T0 + 20).record)
+    assert stale["phase"] == BAKING and stale["windowPending"] == ["a"]
+    hashes["a"] = NEW.hash  # the push landed
+    landed = _stored(stale, pods.step(stale, T0 + 30).record)
+    assert landed["phase"] == BAKING and "windowPending" not in landed
+    pods.ttft["a"] += [0.05, 0.15]
+    pods.ttft["b"] += [0.05, 0.15]
+    done = pods.step(landed, T0 + 40).record
+    assert done is not None and done["phase"] == PROMOTED
