@@ -107,6 +107,32 @@ def test_operator_run_flags_the_chart_passes() -> None:
 
 
 @pytest.mark.parametrize(
+    "ports",
+    [["--metrics-port", "8081"], ["--liveness-port", "8082"], ["--metrics-port", "-1"],
+     ["--liveness-port", "70000"]],
+)  # fmt: skip
+def test_operator_run_refuses_clashing_or_impossible_ports(
+    ports: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Breaker finding: --metrics-port == --liveness-port started, and kopf's liveness endpoint
+    # then failed to bind (a crash loop with a bare OSError); -1 was an OverflowError.
+    import kopf
+
+    from iterserve.operator import main as operator_main
+    from iterserve.operator.metrics import OperatorMetrics
+
+    started: list[str] = []
+    monkeypatch.setattr(kopf, "run", lambda **_: started.append("kopf"))
+    monkeypatch.setattr(OperatorMetrics, "serve", lambda *_: started.append("metrics"))
+    try:
+        code = operator_main.main(build_parser().parse_args(["operator", "run", *ports]))
+    except SystemExit as e:
+        code = e.code
+    assert (code, started) == (2, [])
+    assert "port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("level", "expected"),
     [("debug", logging.DEBUG), ("info", logging.INFO), ("warning", logging.WARNING),
      ("error", logging.ERROR)],

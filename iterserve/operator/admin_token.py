@@ -18,6 +18,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from iterserve import credentials
 from iterserve.operator.builders import ADMIN_TOKEN_KEY, Context, admin_secret_name
 from iterserve.operator.kube import Kube
 from iterserve.operator.push import PodTarget, pods_refusing
@@ -36,26 +37,22 @@ def new_token() -> str:
 
 
 def parse_tokens(secret: Mapping[str, Any]) -> tuple[str, ...]:
-    """The tokens of the admin Secret's key ``token``, the current one first.
+    """The tokens of the admin Secret's key ``token``, the current one first, as the pods'
+    ``--admin-token-file`` reads them (:func:`iterserve.credentials.parse_tokens`).
 
     Raises:
-        SpecError: not base64 of UTF-8 text, no token, or a token no HTTP client can send
-            (whitespace inside a line, control characters; each line's ends are stripped).
+        SpecError: not base64, no token, or a token the pods refuse (not ASCII, whitespace
+            inside a line, control characters; each line's ends are stripped).
     """
     name = (secret.get("metadata") or {}).get("name", "the admin Secret")
     try:
-        text = base64.b64decode(secret["data"][ADMIN_TOKEN_KEY], validate=True).decode()
-    except ValueError as e:  # binascii.Error, UnicodeDecodeError
-        raise SpecError(f"Secret {name}: key token is not base64 of UTF-8 text ({e})") from e
-    tokens = tuple(line.strip() for line in text.splitlines() if line.strip())
-    if not tokens:
-        raise SpecError(f"Secret {name}: key token holds no token")
-    if any(not t.isprintable() or any(c.isspace() for c in t) for t in tokens):
-        raise SpecError(
-            f"Secret {name}: key token has a token with whitespace or control characters "
-            "(one token per line)"
-        )
-    return tokens
+        data = base64.b64decode(secret["data"][ADMIN_TOKEN_KEY], validate=True)
+    except ValueError as e:  # binascii.Error
+        raise SpecError(f"Secret {name}: key token is not base64 ({e})") from e
+    try:
+        return credentials.parse_tokens(data, f"Secret {name}: key token")
+    except credentials.CredentialsError as e:
+        raise SpecError(f"{e} (one token per line)") from e
 
 
 async def rotate_if_asked(

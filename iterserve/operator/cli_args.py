@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from importlib.metadata import version
 
 # The control image of this version (the Dockerfile's `control` target, tagged
@@ -71,9 +72,23 @@ def add_operator_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _port(lowest: int) -> Callable[[str], int]:
+    """An argparse type: a TCP port, ``lowest`` to 65535."""
+
+    def port(text: str) -> int:
+        value = int(text)
+        if not lowest <= value <= 65535:
+            raise argparse.ArgumentTypeError(f"a port is {lowest} to 65535, got {value}")
+        return value
+
+    return port
+
+
 def _add_endpoint_args(run: argparse.ArgumentParser) -> None:
     """Where the operator listens (/healthz, /metrics) and who it is (its NetworkPolicies)."""
-    run.add_argument("--liveness-port", type=int, default=8081, help="/healthz for the kubelet")
+    run.add_argument(
+        "--liveness-port", type=_port(1), default=8081, help="/healthz for the kubelet"
+    )
     run.add_argument(
         "--liveness-host",
         default="0.0.0.0",
@@ -81,7 +96,7 @@ def _add_endpoint_args(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port(0),
         default=8082,
         help="the operator's own Prometheus /metrics, on --liveness-host (0: not served)",
     )

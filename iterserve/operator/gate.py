@@ -24,6 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 TTFT = "iterserve_time_to_first_token_seconds"
 TPOT = "iterserve_request_time_per_output_token_seconds"
 GATED = (TTFT, TPOT)
+# Not a histogram: the live settings' hash the pod runs (its GET /load ``config_hash``), as
+# ``{hash: 1.0}`` in a snapshot, whether a canary is on the change (rollout.scrape_pods).
+CONFIG = "config_hash"
 
 # A histogram's cumulative bucket counts by upper bound (``le``, as Prometheus writes it).
 Buckets = dict[str, float]
@@ -36,7 +39,9 @@ def parse_snapshot(text: str, names: Iterable[str] = GATED) -> Snapshot:
     text format), summed over their labels; a histogram not on the page has no entry.
 
     Raises:
-        ValueError: the page is not the text format.
+        ValueError: the page is not the text format, or a bucket's bound is not a number or
+            its count not a finite count (what the gate could not compute on, or the status
+            could not hold).
     """
     wanted = set(names)
     snapshot: Snapshot = {}
@@ -47,8 +52,15 @@ def parse_snapshot(text: str, names: Iterable[str] = GATED) -> Snapshot:
         for sample in family.samples:
             if sample.name == family.name + "_bucket":
                 le = sample.labels["le"]
+                if math.isnan(float(le)) or not 0.0 <= sample.value < math.inf:
+                    raise ValueError(f"not a histogram bucket: {sample}")
                 buckets[le] = buckets.get(le, 0.0) + sample.value
     return snapshot
+
+
+def hash_of(snapshot: Snapshot | None) -> str | None:
+    """The settings hash a scrape found (:data:`CONFIG`), None when it found none."""
+    return next(iter((snapshot or {}).get(CONFIG) or {}), None)
 
 
 def window(start: Buckets | None, now: Buckets) -> Buckets:

@@ -82,7 +82,8 @@ def build_registry(resync_interval_s: float = 10.0) -> kopf.OperatorRegistry:
     @kopf.on.delete(*RESOURCE, registry=registry, optional=True)
     async def forget(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         if (metrics := memo.get("metrics")) is not None:
-            metrics.forget(body["metadata"]["namespace"], body["metadata"]["name"])
+            meta = body["metadata"]
+            metrics.forget(meta["namespace"], meta["name"], meta.get("uid"))
 
     @kopf.timer(*RESOURCE, registry=registry, interval=resync_interval_s, idle=0.0)
     async def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:

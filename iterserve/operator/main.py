@@ -114,6 +114,13 @@ def peering_options(standalone: bool) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.metrics_port == args.liveness_port:
+        print(
+            f"iterserve operator run: --metrics-port {args.metrics_port} must differ from "
+            "--liveness-port (each is its own listener)",
+            file=sys.stderr,
+        )
+        return 2
     import kopf
 
     from iterserve.operator.handlers import build_registry

@@ -30,6 +30,7 @@ OUTCOMES = ("success", "invalid_spec", "api_error", "api_unreachable", "error")
 ROLLOUT_OUTCOMES = ("promoted", "rolled_back", "unchecked")
 # A push is a GET /load, and a PUT where the settings differ, to every pod at once: tens of
 # milliseconds on a healthy fleet, up to --push-timeout-s (5 s) when a pod does not answer.
+_GONE_KEPT = 10_000  # deleted resources remembered (uids: about 1 MB)
 _PUSH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -70,10 +71,16 @@ class OperatorMetrics:
             registry=r,
         )
         self._known: set[tuple[str, str]] = set()
+        # The uids of deleted resources (the last _GONE_KEPT): a reconcile that was in flight
+        # when one was deleted must not create its series again.
+        self._gone: dict[str, None] = {}
 
-    def _resource(self, body: Mapping[str, Any]) -> tuple[str, str]:
-        """The resource's labels; its outcome series created at 0 when first seen."""
+    def _resource(self, body: Mapping[str, Any]) -> tuple[str, str] | None:
+        """The resource's labels; its outcome series created at 0 when first seen. None for
+        a resource already deleted."""
         meta = body["metadata"]
+        if meta.get("uid") in self._gone:
+            return None
         key = (str(meta.get("namespace")), str(meta.get("name")))
         if key not in self._known:
             self._known.add(key)
@@ -85,7 +92,8 @@ class OperatorMetrics:
 
     def failed(self, body: Mapping[str, Any], outcome: str) -> None:
         """A reconcile of ``body`` that raised (``outcome``: one of :data:`OUTCOMES`)."""
-        self.reconciles.labels(*self._resource(body), outcome).inc()
+        if (key := self._resource(body)) is not None:
+            self.reconciles.labels(*key, outcome).inc()
 
     def record(
         self,
@@ -97,6 +105,8 @@ class OperatorMetrics:
         """A successful reconcile of resource ``body`` (its
         :class:`~iterserve.operator.reconcile.Outcome`'s figures; seconds, pods)."""
         key = self._resource(body)
+        if key is None:
+            return
         self.reconciles.labels(*key, "success").inc()
         if push_s is not None:
             self.push_seconds.labels(*key).observe(push_s)
@@ -104,10 +114,15 @@ class OperatorMetrics:
         if rollout_outcome is not None:
             self.rollouts.labels(*key, rollout_outcome).inc()
 
-    def forget(self, namespace: str, name: str) -> None:
-        """A deleted resource's series removed (series must not outlive their resource)."""
+    def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
+        """A deleted resource's series removed (series must not outlive their resource), and
+        kept away from a reconcile of it still in flight (by ``uid``)."""
         key = (namespace, name)
         self._known.discard(key)
+        if uid is not None:
+            self._gone[uid] = None
+            while len(self._gone) > _GONE_KEPT:
+                del self._gone[next(iter(self._gone))]
         for family, outcomes in (
             (self.reconciles, OUTCOMES),
             (self.rollouts, ROLLOUT_OUTCOMES),

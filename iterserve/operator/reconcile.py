@@ -266,6 +266,7 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
         ready_targets(pods),
         scrape_pods(settings.push_timeout_s),
         time.time(),
+        restart_counts(pods),
     )
     (config,) = [o for o in built if o["kind"] == "ConfigMap"]
     config["data"][CONFIG_FILE] = settings_file(step.config_map.values, step.config_map.version)
@@ -363,6 +364,26 @@ async def _start_from_zero(
             o for o in built if o["kind"] == "Deployment" and o["metadata"]["name"] == ctx.name
         ]
         deployment["spec"]["replicas"] = a.minReplicas
+
+
+def restart_counts(pods: list[Mapping[str, Any]]) -> dict[str, int]:
+    """Each pod that is not terminating nor ended (an evicted pod stays, phase Failed), by
+    name: its containers' restarts, summed (pods are what the API holds: anything malformed
+    counts 0)."""
+    counts = {}
+    for pod in pods:
+        meta, status = _mapping(pod, "metadata"), _mapping(pod, "status")
+        if meta.get("deletionTimestamp") or not isinstance(meta.get("name"), str):
+            continue
+        if status.get("phase") in ("Failed", "Succeeded"):
+            continue
+        containers = status.get("containerStatuses")
+        counts[meta["name"]] = sum(
+            c["restartCount"]
+            for c in (containers if isinstance(containers, list) else [])
+            if isinstance(c, Mapping) and type(c.get("restartCount")) is int
+        )
+    return counts
 
 
 def unschedulable(pods: list[Mapping[str, Any]]) -> list[tuple[str, str]]:

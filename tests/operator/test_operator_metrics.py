@@ -92,3 +92,20 @@ def test_the_handlers_count_each_reconcile(monkeypatch: pytest.MonkeyPatch) -> N
     metrics.forget("demo", "tiny")
     assert _value(metrics, "iterserve_operator_pods_not_at_desired_settings") is None
     assert _value(metrics, "iterserve_operator_reconciles_total", outcome="success") is None
+
+
+def test_a_reconcile_that_ends_after_the_delete_does_not_bring_the_series_back() -> None:
+    # Breaker finding: the resync timer's reconcile runs beside the delete handler; one that
+    # ended after forget() re-created the deleted resource's series, for good (a leak per
+    # resource created and deleted while a reconcile was in flight).
+    metrics = OperatorMetrics()
+    metrics.record(BODY, 0.1, 0, None)
+    metrics.forget("demo", "tiny", "u")
+    metrics.record(BODY, 0.1, 1, None)  # the in-flight reconcile of the deleted resource
+    metrics.failed(BODY, "api_error")
+    assert _value(metrics, "iterserve_operator_pods_not_at_desired_settings") is None
+    assert _value(metrics, "iterserve_operator_reconciles_total", outcome="success") is None
+    again = copy.deepcopy(BODY)  # created again under the same name: a new uid
+    again["metadata"]["uid"] = "u2"
+    metrics.record(again, None, 0, None)
+    assert _value(metrics, "iterserve_operator_reconciles_total", outcome="success") == 1

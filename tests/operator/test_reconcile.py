@@ -122,6 +122,20 @@ def test_a_token_no_header_can_carry_is_reported() -> None:
         _reconcile(kube)
 
 
+def test_a_token_the_pods_refuse_is_reported() -> None:
+    # Breaker finding: a non-ASCII token passed the operator (str.isprintable) but the pods'
+    # --admin-token-file refuses it (ASCII only): a new pod crash-looped, the others kept the
+    # old token and refused every push. CRLF line ends and blank lines stay fine.
+    kube = MemoryKube()
+    token = base64.b64encode("t\u00f6ken\n".encode()).decode()
+    kube.objects["Secret", "tiny-admin"] = _secret("tiny-admin", {"token": token})
+    with pytest.raises(SpecError, match=r"Secret tiny-admin: key token.*not ASCII"):
+        _reconcile(kube)
+    token = base64.b64encode(b"\r\n\r\nnew\r\n\r\nold\r\n").decode()
+    kube.objects["Secret", "tiny-admin"] = _secret("tiny-admin", {"token": token})
+    _reconcile(kube)
+
+
 def test_the_timer_warns_once_about_an_invalid_spec(monkeypatch: pytest.MonkeyPatch) -> None:
     warned: list[str] = []
     monkeypatch.setattr(kopf, "warn", lambda body, reason, message: warned.append(reason))
@@ -298,3 +312,18 @@ def test_network_policies_switched_off_are_deleted() -> None:
     outcome = _reconcile(kube, body)
     assert not any(kind == "NetworkPolicy" for kind, _ in kube.objects)
     assert ("Normal", "Deleted", "NetworkPolicy tiny-server") in outcome.events
+
+
+def test_restart_counts_sum_the_containers_of_pods_not_terminating() -> None:
+    from iterserve.operator.reconcile import restart_counts
+
+    def pod(name: Any, *counts: Any, deleting: bool = False) -> dict[str, Any]:
+        meta = {"name": name, **({"deletionTimestamp": "t"} if deleting else {})}
+        return {"metadata": meta,
+                "status": {"containerStatuses": [{"restartCount": c} for c in counts]}}  # fmt: skip
+
+    pods = [pod("a", 1, 2), pod("b"), pod("c", 4, deleting=True), pod(None, 1), pod("d", "x")]
+    evicted = {"metadata": {"name": "f"}, "status": {"phase": "Failed"}}
+    assert restart_counts([*pods, {"metadata": {"name": "e"}, "status": None}, evicted]) == {
+        "a": 3, "b": 0, "d": 0, "e": 0,
+    }  # fmt: skip

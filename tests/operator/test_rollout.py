@@ -78,6 +78,18 @@ def test_snapshot_sums_the_tiers_of_a_real_exposition() -> None:
     assert snapshot == {gate.TTFT: {"0.1": 1.0, "0.2": 2.0, "+Inf": 3.0}}
 
 
+@pytest.mark.parametrize(
+    "bucket",
+    ['{le="fast"} 5', '{le="+Inf"} NaN', '{le="+Inf"} +Inf', '{le="+Inf"} -5', '{le="NaN"} 1'],
+)
+def test_a_garbage_histogram_is_not_the_text_format(bucket: str) -> None:
+    # Breaker finding: these parsed, then crashed the gate (float('fast'), int(nan)) on every
+    # reconcile, or put NaN into status.rollout (not JSON): a pod's garbage blocked the resource.
+    page = f"# TYPE {gate.TTFT} histogram\n{gate.TTFT}_bucket{bucket}\n"
+    with pytest.raises(ValueError):
+        gate.parse_snapshot(page)
+
+
 def test_the_gate_compares_p99_ttft_and_median_tpot() -> None:
     limits = gate.GateLimits(max_ttft_p99_increase=0.2, max_tpot_p50_increase=0.15, min_requests=4)
     same = {gate.TTFT: buckets(0.05, 0.05, 0.15, 0.15), gate.TPOT: buckets(0.05, 0.05, 0.05, 0.05)}
@@ -116,7 +128,7 @@ def test_a_pod_that_failed_its_first_scrape_is_left_out() -> None:
 
 # -- the state machine -------------------------------------------------------------------------
 
-OLD = Settings({"max_num_seqs": 8}, "old-hash", 1)
+OLD = Settings({"max_num_seqs": 8, "max_waiting_per_tenant": None}, "old-hash", 1)  # every key
 NEW = Settings({"max_num_seqs": 1}, "new-hash", 2)
 CANARY = RolloutSpec(strategy="canary", bakeTime="10s", minRequests=2)
 T0 = 1_800_000_000.0
@@ -173,6 +185,7 @@ def test_within_the_gate_it_is_promoted_once_the_bake_is_over() -> None:
     assert (_groups(done), done.config_map, done.outcome) == ({"new-hash": ["a", "b"]}, NEW,
                                                               "promoted")  # fmt: skip
     assert done.condition is not None and done.condition[:2] == ("True", PROMOTED)
+    assert not {"windowStart", "stableSettings"} & set(done.record)  # the bake's state gone
     again = pods.step(done.record, T0 + 20)  # later reconciles: everyone on the new settings
     assert (_groups(again), again.outcome) == ({"new-hash": ["a", "b"]}, None)
 
@@ -279,4 +292,185 @@ def test_a_rollback_restores_the_stable_settings_exactly_and_the_record_shrinks(
     step = asyncio.run(plan(CANARY, NEW, stable, record, pods.targets, pods.scrape, T0 + 3))
     assert step.record is not None and step.record["phase"] == ROLLED_BACK
     assert step.config_map == stable and [p.settings for p in step.pushes] == [stable]
-    assert "stableSettings" not in step.record and "windowStart" not in step.record
+    assert "windowStart" not in step.record  # the window's counts go with the bake
+    assert json.loads(step.record["stableSettings"]) == stable.values  # kept: see plan
+
+
+def test_a_canary_whose_first_scrape_failed_is_judged_from_its_next_one() -> None:
+    # Breaker finding: a canary whose /metrics was slow when the rollout began was left out of
+    # every window, so the only canary never counted and the bake waited for traffic forever.
+    pods = Pods("a", "b")
+    good = pods.scrape
+
+    async def slow_a(targets: list[PodTarget]) -> dict[str, gate.Snapshot | None]:
+        return {**await good(targets), "a": None}
+
+    pods.scrape = slow_a  # type: ignore[method-assign]
+    record = _stored({}, pods.step({}, T0).record)
+    assert record["windowPending"] == ["a"] and "a" not in record["windowStart"]
+    pods.scrape = good  # type: ignore[method-assign]
+    pods.ttft["a"] += [0.05]  # before a's window starts: not counted
+    later = _stored(record, pods.step(record, T0 + 5).record)
+    assert later["windowStart"]["a"] == _pod(0.05) and "windowPending" not in later
+    pods.ttft["a"] += [0.05, 0.15]
+    pods.ttft["b"] += [0.05, 0.15]
+    done = pods.step(later, T0 + 10)
+    assert done.record is not None and done.record["phase"] == PROMOTED
+
+
+def _merged(target: Any, patch: Any) -> Any:
+    """A JSON merge patch (RFC 7386) applied, as the API server applies kopf's."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merged(out.get(key), value)
+    return out
+
+
+def _stored(old: dict[str, Any], new: dict[str, Any] | None) -> dict[str, Any]:
+    """``status.rollout`` after the operator's patch from ``old`` to ``new``."""
+    assert new is not None
+    stored: dict[str, Any] = _merged({"rollout": old}, {"rollout": replacing(old, new)})["rollout"]
+    return stored
+
+
+def test_a_pod_whose_first_scrape_failed_stays_left_out_through_the_status_patch() -> None:
+    # Breaker finding: its start was None in windowStart, which the status merge patch deletes;
+    # the next reconcile found no start and counted the pod's whole life in the window (a
+    # canary's requests from before the change included).
+    pods = Pods("a", "b")
+    pods.ttft["a"] = [0.7] * 5  # before the rollout, on the old settings
+    good = pods.scrape
+
+    async def slow_a(targets: list[PodTarget]) -> dict[str, gate.Snapshot | None]:
+        return {**await good(targets), "a": None}
+
+    pods.scrape = slow_a  # type: ignore[method-assign]
+    record = _stored({}, pods.step({}, T0).record)
+    pods.scrape = good  # type: ignore[method-assign]
+    pods.ttft["b"] += [0.05, 0.05]
+    step = pods.step(record, T0 + 5)  # a answers again: its window starts now
+    assert step.record is not None and step.record["phase"] == BAKING
+    assert "not enough traffic: canaries 0" in step.record["message"]
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"canaryPods": None},
+        {"canaryPods": "a"},
+        {"startedAt": "yesterday"},
+        {"windowStart": ["a"]},
+        {"windowStart": {"a": {gate.TTFT: {"+Inf": "many"}}}},
+        {"stableSettings": None},
+        {"stableVersion": "one"},
+    ],
+)
+def test_a_hand_edited_bake_record_starts_the_rollout_again(edit: dict[str, Any]) -> None:
+    # Breaker finding: a malformed status.rollout of a bake raised on every reconcile (before
+    # anything was applied), so the resource was stuck until someone cleared the status.
+    pods = Pods("a", "b")
+    record = pods.step({}, T0).record
+    assert record is not None
+    step = pods.step({**record, **edit}, T0 + 5)
+    assert step.record is not None and step.record["phase"] == BAKING
+    assert step.record["startedAt"] == timestamp(T0 + 5)
+    assert _groups(step) == {"new-hash": ["a"], "old-hash": ["b"]} and step.config_map == OLD
+
+
+def test_a_deleted_configmap_neither_promotes_a_bake_nor_brings_back_a_rejected_change() -> None:
+    # Breaker finding: with no ConfigMap (deleted by hand) plan took it as "nothing to roll
+    # from" and pushed the baking, or the rolled-back, settings to every pod and the ConfigMap.
+    pods = Pods("a", "b")
+    baking = pods.step({}, T0).record
+    assert baking is not None
+    step = asyncio.run(plan(CANARY, NEW, None, baking, pods.targets, pods.scrape, T0 + 1))
+    assert step.record is not None and step.record["phase"] == BAKING
+    assert _groups(step) == {"new-hash": ["a"], "old-hash": ["b"]} and step.config_map == OLD
+    pods.ttft["a"] += [0.7, 0.7]
+    pods.ttft["b"] += [0.05, 0.05]
+    rejected = pods.step(baking, T0 + 3).record
+    assert rejected is not None and rejected["phase"] == ROLLED_BACK
+    step = asyncio.run(plan(CANARY, NEW, None, rejected, pods.targets, pods.scrape, T0 + 9))
+    assert _groups(step) == {"old-hash": ["a", "b"]} and step.config_map == OLD
+
+
+def test_a_canary_that_restarts_or_goes_unready_is_no_reason_to_pick_another() -> None:
+    # Breaker finding: a change that crashes the engine took the canary out of the ready pods
+    # (restarting), and the next reconcile made the next pod the canary, which crashed too:
+    # the change walked through the fleet. An unready canary that still exists is waited for;
+    # one whose containers restarted during the bake rolls the change back.
+    pods = Pods("a", "b", "c")
+
+    def step(record: dict[str, Any], ready: list[str], restarts: dict[str, int]) -> Step:
+        targets = [t for t in pods.targets if t.name in ready]
+        return asyncio.run(
+            plan(CANARY, NEW, OLD, record, targets, pods.scrape, T0 + 5, restarts=restarts)
+        )
+
+    started = asyncio.run(
+        plan(CANARY, NEW, OLD, {}, pods.targets, pods.scrape, T0, restarts={"a": 2, "b": 0, "c": 0})
+    ).record
+    assert started is not None and started["canaryPods"] == ["a"]
+    unready = step(started, ["b", "c"], {"a": 2, "b": 0, "c": 0})
+    assert unready.record == started and _groups(unready) == {"old-hash": ["b", "c"]}
+    assert unready.condition is not None and unready.condition[1] == "WaitingForPods"
+    crashed = step(started, ["b", "c"], {"a": 3, "b": 0, "c": 0})
+    assert crashed.record is not None and crashed.record["phase"] == ROLLED_BACK
+    assert "pod a restarted" in crashed.record["message"] and crashed.outcome == "rolled_back"
+    assert _groups(crashed) == {"old-hash": ["b", "c"]} and crashed.config_map == OLD
+    gone = step(started, ["b", "c"], {"b": 0, "c": 0})  # pod a deleted: new canaries
+    assert gone.record is not None and gone.record["canaryPods"] == ["b"]
+
+
+def test_a_null_stable_setting_survives_the_status_patch() -> None:
+    # Breaker finding: stableSettings.max_waiting_per_tenant: null (no cap, the default) was
+    # deleted by the status merge patch, so the rollback pushed the stable settings without it:
+    # a PUT merges, and the canaries kept the rejected cap (never at the stable hash).
+    old = Settings({"max_num_seqs": 8, "max_waiting_per_tenant": None}, "old-hash", 1)
+    new = Settings({"max_num_seqs": 8, "max_waiting_per_tenant": 1}, "new-hash", 2)
+    pods = Pods("a", "b")
+
+    def step(record: dict[str, Any], now_s: float) -> Step:
+        return asyncio.run(plan(CANARY, new, old, record, pods.targets, pods.scrape, now_s))
+
+    record = _stored({}, step({}, T0).record)
+    assert json.loads(record["stableSettings"])["max_waiting_per_tenant"] is None  # kept
+    pods.ttft["a"] += [0.7, 0.7]
+    pods.ttft["b"] += [0.05, 0.05]
+    rolled_back = step(record, T0 + 3)
+    assert _groups(rolled_back) == {"old-hash": ["a", "b"]}
+    assert rolled_back.pushes[0].settings == old and rolled_back.config_map == old
+
+
+def test_a_canary_not_yet_on_the_change_is_not_judged_as_one() -> None:
+    # Breaker finding: a canary whose push failed (a 401 while the kubelet had not refreshed
+    # a rotated admin token, a timeout) kept the stable settings, and the gate compared stable
+    # with stable: the change was promoted without having run. A canary's window starts at
+    # its first scrape that shows the change's hash (GET /load config_hash).
+    pods = Pods("a", "b")
+    hashes = {"a": OLD.hash, "b": OLD.hash}
+    plain = pods.scrape
+
+    async def scrape(targets: list[PodTarget]) -> dict[str, gate.Snapshot | None]:
+        found = await plain(targets)
+        return {n: {**s, gate.CONFIG: {hashes[n]: 1.0}} for n, s in found.items() if s}
+
+    pods.scrape = scrape  # type: ignore[method-assign]
+    record = _stored({}, pods.step({}, T0).record)
+    assert gate.CONFIG not in record["windowStart"]["a"]  # not kept in the status
+    pods.ttft["a"] += [0.05, 0.15]  # served on the stable settings: the push did not land
+    pods.ttft["b"] += [0.05, 0.15]
+    stale = _stored(record, pods.step(record, T0 + 20).record)
+    assert stale["phase"] == BAKING and stale["windowPending"] == ["a"]
+    hashes["a"] = NEW.hash  # the push landed
+    landed = _stored(stale, pods.step(stale, T0 + 30).record)
+    assert landed["phase"] == BAKING and "windowPending" not in landed
+    pods.ttft["a"] += [0.05, 0.15]
+    pods.ttft["b"] += [0.05, 0.15]
+    done = pods.step(landed, T0 + 40).record
+    assert done is not None and done["phase"] == PROMOTED

@@ -635,6 +635,10 @@ def test_wrong_values_fail_at_the_schema_naming_the_field(
          "metrics.serviceMonitor.interval 61s is longer than 60s"),
         (["metrics.podMonitor.enabled=true", "metrics.podMonitor.interval=1m500ms"],
          "metrics.podMonitor.interval 1m500ms is longer than 60s"),
+        # Breaker finding: one port for both rendered, and the operator crash-looped (the
+        # second listener cannot bind).
+        (["operator.metricsPort=8081"],
+         "operator.metricsPort 8081 must differ from operator.livenessPort"),
     ],
 )  # fmt: skip
 def test_wrong_values_fail_in_the_template(helm: Path, settings: list[str], message: str) -> None:
