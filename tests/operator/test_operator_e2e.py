@@ -286,7 +286,9 @@ def test_operator_applies_pushes_catches_up_and_refuses(tmp_path: Path) -> None:
 
             # Events for pushes, failed pushes and invalid specs (KMock keeps only the first
             # of those with the same name, so read what was posted).
-            posted = [r.data for r in k8s[kmock.resource("v1/events")] if r.method == "POST"]
+            posted = [
+                r.data for r in k8s.served if r.method == "POST" and r.url.path.endswith("/events")
+            ]
             reasons = {e.get("reason") for e in posted}
             assert {"ConfigPushed", "ConfigPushFailed", "InvalidSpec"} <= reasons, reasons
 

@@ -913,7 +913,8 @@ async def _operator_run(tmp_path: Path) -> set[tuple[str, str, str]]:
         async def invalid_event() -> bool:
             return any(
                 r.method == "POST" and (r.data or {}).get("reason") == "InvalidSpec"
-                for r in k8s[kmock.resource("v1/events")]
+                for r in k8s.served
+                if r.url.path.endswith("/events")
             )
 
         await until(invalid_event, "the InvalidSpec event")
@@ -939,7 +940,7 @@ async def _operator_run(tmp_path: Path) -> set[tuple[str, str, str]]:
         await until(deleted, "the resource deleted (kopf's finalizer removed)")
     mine = [
         r
-        for r in k8s
+        for r in k8s.served
         if {k.lower(): v for k, v in r.headers.items()}.get("authorization") == f"Bearer {TOKEN}"
     ]
     assert len(mine) > 50, len(mine)
