@@ -326,11 +326,7 @@ async def _record(urls: list[str], router_url: str, recording: Recording) -> Non
         recording.load_end_tick = tick
         tail = TAIL_TICKS
         while tail:
-            # Once every answer is in (and a tick after it, for the router's and the servers'
-            # bookkeeping of the last ones), nothing a scrape reads changes: the rest of the
-            # tail is cluster time only, scraped without waiting for wall time.
-            if tail >= TAIL_TICKS - 1:
-                await asyncio.sleep(max(0.0, next_scrape - time.monotonic()))
+            await asyncio.sleep(max(0.0, next_scrape - time.monotonic()))
             await scrape(tick)
             tick, next_scrape = tick + 1, next_scrape + TICK_S
             if all(r.done() for r in requests):
