@@ -9,8 +9,9 @@ import contextlib
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -66,12 +67,15 @@ def test_new_requests_go_to_the_idle_replica(profile_file: Path) -> None:
                     ]
                     report = lambda: pool.backends[busy.url].state.report  # noqa: E731
                     await until(lambda: report() and report().num_running == 6, "load seen")
-                    answers = [
-                        await http.post(
-                            url + "/v1/completions", json={"prompt": f"q{i}", "max_tokens": 2}
-                        )
-                        for i in range(6)
-                    ]
+                    answers = []
+                    for i in range(6):
+                        body = {"prompt": f"q{i}", "max_tokens": 2}
+                        answers.append(await http.post(url + "/v1/completions", json=body))
+                        # The next pick on a report taken after this answer: one taken while
+                        # it was still queued scores the idle replica as busy until the next
+                        # poll (the running count is not in the score), and a client this
+                        # fast would then land on the busy one (seen once in a clean run).
+                        await until(_reported_since(pool, idle.url), "a report after it")
                     assert all(a.status_code == 200 for a in answers)
                     counts = _requests_by_replica(await http.get(url + "/metrics"))
                     assert counts == {replica_name(idle.url): 6}, counts
@@ -80,6 +84,12 @@ def test_new_requests_go_to_the_idle_replica(profile_file: Path) -> None:
                 await until(lambda: all(b.in_flight == 0 for b in pool.backends.values()), "zero")
 
         asyncio.run(run())
+
+
+def _reported_since(pool: Any, url: str) -> Callable[[], bool]:
+    """Whether ``url``'s replica has reported since now (the router's clock)."""
+    now = pool.clock()
+    return lambda: pool.backends[url].state.report.received_at > now
 
 
 def _requests_by_replica(response: httpx.Response) -> dict[str, int]:
