@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from credential_data import KEYS, TOKEN
 from router_utils import pool_of, router, until
 from server_utils import run_server
 from sim_profiles import make_profile, write_profile
@@ -26,14 +27,6 @@ from iterserve.router.proxy import Proxy
 from iterserve.router.scoring import Picker
 
 A = "http://a:1"
-KEYS = """
-- key: sk-acme-0001
-  tenant: acme
-  tiers: [standard, best-effort]
-  default_tier: standard
-- {key: sk-bob-00001, tenant: bob}
-"""
-TOKEN = "router-token-1"
 
 
 class SecretVolume:

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from credential_data import KEYS, TOKEN
 from fake_engine import FakeEngineClient, run_with_server
 
 from iterserve.config import ConfigError, ServerConfig
@@ -18,14 +19,6 @@ from iterserve.openai_http import APIError
 from iterserve.server.app import build_app
 from iterserve.server.identity import ServerAuth
 
-KEYS = """
-- key: sk-acme-0001
-  tenant: acme
-  tiers: [standard, best-effort]
-  default_tier: standard
-- {key: sk-bob-00001, tenant: bob}
-"""
-TOKEN = "router-token-1"
 BODY = {"prompt": "Hi", "max_tokens": 1}
 PRIORITY = {"premium": 0, "standard": 1, "best-effort": 2}  # the default tiers
 
