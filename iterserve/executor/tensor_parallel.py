@@ -200,6 +200,10 @@ class Workers:
         with self._lock:
             first, self.dead = self.dead is None, self.dead or reason
         if not first:  # the workers killed below report their deaths too
+            if self.fail_fast:
+                # Another thread is ending the process: a step thread that went on would fail
+                # its requests one by one while /health still answers 200.
+                threading.Event().wait()
             return
         logger.error("%s: this replica cannot run", reason)
         self.kill()
