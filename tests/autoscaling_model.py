@@ -7,7 +7,8 @@ the HPA controller's algorithm, and KEDA's activation.
   selectors (the latest sample within the 5-minute lookback), ``rate()`` over a range
   (Prometheus' ``extrapolatedRate`` in promql/functions.go, as of Prometheus 3: samples in
   ``(t - range, t]``, extrapolated towards the range's ends, never before the counter's zero
-  point), ``sum`` with or without ``by``, ``clamp_max``, number literals.
+  point), ``sum`` with or without ``by``, ``clamp_max``, ``vector()``, number literals, and
+  between instant vectors ``or`` and ``+`` (one-to-one on identical label sets, no modifiers).
 - **HPA** (:class:`Hpa`): the algorithm of "Horizontal Pod Autoscaling", "Algorithm
   details" (https://kubernetes.io/docs/tasks/run-application/horizontal-pod-autoscale/
   #algorithm-details) and the controller's ``stabilizeRecommendationWithBehaviors`` and
@@ -124,6 +125,8 @@ def _eval(node: object, store: Store, t: float) -> Vector | float:
         return out
     if isinstance(node, promql_parser.Call):
         return _call(node, store, t)
+    if isinstance(node, promql_parser.BinaryExpr):
+        return _binary(node, store, t)
     if isinstance(node, promql_parser.AggregateExpr):
         if str(node.op) != "sum":
             raise NotImplementedError(str(node.op))
@@ -140,6 +143,25 @@ def _eval(node: object, store: Store, t: float) -> Vector | float:
     raise NotImplementedError(type(node).__name__)
 
 
+def _binary(node: promql_parser.BinaryExpr, store: Store, t: float) -> Vector:
+    """``a or b`` (``a``'s elements, then ``b``'s whose label sets ``a`` lacks) and ``a + b``
+    (elements with the same label set in both, the metric name dropped: both sides here are
+    aggregations, without one)."""
+    # A set operator's modifier says ManyToMany; on(), ignoring(), group_*() and bool are not
+    # modelled.
+    if node.modifier is not None and (node.modifier.matching or node.modifier.return_bool):
+        raise NotImplementedError("binary operator modifiers")
+    lhs, rhs = _eval(node.lhs, store, t), _eval(node.rhs, store, t)
+    if not isinstance(lhs, dict) or not isinstance(rhs, dict):
+        raise NotImplementedError("scalar operands")
+    op = str(node.op)
+    if op == "or":
+        return {**rhs, **lhs}
+    if op == "+":
+        return {k: v + rhs[k] for k, v in lhs.items() if k in rhs}
+    raise NotImplementedError(op)
+
+
 def _call(node: promql_parser.Call, store: Store, t: float) -> Vector:
     name = node.func.name
     if name == "rate":
@@ -152,6 +174,10 @@ def _call(node: promql_parser.Call, store: Store, t: float) -> Vector:
                 rate = extrapolated_rate(inside, t - window, t)
                 out[frozenset((k, v) for k, v in labels if k != "__name__")] = rate
         return out
+    if name == "vector":
+        (value,) = (_eval(a, store, t) for a in node.args)
+        assert isinstance(value, float)
+        return {frozenset(): value}
     if name == "clamp_max":
         vector, bound = (_eval(a, store, t) for a in node.args)
         assert isinstance(vector, dict) and isinstance(bound, float)

@@ -106,7 +106,7 @@ async def cluster(
                 kind="LLMDeployment", namespaced=True, subresources={"status"}, verbs=VERBS
             )
         # What kopf's own machinery discovers before it watches (CRDs, namespaces, events),
-        # kopf's peering, and KEDA's ScaledObject.
+        # kopf's peering, KEDA's ScaledObject and GAIE's InferencePool.
         for resource, kind, namespaced in (
             ("v1/pods", "Pod", True),
             ("v1/events", "Event", True),
@@ -118,6 +118,7 @@ async def cluster(
             ),
             ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False),
             ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True),
+            ("inference.networking.k8s.io/v1/inferencepools", "InferencePool", True),
         ):
             if resource not in unserved:
                 k8s.resources[resource] = kmock.ResourceInfo(

@@ -3,12 +3,16 @@
 No cluster and no kopf here: the handlers (:mod:`iterserve.operator.handlers`) add owner
 references and apply what these return, and ``iterserve operator render`` prints it.
 Names derive from the resource's name ``N`` (docs/kubernetes.md): ConfigMap ``N-scheduler``, server
-Deployment ``N`` behind the headless Service ``N-server``, router Deployment, Service,
-ServiceAccount, Role and RoleBinding ``N-router``, PodDisruptionBudget ``N``, HPA or KEDA
-ScaledObject ``N``, NetworkPolicies ``N-server`` and ``N-router``; the Secrets ``N-admin`` (key
-``token``: the admin tokens, one per line, the current one first), ``N-api-key`` (key
-``api-key``) and ``N-router-token`` (key ``token``) are referenced, and created by the operator
-when absent; ``spec.auth.apiKeysSecret`` (key ``keys.yaml``) is the user's.
+Deployment ``N`` behind the headless Service ``N-server``, PodDisruptionBudget ``N``, HPA or KEDA
+ScaledObject ``N``, NetworkPolicy ``N-server``; the router's ServiceAccount, Role and RoleBinding
+``N-router`` (both modes); in ``spec.router.mode`` proxy the router Deployment and Service,
+NetworkPolicy and (from 2 replicas) PodDisruptionBudget ``N-router``; in endpointPicker mode the
+InferencePool ``N`` and the picker's Deployment, Service, NetworkPolicy and PodDisruptionBudget
+``N-epp`` instead (one builder makes both Deployments: the picker is ``iterserve router --mode
+endpoint-picker``, with the router's arguments, credentials and ServiceAccount); the Secrets
+``N-admin`` (key ``token``: the admin tokens, one per line, the current one first),
+``N-api-key`` (key ``api-key``) and ``N-router-token`` (key ``token``) are referenced, and
+created by the operator when absent; ``spec.auth.apiKeysSecret`` (key ``keys.yaml``) is the user's.
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ SERVER_PORT = 8000
 # The server's /admin/* listener (--admin-port): in no Service, reached by the operator only.
 ADMIN_PORT = 8001
 ROUTER_PORT = 8080
+# The endpoint picker's Envoy ext_proc port (GAIE's conventional EPP port) and its Service's
+# appProtocol: gRPC without TLS, so the gateway speaks HTTP/2 to it in cleartext.
+EPP_GRPC_PORT, EPP_APP_PROTOCOL = 9002, "kubernetes.io/h2c"
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+# The servers' KV-cache event publisher (ZMQ PUB, vLLM's default port), with spec.router.kvEvents.
+KV_EVENTS_PORT = 5557
 # The N-admin Secret's volume (not under CONFIG_DIR: a mount inside the read-only ConfigMap
 # volume needs a mount point the runtime cannot create there).
 ADMIN_TOKEN_DIR = "/var/run/secrets/iterserve.io/admin"
@@ -121,8 +131,24 @@ def router_name(name: str) -> str:
     return f"{name}-router"
 
 
+def epp_name(name: str) -> str:
+    return f"{name}-epp"
+
+
 def router_url(ctx: Context) -> str:
     return f"http://{router_name(ctx.name)}.{ctx.namespace}.svc:{ROUTER_PORT}"
+
+
+def picker_mode(spec: LLMDeploymentSpec) -> bool:
+    """Whether the resource runs an endpoint picker behind a gateway (an InferencePool)
+    instead of the proxy router."""
+    return spec.router.mode == "endpointPicker"
+
+
+def front_component(spec: LLMDeploymentSpec) -> str:
+    """The ``app.kubernetes.io/component`` of the pods in front of the servers: ``router``
+    (proxy mode) or ``epp`` (endpointPicker mode)."""
+    return "epp" if picker_mode(spec) else "router"
 
 
 # --------------------------------------------------------------------------- scheduler config
@@ -195,6 +221,8 @@ def server_args(spec: LLMDeploymentSpec, model_dir: str) -> list[str]:
         "--shutdown-grace-period-s", str(SERVER_GRACE_S),
         "--admin-port", str(ADMIN_PORT),
         "--admin-token-file", f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}",
+        # The server publishes by default: off unless a router subscribes.
+        "--kv-events-port", str(KV_EVENTS_PORT if spec.router.kvEvents else 0),
     ]  # fmt: skip
     if e.maxModelLen is not None:
         args += ["--max-model-len", str(e.maxModelLen)]
@@ -382,6 +410,11 @@ def server_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
         "ports": [
             {"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"},
             {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"},
+            *(
+                [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}]
+                if spec.router.kvEvents
+                else []
+            ),
         ],
         "env": env,
         "volumeMounts": mounts,
@@ -458,11 +491,13 @@ def server_service(ctx: Context) -> dict[str, Any]:
 # --------------------------------------------------------------------------- router
 
 
-def router_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
-    name = router_name(ctx.name)
-    volumes, mounts = _auth_volumes(ctx, spec)
+def _router_args(ctx: Context, spec: LLMDeploymentSpec) -> list[str]:
+    """``iterserve router`` arguments, proxy or endpoint picker: the same discovery, policy
+    and credentials in both modes."""
+    mode = ["--mode", "endpoint-picker", "--grpc-port", str(EPP_GRPC_PORT)]
     args = [
         "router",
+        *(mode if picker_mode(spec) else []),
         "--host", "0.0.0.0",
         "--port", str(ROUTER_PORT),
         "--k8s-service", server_service_name(ctx.name),
@@ -472,17 +507,49 @@ def router_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
         "--shutdown-grace-period-s", str(ROUTER_GRACE_S),
         *_auth_args(spec),
     ]  # fmt: skip
+    if spec.router.kvEvents:
+        args += ["--kv-events-port", str(KV_EVENTS_PORT)]
+        if (tokenizer := _router_tokenizer(spec)) is not None:
+            args += ["--tokenizer", tokenizer[0]]
+    return args
+
+
+def _router_tokenizer(spec: LLMDeploymentSpec) -> tuple[str, dict[str, Any]] | None:
+    """(the model directory, its volume) for the router's ``--tokenizer`` with kvEvents: the
+    server pods' model volume, mounted read-only, when the router can mount it (source pvc or
+    hostPath). None for source image (the weights are in the server image) or uri (a download
+    per router pod would cost what a server's does): the router's default tokenizer then."""
+    source = spec.model.source
+    if source.pvc is None and source.hostPath is None:
+        return None
+    model_dir, volumes, _, _ = _model_volume(spec)
+    return model_dir, volumes[0]
+
+
+def router_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
+    """The router Deployment ``N-router``, or in endpointPicker mode the picker's ``N-epp``
+    (the same program with ``--mode endpoint-picker``, its ext_proc port ``grpc`` besides
+    ``http``, which then serves /health, /ready and /metrics only)."""
+    picker = picker_mode(spec)
+    name, component = (epp_name if picker else router_name)(ctx.name), front_component(spec)
+    volumes, mounts = _auth_volumes(ctx, spec)
+    if spec.router.kvEvents and (tokenizer := _router_tokenizer(spec)) is not None:
+        volumes.append(tokenizer[1])
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    ports = [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}]
+    if picker:
+        ports.append({"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"})
     container: dict[str, Any] = {
-        "name": "router",
+        "name": "epp" if picker else "router",
         "image": spec.router.image or ctx.control_image,
         "command": ["iterserve"],
-        "args": args,
-        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "args": _router_args(ctx, spec),
+        "ports": ports,
         "volumeMounts": mounts,
         "livenessProbe": _probe("/health", "http", 10, 3),
         # The router's /ready fails while no server pod is ready. Scaled to zero, the router
-        # must stay in its Service anyway: the requests it answers 503 are what wake the
-        # server pods (docs/autoscaling.md).
+        # must stay in its Service anyway: the requests it holds are what wake the server
+        # pods (docs/autoscaling.md).
         "readinessProbe": _probe("/health" if spec.scales_to_zero else "/ready", "http", 2, 2),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
         "resources": {
@@ -495,46 +562,70 @@ def router_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
     # drops it: the Deployment would read back drifted).
     if env := _api_key_env(ctx, spec):
         container["env"] = env
+    pod_spec = {
+        # One ServiceAccount in both modes: its Role is the same (EndpointSlices).
+        "serviceAccountName": router_name(ctx.name),
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": _pod_security(),
+        "terminationGracePeriodSeconds": ROUTER_GRACE_S + ABORT_WAIT_S + PRESTOP_SLEEP_S + 10,
+        "enableServiceLinks": False,
+    }
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(ROUTER_PORT),
+        "prometheus.io/path": "/metrics",
+    }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(ctx, name, "router"),
+        "metadata": _meta(ctx, name, component),
         "spec": {
             "replicas": spec.router.replicas,
-            "selector": {"matchLabels": selector(ctx.name, "router")},
+            "selector": {"matchLabels": selector(ctx.name, component)},
             "template": {
-                "metadata": {
-                    "labels": labels(ctx.name, "router"),
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(ROUTER_PORT),
-                        "prometheus.io/path": "/metrics",
-                    },
-                },
-                "spec": {
-                    "serviceAccountName": name,
-                    "containers": [container],
-                    "volumes": volumes,
-                    "securityContext": _pod_security(),
-                    "terminationGracePeriodSeconds": ROUTER_GRACE_S
-                    + ABORT_WAIT_S
-                    + PRESTOP_SLEEP_S
-                    + 10,
-                    "enableServiceLinks": False,
-                },
+                "metadata": {"labels": labels(ctx.name, component), "annotations": annotations},
+                "spec": pod_spec,
             },
         },
     }
 
 
-def router_service(ctx: Context) -> dict[str, Any]:
+def router_service(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
+    """``N-router`` (port ``http``: where clients go), or in endpointPicker mode ``N-epp``:
+    port ``grpc`` 9002 (the InferencePool's endpointPickerRef; appProtocol h2c) and ``http``
+    8080 (its /metrics)."""
+    ports: list[dict[str, Any]] = [{"name": "http", "port": ROUTER_PORT, "targetPort": "http"}]
+    if picker_mode(spec):
+        grpc = {"name": "grpc", "port": EPP_GRPC_PORT, "targetPort": "grpc"}
+        ports.insert(0, {**grpc, "appProtocol": EPP_APP_PROTOCOL})
+    name = (epp_name if picker_mode(spec) else router_name)(ctx.name)
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(ctx, router_name(ctx.name), "router"),
+        "metadata": _meta(ctx, name, front_component(spec)),
+        "spec": {"selector": selector(ctx.name, front_component(spec)), "ports": ports},
+    }
+
+
+def inference_pool(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
+    """The InferencePool ``N`` (Gateway API Inference Extension, ``v1``): the server pods by
+    their selector labels, their ``http`` port, and the picker's Service as its
+    ``endpointPickerRef``. A gateway routes an HTTPRoute's traffic for the pool to the pod the
+    picker names."""
+    return {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": _meta(ctx, ctx.name, "server"),
         "spec": {
-            "selector": selector(ctx.name, "router"),
-            "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": "http"}],
+            "selector": {"matchLabels": selector(ctx.name, "server")},
+            "targetPorts": [{"number": SERVER_PORT}],
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": epp_name(ctx.name),
+                "port": {"number": EPP_GRPC_PORT},
+                "failureMode": spec.router.failureMode,
+            },
         },
     }
 
@@ -586,22 +677,30 @@ def operator_peer(ctx: Context) -> dict[str, Any]:
 
 
 def network_policies(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
-    """``N-server``: the server pods take their API port from the router's pods, the
-    operator's (``/load``) and the namespaces of ``spec.networkPolicy.apiFrom`` (a Prometheus
-    scraping ``/metrics``), their admin port from the operator's pods only. ``N-router``: the
-    router pods take their port from anywhere. Ingress only; none when
+    """``N-server``: the server pods take their API port from the router's pods (the picker's
+    in endpointPicker mode), the operator's (``/load``) and the namespaces of
+    ``spec.networkPolicy.apiFrom`` (a Prometheus scraping ``/metrics``; the gateway's, which
+    sends the requests there in endpointPicker mode), their admin port from the operator's pods
+    only, and with kvEvents their KV-events port from the router's (picker's) pods. ``N-router``:
+    the router pods take their port from anywhere; ``N-epp`` instead: the picker pods take
+    their ports (ext_proc, metrics) from the namespaces of apiFrom. Ingress only; none when
     ``spec.networkPolicy.enabled`` is false. (The kubelet's probes come from the node, which
     NetworkPolicies do not restrict.)"""
     if not spec.networkPolicy.enabled:
         return []
-    api_peers: list[dict[str, Any]] = [
-        {"podSelector": {"matchLabels": selector(ctx.name, "router")}},
-        operator_peer(ctx),
-    ]
+    front = {"podSelector": {"matchLabels": selector(ctx.name, front_component(spec))}}
+    api_peers: list[dict[str, Any]] = [front, operator_peer(ctx)]
+    namespaces: list[dict[str, Any]] = []
     if spec.networkPolicy.apiFrom:
         names = list(spec.networkPolicy.apiFrom)
         match = {"key": "kubernetes.io/metadata.name", "operator": "In", "values": names}
-        api_peers.append({"namespaceSelector": {"matchExpressions": [match]}})
+        namespaces.append({"namespaceSelector": {"matchExpressions": [match]}})
+    ingress = [
+        {"from": [*api_peers, *namespaces], "ports": [_tcp(SERVER_PORT)]},
+        {"from": [operator_peer(ctx)], "ports": [_tcp(ADMIN_PORT)]},
+    ]
+    if spec.router.kvEvents:
+        ingress.append({"from": [front], "ports": [_tcp(KV_EVENTS_PORT)]})
     server = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -609,36 +708,50 @@ def network_policies(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, An
         "spec": {
             "podSelector": {"matchLabels": selector(ctx.name, "server")},
             "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": api_peers, "ports": [_tcp(SERVER_PORT)]},
-                {"from": [operator_peer(ctx)], "ports": [_tcp(ADMIN_PORT)]},
-            ],
+            "ingress": ingress,
         },
     }
-    router = {
+    if picker_mode(spec):
+        # The rules require apiFrom here (the gateway's namespace): never an empty "from".
+        front_ingress = [{"from": namespaces, "ports": [_tcp(EPP_GRPC_PORT), _tcp(ROUTER_PORT)]}]
+    else:
+        front_ingress = [{"ports": [_tcp(ROUTER_PORT)]}]  # no "from": any source
+    component = front_component(spec)
+    front_policy = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(ctx, router_name(ctx.name), "router"),
+        "metadata": _meta(ctx, f"{ctx.name}-{component}", component),
         "spec": {
-            "podSelector": {"matchLabels": selector(ctx.name, "router")},
+            "podSelector": {"matchLabels": selector(ctx.name, component)},
             "policyTypes": ["Ingress"],
-            "ingress": [{"ports": [_tcp(ROUTER_PORT)]}],  # no "from": any source
+            "ingress": front_ingress,
         },
     }
-    return [server, router]
+    return [server, front_policy]
 
 
 # --------------------------------------------------------------------------- PDB, autoscaler
 
 
-def pod_disruption_budget(ctx: Context) -> dict[str, Any]:
-    """``maxUnavailable: 1``: a node drain is never blocked, and never takes two at once."""
+def pod_disruption_budget(ctx: Context, component: str = "server") -> dict[str, Any]:
+    """``maxUnavailable: 1``: a node drain is never blocked, and never takes two at once. The
+    server pods' is ``N``, the router's (picker's) ``N-router`` (``N-epp``)."""
+    name = ctx.name if component == "server" else f"{ctx.name}-{component}"
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _meta(ctx, ctx.name, "server"),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(ctx.name, "server")}},
+        "metadata": _meta(ctx, name, component),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(ctx.name, component)}},
     }
+
+
+def router_disruption_budget(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any] | None:
+    """The router's (picker's) budget, from 2 replicas: a drain evicts one at a time, so one
+    always answers. None below 2 (with one replica ``maxUnavailable: 1`` allows nothing more
+    than no budget, and ``minAvailable: 1`` would block every drain)."""
+    if spec.router.replicas < 2:
+        return None
+    return pod_disruption_budget(ctx, front_component(spec))
 
 
 # The HPA's behaviour on both paths (KEDA passes it to the HPA it creates): scale up at once,
@@ -649,10 +762,12 @@ SCALE_UP_WINDOW_S, SCALE_DOWN_WINDOW_S = 0, 300
 # metrics itself every 15 s), and how long every trigger must be inactive before it scales to 0.
 KEDA_POLLING_INTERVAL_S, KEDA_COOLDOWN_S = 15, 300
 # Scale to zero wakes on the router's requests: their rate over WAKE_WINDOW (rate() needs two
-# samples in it: 8 scrapes at a 15 s interval, 2 at 60 s, Prometheus' default), clamped to 1
-# so that this trigger asks for exactly one replica while requests arrive and never scales
-# out (the queue trigger does).
+# samples in it: 8 scrapes at a 15 s interval, 2 at 60 s, Prometheus' default) plus the
+# requests it holds now (counted in WAKE_METRIC only once answered, up to the router's hold
+# timeout later), clamped to 1 so that this trigger asks for exactly one replica while
+# requests arrive and never scales out (the queue trigger does).
 WAKE_METRIC = "iterserve_router_requests_total"
+HELD_METRIC = "iterserve_router_held_requests"
 WAKE_WINDOW = "2m"
 
 
@@ -668,12 +783,16 @@ def queue_query(ctx: Context) -> str:
     return f"sum({QUEUE_METRIC}{{{selector_}}})"
 
 
-def wake_query(ctx: Context) -> str:
-    """KEDA's wake trigger (scale to zero only): the router pods' request rate (every answer,
-    the 503s it gives while no server pod is ready included), in requests per second, clamped
-    to 1."""
-    selector_ = f'namespace="{ctx.namespace}",pod=~"{pod_regex(router_name(ctx.name))}"'
-    return f"clamp_max(sum(rate({WAKE_METRIC}{{{selector_}}}[{WAKE_WINDOW}])), 1)"
+def wake_query(ctx: Context, spec: LLMDeploymentSpec) -> str:
+    """KEDA's wake trigger (scale to zero only): the router (picker) pods' request rate (every
+    answer, the 503s given when a hold times out included), in requests per second, plus the
+    requests they hold while no server pod is ready, clamped to 1. Either sum is 0 when its
+    metric has no series (``or vector(0)``: an empty operand would empty the addition)."""
+    pods = pod_regex(f"{ctx.name}-{front_component(spec)}")
+    selector_ = f'namespace="{ctx.namespace}",pod=~"{pods}"'
+    rate = f"sum(rate({WAKE_METRIC}{{{selector_}}}[{WAKE_WINDOW}])) or vector(0)"
+    held = f"sum({HELD_METRIC}{{{selector_}}}) or vector(0)"
+    return f"clamp_max(({rate}) + ({held}), 1)"
 
 
 def _behavior() -> dict[str, Any]:
@@ -737,7 +856,7 @@ def autoscaler(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any] | None:
                 "name": "wake",
                 "metadata": {
                     "serverAddress": a.prometheusURL,
-                    "query": wake_query(ctx),
+                    "query": wake_query(ctx, spec),
                     # ceil(value / 1) = 1 replica for any rate in (0, 1]: never scales out.
                     "threshold": "1",
                     # Active above 0: one request in the window wakes the server pods.
@@ -763,7 +882,7 @@ def autoscaler(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any] | None:
 
 def build_all(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
     """Every owned object in render order: ConfigMap, Services, Deployments, RBAC,
-    NetworkPolicies, PDB, autoscaler (Secrets are referenced, not built).
+    NetworkPolicies, PDBs, autoscaler, InferencePool (Secrets are referenced, not built).
 
     Raises:
         SpecError: settings the server would refuse.
@@ -776,13 +895,17 @@ def build_all(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
     objects = [
         config_map(ctx, spec),
         server_service(ctx),
-        router_service(ctx),
+        router_service(ctx, spec),
         deployment,
         router_deployment(ctx, spec),
         *router_rbac(ctx),
         *network_policies(ctx, spec),
         pod_disruption_budget(ctx),
     ]
+    if (budget := router_disruption_budget(ctx, spec)) is not None:
+        objects.append(budget)
     if (scaler := autoscaler(ctx, spec)) is not None:
         objects.append(scaler)
+    if picker_mode(spec):
+        objects.append(inference_pool(ctx, spec))
     return objects

@@ -44,7 +44,8 @@ def check_name(name: Any, namespace: Any) -> None:
     """The resource's name and namespace can carry every owned object's name and labels:
     Services ``N-server`` and ``N-router`` are DNS-1035 labels (a lowercase letter first, at
     most 63 characters), the label ``app.kubernetes.io/instance: N`` at most 63; ``N`` does
-    not end in ``-router`` (another resource's router Deployment has that name)."""
+    not end in ``-router`` or ``-epp`` (another resource's router or picker Deployment has
+    that name)."""
     if not isinstance(name, str) or not DNS_1035_LABEL.fullmatch(name) or len(name) > MAX_NAME:
         raise SpecError(
             f"metadata.name {name!r}: must be a lowercase letter followed by lowercase letters, "
@@ -57,11 +58,12 @@ def check_name(name: Any, namespace: Any) -> None:
         or len(namespace) > 63
     ):
         raise SpecError(f"metadata.namespace {namespace!r}: not a valid namespace name")
-    if name.endswith("-router"):
-        raise SpecError(
-            f"metadata.name {name!r}: must not end in '-router': the router Deployment of "
-            f"{name.removesuffix('-router')!r} has that name (and its pods that prefix)"
-        )
+    for suffix, what in (("-router", "router"), ("-epp", "endpoint picker")):
+        if name.endswith(suffix):
+            raise SpecError(
+                f"metadata.name {name!r}: must not end in '{suffix}': the {what} Deployment of "
+                f"{name.removesuffix(suffix)!r} has that name (and its pods that prefix)"
+            )
 
 
 def _qualified_name(key: str) -> bool:

@@ -253,7 +253,16 @@ def status_schema() -> dict[str, Any]:
                 "type": "object",
                 "additionalProperties": integer,
             },
-            "routerURL": {"description": "the router Service's URL", "type": "string"},
+            "routerURL": {
+                "description": "the router Service's URL, where clients go (spec.router.mode "
+                "proxy; absent in endpointPicker mode, where they go to your gateway)",
+                "type": "string",
+            },
+            "inferencePool": {
+                "description": "the InferencePool an HTTPRoute's backendRef names "
+                "(spec.router.mode endpointPicker only)",
+                "type": "string",
+            },
             "rollout": {
                 "description": "the last canary rollout of the live settings (spec.rollout "
                 "strategy canary): phase (Baking, Promoted, RolledBack, Unchecked, Superseded), "

@@ -32,7 +32,11 @@ _TYPED: dict[str, tuple[str, str]] = {
     "NetworkPolicy": ("NetworkingV1Api", "network_policy"),
 }
 # kind -> plural, for custom resources (served by CustomObjectsApi).
-_CUSTOM = {"ScaledObject": "scaledobjects", "LLMDeployment": "llmdeployments"}
+_CUSTOM = {
+    "ScaledObject": "scaledobjects",
+    "LLMDeployment": "llmdeployments",
+    "InferencePool": "inferencepools",
+}
 
 
 def is_not_found(e: BaseException) -> bool:

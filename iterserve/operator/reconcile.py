@@ -27,11 +27,13 @@ from iterserve.operator.admin_token import parse_tokens, rotate_if_asked
 from iterserve.operator.builders import (
     CONFIG_FILE,
     DEFAULT_OPERATOR_LABELS,
+    INFERENCE_POOL_API,
     Context,
     admin_secret_name,
     api_key_secret_name,
     build_all,
     labels,
+    picker_mode,
     router_token_secret_name,
     router_url,
     selector,
@@ -50,12 +52,27 @@ from iterserve.operator.spec import (
 )
 
 # Owned objects a spec may stop asking for (apiVersion, kind, name suffix): deleted then (the
-# others always exist).
+# others always exist). The router's objects and the picker's go when spec.router.mode
+# switches to the other; their ServiceAccount, Role and RoleBinding (N-router) serve both.
 _OPTIONAL = (
     ("autoscaling/v2", "HorizontalPodAutoscaler", ""),
     ("keda.sh/v1alpha1", "ScaledObject", ""),
     ("networking.k8s.io/v1", "NetworkPolicy", "-server"),
     ("networking.k8s.io/v1", "NetworkPolicy", "-router"),
+    ("networking.k8s.io/v1", "NetworkPolicy", "-epp"),
+    ("apps/v1", "Deployment", "-router"),
+    ("v1", "Service", "-router"),
+    ("policy/v1", "PodDisruptionBudget", "-router"),
+    ("apps/v1", "Deployment", "-epp"),
+    ("v1", "Service", "-epp"),
+    ("policy/v1", "PodDisruptionBudget", "-epp"),
+    (INFERENCE_POOL_API, "InferencePool", ""),
+)
+# What endpointPicker mode says while the API server does not serve InferencePools.
+NO_POOL_API = (
+    f"the API server does not serve InferencePools ({INFERENCE_POOL_API}): install the Gateway "
+    'API Inference Extension\'s CRDs (docs/kubernetes.md, "Endpoint picker mode"); the picker '
+    "runs, but no gateway can route to the pool until then"
 )
 
 
@@ -270,19 +287,8 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
     )
     (config,) = [o for o in built if o["kind"] == "ConfigMap"]
     config["data"][CONFIG_FILE] = settings_file(step.config_map.values, step.config_map.version)
-    for obj in sorted(built, key=_apply_rank):
-        try:
-            done = await apply(kube, adopt(obj, body))
-        except ApiException as e:
-            if e.status != 422:
-                raise
-            # Invalid: what the operator's checks let through (a pass-through field's depths,
-            # an older cluster's rules) is the spec's fault, not a reason to retry it.
-            raise SpecError(
-                f"the API server refused {obj['kind']} {obj['metadata']['name']}: {_api_message(e)}"
-            ) from e
-        if done == "patched":
-            events.append(("Normal", "Updated", f"{obj['kind']} {obj['metadata']['name']}"))
+    applied_events, pool_missing = await _apply_all(kube, built, body)
+    events += applied_events
     targets = ready_targets(pods)
     admin_tokens, rotation, rotation_events = await rotate_if_asked(
         kube, ctx, body, admin_tokens, targets, settings.push_timeout_s
@@ -300,6 +306,9 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
             events.append(("Warning", "ConfigPushFailed", f"pod {r.name}: {r.error}"))
     deployment = await kube.get("apps/v1", "Deployment", ctx.namespace, ctx.name) or {}
     new_status = _status(ctx, spec.replicas, status, deployment, results, desired_hash, pods, step)
+    new_status.update(_front_status(ctx, spec, new_status, status, pool_missing))
+    if pool_missing and _ready_reason(status) != "InferencePoolMissing":
+        events.append(("Warning", "InferencePoolMissing", NO_POOL_API))
     behind = sum(1 for push, r in pushed if push.settings.hash != desired_hash or not r.applied)
     return Outcome(
         {**new_status, **rotation},
@@ -308,6 +317,73 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
         behind,
         step.outcome,
     )
+
+
+async def _apply_all(
+    kube: Kube, built: list[dict[str, Any]], body: Mapping[str, Any]
+) -> tuple[list[tuple[str, str, str]], bool]:
+    """Apply every built object (owned by the resource); the Events of those patched, and
+    whether the InferencePool could not be applied because the API server does not serve
+    its kind (its CRD not installed: the rest is applied, the status says so).
+
+    Raises:
+        SpecError: the API server refused an object as invalid.
+        kubernetes ApiException: the API failed (retry).
+    """
+    events, pool_missing = [], False
+    for obj in sorted(built, key=_apply_rank):
+        try:
+            done = await apply(kube, adopt(obj, body))
+        except ApiException as e:
+            if e.status == 404 and obj["kind"] == "InferencePool":
+                pool_missing = True
+                continue
+            if e.status != 422:
+                raise
+            # Invalid: what the operator's checks let through (a pass-through field's depths,
+            # an older cluster's rules) is the spec's fault, not a reason to retry it.
+            raise SpecError(
+                f"the API server refused {obj['kind']} {obj['metadata']['name']}: {_api_message(e)}"
+            ) from e
+        if done == "patched":
+            events.append(("Normal", "Updated", f"{obj['kind']} {obj['metadata']['name']}"))
+    return events, pool_missing
+
+
+def _ready_reason(status: Mapping[str, Any]) -> str | None:
+    ready = [c for c in status.get("conditions") or [] if c.get("type") == "Ready"]
+    return ready[0].get("reason") if ready else None
+
+
+def _front_status(
+    ctx: Context,
+    spec: LLMDeploymentSpec,
+    status: Mapping[str, Any],
+    previous: Mapping[str, Any],
+    pool_missing: bool,
+) -> dict[str, Any]:
+    """What the status says of the pods in front of the servers: ``routerURL`` (the router
+    Service's URL) in proxy mode; in endpointPicker mode no ``routerURL`` (clients call the
+    gateway, which the operator does not know) and ``inferencePool``, the pool's name an
+    HTTPRoute's backendRef names; ``Ready=False`` (``InferencePoolMissing``) while the
+    API server does not serve InferencePools. ``status`` is the new status, ``previous`` the
+    resource's (null: removed by the merge patch)."""
+    if not picker_mode(spec):
+        return {"routerURL": router_url(ctx), "inferencePool": None}
+    out: dict[str, Any] = {"routerURL": None, "inferencePool": ctx.name}
+    if pool_missing:
+        conditions = list(status["conditions"])
+        (i,) = [i for i, c in enumerate(conditions) if c["type"] == "Ready"]
+        conditions[i] = condition(
+            previous.get("conditions") or [],
+            "Ready",
+            "False",
+            "InferencePoolMissing",
+            NO_POOL_API,
+            ctx.generation,
+        )
+        out["conditions"] = conditions
+    return out
 
 
 async def _push(
@@ -448,7 +524,6 @@ def _status(
         "schedulerConfigVersion": ctx.config_version,
         "schedulerConfigHash": desired_hash,
         "podConfigVersions": versions,
-        "routerURL": router_url(ctx),
         "conditions": [
             condition(
                 conditions,

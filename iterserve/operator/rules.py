@@ -98,6 +98,17 @@ OPERATOR_RULES: tuple[Rule, ...] = (
         message="{autoscaling.minReplicas} 0 (scale to zero) needs {router.replicas} >= 1: the "
         "router's request rate wakes the server pods",
     ),
+    Rule(
+        fields=("router.mode", "networkPolicy.enabled", "networkPolicy.apiFrom"),
+        check=lambda mode, enabled, namespaces: (
+            mode != "endpointPicker" or not enabled or len(namespaces) > 0
+        ),
+        cel="{router.mode} != 'endpointPicker' || !{networkPolicy.enabled}"
+        " || (has({networkPolicy.apiFrom}) && size({networkPolicy.apiFrom}) > 0)",
+        message="{router.mode} endpointPicker with {networkPolicy.enabled} needs the gateway's "
+        "namespace in {networkPolicy.apiFrom}: the gateway sends requests to the server pods "
+        "and asks the picker",
+    ),
 )
 
 # The server's rules that read only settings the spec sets (the others read flags it does

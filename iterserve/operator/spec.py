@@ -446,21 +446,50 @@ class RolloutSpec(_Model):
 
 
 class RouterSpec(_Model):
-    """The router in front of the server pods (its Service's URL is status.routerURL). A
-    change rolls the router pods only, not the server pods."""
+    """What picks a server pod for each request: the router in front of the server pods (mode
+    proxy: its Service's URL is status.routerURL), or an endpoint picker behind the cluster's
+    Gateway API gateway (mode endpointPicker: an InferencePool N and the picker N-epp that
+    the gateway asks over Envoy's ext_proc). A change rolls the router pods only (the picker's
+    in endpointPicker mode), not the server pods, except kvEvents (the servers'
+    --kv-events-port)."""
 
+    mode: Literal["proxy", "endpointPicker"] = Field(
+        "proxy",
+        description="proxy: the router Deployment and Service N-router, which clients call "
+        "(status.routerURL); endpointPicker: an InferencePool N (inference.networking.k8s.io/v1, "
+        "its CRD installed from the Gateway API Inference Extension) selecting the server pods, "
+        "and the picker Deployment and Service N-epp (gRPC port 9002) it names, for a gateway "
+        "that an HTTPRoute of yours attaches to the pool (docs/kubernetes.md). Switching "
+        "deletes the other mode's objects. Default proxy.",
+    )
     replicas: int = Field(
-        1,
+        2,
         ge=0,
         le=64,
-        description="Router pods, 0 to 64; at least 1 with scale to zero (autoscaling "
-        "minReplicas 0). Default 1.",
+        description="Router (or picker) pods, 0 to 64; at least 1 with scale to zero "
+        "(autoscaling minReplicas 0). From 2, a PodDisruptionBudget (N-router or N-epp, "
+        "maxUnavailable 1) keeps one running through a node drain. Default 2.",
     )
     policy: Literal["least_kv", "round_robin", "session", "random"] = Field(
         "least_kv",
         description="How the router picks a server pod: least_kv (lowest KV-cache use and "
         "queue, with prefix affinity), round_robin, session (sticky per x-session-id header) "
         "or random. Default least_kv.",
+    )
+    failureMode: Literal["FailOpen", "FailClose"] = Field(
+        "FailClose",
+        description="endpointPicker mode: what the gateway does when the picker does not "
+        "answer (the InferencePool's endpointPickerRef.failureMode): FailClose refuses the "
+        "request, FailOpen sends it to a pod of the gateway's choosing. Default FailClose.",
+    )
+    kvEvents: bool = Field(
+        False,
+        description="Precise prefix routing: the server pods publish their KV-cache events "
+        "(ZMQ, port 5557, vLLM's format) and the router (or picker) subscribes and sends a "
+        "prompt where its blocks are cached. The router reads the model's tokenizer from the "
+        "model's volume (source pvc or hostPath, mounted read-only); with source image or uri "
+        "the router image's default tokenizer is used (docs/kubernetes.md). A change rolls the "
+        "server pods too. Default false.",
     )
     image: str | None = Field(
         None, description="The router image. Default: the operator's configured control image."

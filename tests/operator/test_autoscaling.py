@@ -76,8 +76,13 @@ def _spec(**autoscaling: Any) -> Any:
     return parse_spec(example["spec"])
 
 
-def _autoscaler(**autoscaling: Any) -> dict[str, Any]:
-    built = autoscaler(Context(NAME, NS), _spec(**autoscaling))
+def _autoscaler(picker: bool = False, **autoscaling: Any) -> dict[str, Any]:
+    spec = _spec(**autoscaling)
+    if picker:
+        spec = spec.model_copy(
+            update={"router": spec.router.model_copy(update={"mode": "endpointPicker"})}
+        )
+    built = autoscaler(Context(NAME, NS), spec)
     assert built is not None
     return built
 
@@ -250,6 +255,38 @@ def test_wake_query_is_clamped_to_one_replica() -> None:
     assert external_proposal(1.0, float(wake["metadata"]["threshold"]), 5) == 1
     unclamped = wake["metadata"]["query"].removeprefix("clamp_max(").removesuffix(", 1)")
     assert scalar_of(evaluate(unclamped, store, window_end)) == pytest.approx(50 / 15)
+
+
+def test_requests_held_before_any_answer_wake_the_deployment() -> None:
+    """A router at zero server pods holds requests and counts them only once answered (up to
+    its hold timeout later): the held-requests gauge alone activates the wake trigger, at one
+    replica however many are held; held requests of another deployment's router do not
+    count, and without either series the trigger reads 0 (not an empty result)."""
+    so = _autoscaler(via="keda", minReplicas=0, prometheusURL="http://prometheus:9090")
+    _, wake = so["spec"]["triggers"]
+    query = wake["metadata"]["query"]
+    store = Store()
+    assert evaluate(query, store, 0.0) == {frozenset(): 0.0}
+    held = "iterserve_router_held_requests"
+    store.add(0.0, held, {"namespace": NS, "pod": "other-router-5c8d7f9b4-qw8rt"}, 7.0)
+    assert scalar_of(evaluate(query, store, 0.0)) == 0.0
+    store.add(15.0, held, {"namespace": NS, "pod": ROUTER_POD}, 3.0)
+    assert scalar_of(evaluate(query, store, 15.0)) == 1.0
+    keda = Keda.of(so, replicas=0)
+    trigger = Trigger(float(wake["metadata"]["threshold"]), 0.0)
+    assert keda.step(15.0, [0.0, 1.0], [trigger, trigger]) == 1
+
+
+def test_picker_mode_wakes_on_the_pickers_pods() -> None:
+    """In endpointPicker mode the requests reach the picker pods (N-epp-...), not a router."""
+    so = _autoscaler(via="keda", minReplicas=0, prometheusURL="http://prometheus:9090", picker=True)
+    _, wake = so["spec"]["triggers"]
+    store = Store()
+    held = "iterserve_router_held_requests"
+    store.add(0.0, held, {"namespace": NS, "pod": ROUTER_POD}, 2.0)
+    assert scalar_of(evaluate(wake["metadata"]["query"], store, 0.0)) == 0.0
+    store.add(15.0, held, {"namespace": NS, "pod": f"{NAME}-epp-5c8d7f9b4-zx81k"}, 2.0)
+    assert scalar_of(evaluate(wake["metadata"]["query"], store, 15.0)) == 1.0
 
 
 # -- the decision under a rising and falling load ------------------------------------------

@@ -71,6 +71,7 @@ KINDS_IN_ORDER = [
     "NetworkPolicy",
     "NetworkPolicy",
     "PodDisruptionBudget",
+    "PodDisruptionBudget",  # the router's: 2 replicas by default
 ]
 HPA = {"enabled": True, "via": "hpa", "minReplicas": 2, "maxReplicas": 6, "targetQueueDepth": 8}
 KEDA = {
@@ -141,6 +142,7 @@ def test_names_labels_and_namespace_derive_from_the_resource() -> None:
         ("NetworkPolicy", "chat-70b-server"),
         ("NetworkPolicy", "chat-70b-router"),
         ("PodDisruptionBudget", "chat-70b"),
+        ("PodDisruptionBudget", "chat-70b-router"),
     ]
     router = {"chat-70b-router"}
     for (_, name), obj in objects.items():
@@ -183,6 +185,7 @@ def test_server_container_args_of_the_example() -> None:
         "--shutdown-grace-period-s", "30",
         "--admin-port", "8001",
         "--admin-token-file", "/var/run/secrets/iterserve.io/admin/token",
+        "--kv-events-port", "0",
         "--router-token-file", "/var/run/iterserve/router-token/token",
     ]  # fmt: skip
 
@@ -212,6 +215,7 @@ def test_every_engine_flag_and_extra_args_in_order() -> None:
         "--shutdown-grace-period-s", "30",
         "--admin-port", "8001",
         "--admin-token-file", "/var/run/secrets/iterserve.io/admin/token",
+        "--kv-events-port", "0",
         "--max-model-len", "8192",
         "--router-token-file", "/var/run/iterserve/router-token/token",
         "--seed", "7", "--log-prompts",
@@ -797,8 +801,10 @@ def test_keda_scaled_object() -> None:
         "name": "wake",
         "metadata": {
             "serverAddress": url,
-            "query": 'clamp_max(sum(rate(iterserve_router_requests_total{namespace="serving",'
-            'pod=~"chat-70b-router-[a-z0-9]+-[a-z0-9]+"}[2m])), 1)',
+            "query": 'clamp_max((sum(rate(iterserve_router_requests_total{namespace="serving",'
+            'pod=~"chat-70b-router-[a-z0-9]+-[a-z0-9]+"}[2m])) or vector(0)) + '
+            '(sum(iterserve_router_held_requests{namespace="serving",'
+            'pod=~"chat-70b-router-[a-z0-9]+-[a-z0-9]+"}) or vector(0)), 1)',
             "threshold": "1",
             "activationThreshold": "0",
         },

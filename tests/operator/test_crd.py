@@ -410,6 +410,11 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
      ["model.source.uri and model.source.initImage go together"]),
     ("init-without-uri", {"model.source.initImage": "ghcr.io/example/fetch:1"},
      ["model.source.uri and model.source.initImage go together"]),
+    ("picker-without-gateway-namespace",
+     {"router.mode": "endpointPicker"},
+     ["router.mode endpointPicker with networkPolicy.enabled needs the gateway's namespace in "
+      "networkPolicy.apiFrom: the gateway sends requests to the server pods and asks the "
+      "picker"]),
     ("two-rules", {"scheduler.chunkSize": 4096, "autoscaling.minReplicas": 5},
      ["scheduler.chunkSize must be <= scheduler.maxNumBatchedTokens",
       "autoscaling.minReplicas must be <= autoscaling.maxReplicas"]),
@@ -433,6 +438,10 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     ("uri-with-init", {"model.source": {"uri": "s3://b/l", "initImage": "fetch:1"}}, []),
     ("image-source", {"model.source": {"image": {"path": "/opt/models/llama"}, "pvc": None}}, []),
     ("host-path", {"model.source": {"hostPath": "/models/llama"}}, []),
+    ("picker-with-gateway-namespace",
+     {"router.mode": "endpointPicker", "networkPolicy": {"apiFrom": ["gateway"]}}, []),
+    ("picker-without-policies",
+     {"router.mode": "endpointPicker", "networkPolicy": {"enabled": False}}, []),
 ]  # fmt: skip
 
 
