@@ -839,7 +839,8 @@ def _path(obj: dict[str, Any]) -> str:
 async def _operator_run(tmp_path: Path) -> set[tuple[str, str, str]]:
     """Run the operator (kopf's peering on, as the chart runs it) through create, a drift of
     every owned object, a live scheduler change, autoscaling by HPA then KEDA then off, an
-    invalid spec and deletion; every (apiGroup, resource, verb) it asked for."""
+    invalid spec, the endpoint picker's mode and back, and deletion; every (apiGroup,
+    resource, verb) it asked for."""
 
     async def get(path: str) -> Any:
         response = await k8s.get(path)
@@ -932,6 +933,24 @@ async def _operator_run(tmp_path: Path) -> set[tuple[str, str, str]]:
             return await get(scaled_object) is None
 
         await until(scaled_object_gone, "the ScaledObject deleted")
+
+        # The endpoint picker instead of the router (the router's Deployment, Service and
+        # budget deleted, the InferencePool created), then back (the pool deleted).
+        pool = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools/{NAME}"
+        router = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}-router"
+        await spec(6, {"router": {"mode": "endpointPicker"}})
+
+        async def picker() -> bool:
+            return await get(pool) is not None and await get(router) is None
+
+        await until(picker, "the router replaced by the endpoint picker")
+        await drift([pool])
+        await spec(7, {"router": {"mode": "proxy"}})
+
+        async def proxy() -> bool:
+            return await get(pool) is None and await get(router) is not None
+
+        await until(proxy, "the endpoint picker replaced by the router")
         await k8s.delete(f"{API}/{NAME}")
 
         async def deleted() -> bool:
