@@ -350,6 +350,25 @@ class KVEventsBindError(RuntimeError):
     """The publisher's port cannot be bound (in use, or not an address of this host)."""
 
 
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """Where a replica publishes (picklable: it travels to the engine process).
+
+    Attributes:
+        port: TCP port (``--kv-events-port``; 0 binds a free one, for tests).
+        topic: :func:`make_topic` of the pod and the served model.
+        host: address to bind.
+    """
+
+    port: int
+    topic: str
+    host: str = "0.0.0.0"
+
+    def open(self) -> KVEventPublisher:
+        """Bind and start the publisher. Raises KVEventsBindError."""
+        return KVEventPublisher(self.port, self.topic, self.host)
+
+
 class KVEventPublisher:
     """A ZMQ PUB socket bound on ``tcp://host:port`` that publishes one batch per call.
 
@@ -393,7 +412,10 @@ class KVEventPublisher:
         except zmq.ZMQError as e:
             self._sock.close(linger=0)
             self._ctx.term()
-            raise KVEventsBindError(f"cannot publish KV events on {address}: {e}") from e
+            raise KVEventsBindError(
+                f"cannot publish KV events on {address}: {e} (--kv-events-port: choose "
+                "another port, or 0 for no events)"
+            ) from e
         endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://0.0.0.0:5557
         self.port = int(endpoint.rsplit(":", 1)[1])
         self.num_dropped_batches = 0

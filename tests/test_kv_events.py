@@ -10,6 +10,17 @@ from typing import Any
 import msgpack
 import msgspec
 import pytest
+from kv_events_utils import (
+    AllBlocksClearedV,
+    BlockRemovedV,
+    BlockStoredV,
+    NewBlockStored,
+    OldBlockRemoved,
+    OldBlockStored,
+    VllmEventBatch,
+    VllmKVEventBatch,
+    subscribe,
+)
 
 from iterserve import kv_events
 from iterserve.kv_events import (
@@ -31,67 +42,6 @@ from iterserve.kv_events import (
     parse_topic,
     prompt_block_hashes,
 )
-
-# --- vLLM's structs, declared as its kv_events.py (0.10/0.11) and its subscriber example -------
-
-
-class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class VllmKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStoredV(VllmKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemovedV(VllmKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[int | bytes]
-    medium: str | None
-
-
-class AllBlocksClearedV(VllmKVCacheEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class VllmKVEventBatch(VllmEventBatch):
-    events: list[BlockStoredV | BlockRemovedV | AllBlocksClearedV]
-
-
-# An older vLLM (0.9): no medium, no data_parallel_rank.
-class OldBlockStored(VllmKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-
-
-class OldBlockRemoved(VllmKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-
-
-# A newer vLLM: fields appended after medium.
-class NewBlockStored(VllmKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-
 
 BATCH = EventBatch(
     ts=1700000000.25,
@@ -252,16 +202,6 @@ def test_prompt_block_hashes_chain_the_block_pools_hashes() -> None:
 
 
 # --- the publisher ---------------------------------------------------------------------------
-
-
-def subscribe(port: int) -> Any:
-    import zmq
-
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SUBSCRIBE, b"kv@")
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    return sock
 
 
 def recv(sock: Any, timeout_s: float = 5.0) -> Any:
