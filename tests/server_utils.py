@@ -54,8 +54,8 @@ def run_server(
     *flags: str, startup_timeout_s: float = 240.0, port: int | None = None, command: str = "serve"
 ) -> Iterator[Server]:
     """``iterserve COMMAND --host 127.0.0.1 --port <port or a free one> *flags`` (``serve``
-    or ``router``), ready; stopped on exit. A server publishes no KV events unless ``flags``
-    give a ``--kv-events-port`` (servers of parallel tests would share the default 5557)."""
+    or ``router``), ready; stopped on exit. A server publishes KV events when ``flags`` give
+    a ``--kv-events-port`` (its ``kv_events_port``)."""
     port = port or free_port()
     log = Path(tempfile.mkstemp(prefix="iterserve-server-", suffix=".log")[1])
     cmd = [*ITERSERVE, command, "--host", "127.0.0.1"]
@@ -63,8 +63,6 @@ def run_server(
     kv_events_port = None
     if "--kv-events-port" in flags:
         kv_events_port = int(flags[flags.index("--kv-events-port") + 1]) or None
-    elif command == "serve":
-        cmd += ["--kv-events-port", "0"]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
     server = Server(proc, f"http://127.0.0.1:{port}", log, kv_events_port)
