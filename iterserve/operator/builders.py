@@ -221,7 +221,7 @@ def server_args(spec: LLMDeploymentSpec, model_dir: str) -> list[str]:
         "--shutdown-grace-period-s", str(SERVER_GRACE_S),
         "--admin-port", str(ADMIN_PORT),
         "--admin-token-file", f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}",
-        # The server publishes by default: off unless a router subscribes.
+        # Explicit either way (the server's default is off): on only for a router that subscribes.
         "--kv-events-port", str(KV_EVENTS_PORT if spec.router.kvEvents else 0),
     ]  # fmt: skip
     if e.maxModelLen is not None:
