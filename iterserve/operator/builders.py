@@ -38,6 +38,7 @@ EPP_GRPC_PORT, EPP_APP_PROTOCOL = 9002, "kubernetes.io/h2c"
 INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
 # The servers' KV-cache event publisher (ZMQ PUB, vLLM's default port), with spec.router.kvEvents.
 KV_EVENTS_PORT = 5557
+KV_EVENTS_POD_ENV = "POD_NAME"  # the publisher's topic names the pod (iterserve/kv_events.py)
 # The N-admin Secret's volume (not under CONFIG_DIR: a mount inside the read-only ConfigMap
 # volume needs a mount point the runtime cannot create there).
 ADMIN_TOKEN_DIR = "/var/run/secrets/iterserve.io/admin"
@@ -321,6 +322,10 @@ def canonical_quantity(text: str) -> str:
     return f"{mantissa}e{exponent}" if exponent else str(mantissa)
 
 
+def _field_env(env: str, field_path: str) -> dict[str, Any]:
+    return {"name": env, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
+
+
 def _secret_env(env: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
@@ -398,6 +403,8 @@ def server_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
     env = [
         *_api_key_env(ctx, spec),
         {"name": "XDG_CACHE_HOME", "value": "/var/cache/iterserve"},
+        # The KV-events topic's pod (kv@<pod>@<model>): the pod's name, not a hostname.
+        *([_field_env(KV_EVENTS_POD_ENV, "metadata.name")] if spec.router.kvEvents else []),
         # An empty value is dropped by the API server (omitempty): as built, it would read
         # back different and be patched on every pass.
         *({k: v for k, v in e.items() if not (k == "value" and v == "")} for e in spec.pod.env),

@@ -4,17 +4,34 @@ Extension's CRD is installed the operator runs the picker and says why nothing r
 GAIE's published v1 API: tools/k8s/crds), the API server accepts the InferencePool the operator
 writes, and an HTTPRoute (Gateway API's own standard CRDs, from its Go module:
 scripts/gateway-api-crds) whose backendRef is the pool; the pool selects exactly the server
-pods. Back in proxy mode the picker's objects go and two router replicas run behind their
-PodDisruptionBudget."""
+pods, and with ``router.kvEvents`` a server pod publishes its KV-cache events on its
+``kv-events`` port, its pod's name in the topic. Back in proxy mode the picker's objects go
+and two router replicas run behind their PodDisruptionBudget."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import time
 from typing import Any
 
-from cluster_utils import NAME, LocalCluster, condition, manifest, patch_spec, wait_until
+import httpx
+import zmq
+from cluster_utils import (
+    NAME,
+    LocalCluster,
+    condition,
+    manifest,
+    patch_spec,
+    pod_url,
+    ready_pods,
+    secret,
+    server_pods,
+    wait_until,
+)
 from k8s_tools import REPO
+
+from iterserve.kv_events import BlockStored, decode_message
 
 POOL_CRD = REPO / "tools" / "k8s" / "crds" / "inferencepools.inference.networking.k8s.io.yaml"
 
@@ -84,12 +101,42 @@ def check_pool(cluster: LocalCluster, namespace: str) -> None:
         assert pool["spec"]["targetPorts"] == [{"number": http["containerPort"]}]
 
 
+def check_kv_events(cluster: LocalCluster, namespace: str) -> None:
+    """A server pod of ``router.kvEvents`` publishes on its port 5557 with its pod's name in
+    the topic: a completion sent to it directly shows up as BlockStored events."""
+    (pod, *_) = ready_pods(server_pods(cluster, namespace))
+    (port,) = [p for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "kv-events"]
+    key = secret(cluster, namespace, f"{NAME}-api-key", "api-key")
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    try:
+        subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+        subscriber.connect(f"tcp://{pod['status']['podIP']}:{port['containerPort']}")
+        deadline, stored = time.monotonic() + 30, []
+        while not stored and time.monotonic() < deadline:
+            # A subscription takes a moment to reach the publisher: a new prompt each round.
+            prompt = f"{time.monotonic()} " + "a shared system prompt, long enough. " * 8
+            body = {"model": "llama-3-70b", "prompt": prompt, "max_tokens": 2}
+            headers = {"Authorization": f"Bearer {key}"}
+            answer = httpx.post(pod_url(pod) + "/v1/completions", json=body, headers=headers,
+                                timeout=30)  # fmt: skip
+            assert answer.status_code == 200, answer.text
+            while subscriber.poll(500):
+                message = decode_message(subscriber.recv_multipart())
+                assert message.topic == f"kv@{pod['metadata']['name']}@llama-3-70b"
+                stored += [e for e in message.batch.events if isinstance(e, BlockStored)]
+        assert stored and stored[0].token_ids, "no BlockStored event from the server pod"
+    finally:
+        subscriber.close(linger=0)
+        context.term()
+
+
 def test_endpoint_picker_mode_then_back_to_two_routers(
     cluster: LocalCluster, operator_release: str
 ) -> None:
     namespace = cluster.namespace("epp")
     assert cluster.run("kubectl", "get", "crd", POOL_CRD.stem, check=False).returncode != 0
-    router = {"mode": "endpointPicker", "replicas": 2}
+    router = {"mode": "endpointPicker", "replicas": 2, "kvEvents": True}
     # The gateway would run in this namespace: its pods may reach the servers and the picker.
     body = manifest(namespace, replicas=1, gpus=0, router=router,
                     networkPolicy={"apiFrom": [namespace]})  # fmt: skip
@@ -114,12 +161,16 @@ def test_endpoint_picker_mode_then_back_to_two_routers(
     wait_until(lambda: condition(cluster.get("llmd", NAME, namespace), "Ready")["status"]
                == "True", "Ready once a server pod is", timeout_s=90)  # fmt: skip
     check_pool(cluster, namespace)
+    check_kv_events(cluster, namespace)
     cluster.kubectl("apply", "-f", "-", input=http_route(namespace))
     route = cluster.get("httproute", "llm", namespace)
     assert route["spec"]["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
 
     # Back to proxy mode: the picker's objects deleted, two routers Ready behind their budget.
-    assert patch_spec(cluster, namespace, {"router": {"mode": "proxy"}}).returncode == 0
+    assert (
+        patch_spec(cluster, namespace, {"router": {"mode": "proxy", "kvEvents": False}}).returncode
+        == 0
+    )
     wait_until(lambda: cluster.get("inferencepool", NAME, namespace) is None, "the pool deleted")
     for kind in ("deployment", "service", "pdb", "networkpolicy"):
         wait_until(lambda k=kind: cluster.get(k, f"{NAME}-epp", namespace) is None,

@@ -362,3 +362,19 @@ def test_without_the_pool_crd_the_picker_runs_and_ready_says_why() -> None:
     outcome = _pass(kube, _body("proxy", again.status))
     assert [c["reason"] for c in outcome.status["conditions"] if c["type"] == "Ready"] != [
         "InferencePoolMissing"]  # fmt: skip
+
+
+def test_kv_events_name_the_pod_in_the_topic() -> None:
+    """The publisher's topic is ``kv@<pod>@<model>``, its pod from ``POD_NAME``: the pod's
+    name from the downward API (a container's hostname need not be it); a POD_NAME of the
+    user's is then refused, and allowed without kvEvents."""
+    field = {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}
+    env = container(build(kvEvents=True)["Deployment", N])["env"]
+    assert {"name": "POD_NAME", "valueFrom": field} in env
+    assert all(e["name"] != "POD_NAME" for e in container(build()["Deployment", N])["env"])
+    spec = copy.deepcopy(EXAMPLE["spec"])
+    spec["pod"] = {"env": [{"name": "POD_NAME", "value": "mine"}]}
+    assert _by_key(spec)  # without kvEvents: the user's
+    spec["router"]["kvEvents"] = True
+    with pytest.raises(SpecError, match=r"spec.pod.env\[0\]: POD_NAME is set by the operator"):
+        _by_key(spec)
