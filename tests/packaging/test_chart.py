@@ -423,7 +423,10 @@ def test_monitors_select_what_the_operator_builds(custom_objects: list[dict[str,
     pod_labels = server_pods["spec"]["template"]["metadata"]["labels"]
 
     def selects(selector: dict[str, Any], target: dict[str, str]) -> bool:
-        return all(target.get(k) == v for k, v in selector["matchLabels"].items())
+        assert all(e["operator"] == "In" for e in selector.get("matchExpressions", []))
+        return all(target.get(k) == v for k, v in selector["matchLabels"].items()) and all(
+            target.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])
+        )
 
     for kind, endpoints_key, interval in (
         ("ServiceMonitor", "endpoints", "30s"),
@@ -439,6 +442,15 @@ def test_monitors_select_what_the_operator_builds(custom_objects: list[dict[str,
     assert selects(service_selector, router_svc["metadata"]["labels"])
     assert not selects(service_selector, server_svc["metadata"]["labels"])
     assert [p["name"] for p in router_svc["spec"]["ports"]] == ["http"]
+    # In endpointPicker mode, the picker's Service (its /metrics: the wake trigger's series).
+    picker_spec = {**example["spec"], "router": {"mode": "endpointPicker"},
+                   "networkPolicy": {"enabled": False}}  # fmt: skip
+    picked = render({**example, "spec": picker_spec}, "control:test")
+    (picker_svc,) = [
+        o for o in picked if o["kind"] == "Service" and "-epp" in o["metadata"]["name"]
+    ]
+    assert selects(service_selector, picker_svc["metadata"]["labels"])
+    assert "http" in [p["name"] for p in picker_svc["spec"]["ports"]]
     pod_selector = _one(custom_objects, "PodMonitor")["spec"]["selector"]
     assert selects(pod_selector, pod_labels)
     assert not selects(pod_selector, labels("demo", "router"))
