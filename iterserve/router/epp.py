@@ -130,6 +130,11 @@ class PickerStream:
         phase = message.WhichOneof("request")
         if phase == "request_headers":
             self._read_headers(message)
+            try:
+                self._admit()
+            except APIError as refusal:
+                yield _immediate(refusal)
+                return
             if message.request_headers.end_of_stream:  # no body: decide now
                 async for response in self._decide(b"", "request_headers"):
                     yield response
@@ -182,16 +187,24 @@ class PickerStream:
             return
         yield self._pick(ranking, phase)
 
+    def _admit(self) -> None:
+        """Whether the request is taken at all, from its headers (its grant).
+
+        Raises:
+            APIError: 503 the router is shutting down, 401 no key or a wrong one.
+        """
+        if self.picker.aborting:
+            raise shutting_down()
+        authorization = self.headers.get("authorization", "").encode("latin-1")
+        self.grant = self.decider.auth.grant_for(authorization)
+
     def _read(self, body: bytes) -> Decision:
         """The request's decision (the shared core's).
 
         Raises:
-            APIError: 503 shutting down, 401 a wrong key, 413 a body too large, 403 a tier.
+            APIError: 413 a body too large, 403 a tier its key may not use.
         """
-        if self.picker.aborting:
-            raise shutting_down()
-        auth = self.decider.auth
-        self.grant = auth.grant_for(self.headers.get("authorization", "").encode("latin-1"))
+        assert self.grant is not None, "the headers came first"
         limit = self.decider.config.max_request_body_bytes
         if len(body) > limit:
             raise APIError(413, f"the request body is over {limit} bytes")
