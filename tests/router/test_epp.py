@@ -77,37 +77,39 @@ def _run(picker: EndpointPicker, body: Callable[[Exchange], Awaitable[None]]) ->
     sends them on one stream (closed after the answers) and returns the answers."""
 
     async def run() -> None:
-        async with picker.serving("127.0.0.1", 0) as port:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = pb_grpc.ExternalProcessorStub(channel)
-
-                async def exchange(
-                    messages: list[pb.ProcessingRequest],
-                ) -> list[pb.ProcessingResponse]:
-                    queue: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
-
-                    async def requests() -> AsyncIterator[pb.ProcessingRequest]:
-                        while (m := await queue.get()) is not None:
-                            yield m
-
-                    call = stub.Process(requests())
-                    answers = []
-                    for m in messages:
-                        await queue.put(m)
-                        answer = await call.read()
-                        while answer.HasField("override_message_timeout"):
-                            answer = await call.read()
-                        answers.append(answer)
-                        if answer.HasField("immediate_response"):
-                            break
-                    await queue.put(None)
-                    while await call.read() != grpc.aio.EOF:
-                        pass
-                    return answers
-
-                await body(exchange)
+        async with (
+            picker.serving("127.0.0.1", 0) as port,
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+        ):
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            await body(lambda messages: _exchange(stub, messages))
 
     asyncio.run(run())
+
+
+async def _exchange(stub: Any, messages: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+    """One stream: each message sent after the answer to the one before (as Envoy does),
+    until an immediate response; then the stream closed."""
+    queue: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[pb.ProcessingRequest]:
+        while (m := await queue.get()) is not None:
+            yield m
+
+    call = stub.Process(requests())
+    answers = []
+    for m in messages:
+        await queue.put(m)
+        answer = await call.read()
+        while answer.HasField("override_message_timeout"):  # held: the answer follows
+            answer = await call.read()
+        answers.append(answer)
+        if answer.HasField("immediate_response"):
+            break
+    await queue.put(None)
+    while await call.read() != grpc.aio.EOF:
+        pass
+    return answers
 
 
 def _set(response: pb.CommonResponse) -> dict[str, str]:
