@@ -161,6 +161,9 @@ def _ext_proc(s: GatewaySettings) -> dict[str, Any]:
             "@type": _TYPES + "filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}},
             "failure_mode_allow": s.failure_mode_allow,
+            # FailClose: the picker unreachable (or failing) is a 503, as the protocol's
+            # "no endpoint" (Envoy's default would be a 500).
+            "status_on_error": {"code": 503},
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "request_body_mode": "BUFFERED",
