@@ -27,6 +27,8 @@ is avoided once the picker's polls eject it.
 
 from __future__ import annotations
 
+import argparse
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +57,9 @@ class Address:
         if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ValueError(f"expected HOST:PORT, got {text!r}")
         return cls(host.strip("[]"), int(port))
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def socket(self) -> dict[str, Any]:
         return {"socket_address": {"address": self.host, "port_value": self.port}}
@@ -249,3 +254,23 @@ def _pool_cluster(s: GatewaySettings) -> dict[str, Any]:
 
 def _seconds(value: float) -> str:
     return f"{value:g}s"
+
+
+def print_config(args: argparse.Namespace) -> int:
+    """``iterserve router envoy-config``: the bootstrap of its flags on stdout; 2 with the
+    reason on a bad flag."""
+    try:
+        settings = GatewaySettings(
+            listen=Address.parse(args.listen),
+            epp=Address.parse(args.epp),
+            admin=Address.parse(args.admin),
+            endpoints=tuple(str(Address.parse(e)) for e in args.endpoint),
+            failure_mode_allow=args.fail_open,
+            max_request_body_bytes=args.max_request_body_bytes,
+            hold_timeout_s=args.hold_timeout_s,
+        )
+    except ValueError as e:
+        print(f"iterserve router envoy-config: error: {e}", file=sys.stderr)
+        return 2
+    print(bootstrap_yaml(settings), end="")
+    return 0

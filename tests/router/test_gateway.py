@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import shutil
 import signal
@@ -26,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 from router_utils import pool_of, router, until
-from server_utils import Server, free_port, run_server
+from server_utils import ITERSERVE, Server, free_port, run_server
 from sim_profiles import make_profile, write_profile
 
 from iterserve.router.envoy_bootstrap import Address, GatewaySettings, bootstrap_yaml
@@ -49,12 +50,12 @@ def envoy_binary() -> str:
 
 
 @contextlib.contextmanager
-def run_envoy(settings: GatewaySettings) -> Iterator[Gateway]:
-    """Envoy on ``settings`` (listener and admin on free ports Envoy picks), ready; killed
-    on exit."""
+def run_envoy(settings: GatewaySettings | str) -> Iterator[Gateway]:
+    """Envoy on ``settings`` (or a bootstrap's YAML), ready; killed on exit."""
     with tempfile.TemporaryDirectory(prefix="iterserve-envoy-") as tmp:
         config, admin_file = Path(tmp) / "envoy.yaml", Path(tmp) / "admin"
-        config.write_text(bootstrap_yaml(settings))
+        text = settings if isinstance(settings, str) else bootstrap_yaml(settings)
+        config.write_text(text)
         log = (Path(tmp) / "envoy.log").open("wb")
         cmd = [envoy_binary(), "-c", str(config), "--admin-address-path", str(admin_file)]
         cmd += ["--disable-hot-restart", "--concurrency", "1", "--log-level", "warn"]
@@ -253,6 +254,35 @@ def test_a_request_with_no_replica_ready_is_held_until_one_is(setup: Setup) -> N
             assert decider.num_held == 0
 
     asyncio.run(run())
+
+
+def test_the_reference_original_dst_configuration_from_the_cli(setup: Setup) -> None:
+    """``iterserve router envoy-config`` without endpoints: GAIE's reference ORIGINAL_DST
+    cluster, which reads one endpoint (the picker's ``--destination-endpoints 1``)."""
+    listen = free_port()
+    cmd = [*ITERSERVE, "router", "envoy-config", "--epp", f"127.0.0.1:{setup.epp_port}"]
+    cmd += ["--listen", f"127.0.0.1:{listen}", "--admin", "127.0.0.1:0"]
+    bootstrap = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "ORIGINAL_DST" in bootstrap
+
+    async def run() -> None:
+        flags = (*_picker_flags(setup, setup.busy, setup.idle), "--no-prefix-affinity")
+        flags += ("--poll-interval-ms", "5000", "--stale-after-ms", "20000")  # one poll only
+        async with router(*flags) as (_, app), httpx.AsyncClient(timeout=30) as http:
+            pool = pool_of(app)
+            await until(lambda: len(pool.ready()) == 2, "both ready")
+            _report_busy(pool, setup.busy.url)
+            r = await http.post(f"http://127.0.0.1:{listen}/v1/completions", json={"prompt": "o"})
+            assert r.status_code == 200 and r.headers[SERVED] == _endpoint(setup.idle)
+
+    with run_envoy(bootstrap):
+        asyncio.run(run())
+
+
+def _report_busy(pool: Any, url: str) -> None:
+    """Make ``url``'s replica look busy to the picker until its next poll (long from now)."""
+    state = pool.backends[url].state
+    state.report = dataclasses.replace(state.report, kv_cache_usage=0.9, received_at=pool.clock())
 
 
 def test_a_killed_replica_is_skipped_through_the_fallback_list(setup: Setup) -> None:
