@@ -295,3 +295,16 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+def test_after_the_drain_new_requests_get_503() -> None:
+    picker = _picker(A)
+
+    async def body(exchange: Exchange) -> None:
+        assert picker.abort_active() == 0  # the drain is over: nothing was open
+        (refused,) = await exchange([_headers(), _body()])
+        status, error, headers = _immediate(refused)
+        assert (status, headers["retry-after"]) == (503, "1")
+        assert "shutting down" in error["error"]["message"]
+
+    _run(picker, body)
