@@ -101,10 +101,25 @@ def check_pool(cluster: LocalCluster, namespace: str) -> None:
         assert pool["spec"]["targetPorts"] == [{"number": http["containerPort"]}]
 
 
+def ready_count(cluster: LocalCluster, deployment: str, namespace: str) -> int | None:
+    live = cluster.get("deployment", deployment, namespace) or {}
+    ready: int | None = (live.get("status") or {}).get("readyReplicas")
+    return ready
+
+
+def publishing(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
+    """The ready server pods with a ``kv-events`` port."""
+    return [
+        pod
+        for pod in ready_pods(server_pods(cluster, namespace))
+        if any(p["name"] == "kv-events" for p in pod["spec"]["containers"][0]["ports"])
+    ]
+
+
 def check_kv_events(cluster: LocalCluster, namespace: str) -> None:
     """A server pod of ``router.kvEvents`` publishes on its port 5557 with its pod's name in
     the topic: a completion sent to it directly shows up as BlockStored events."""
-    (pod, *_) = ready_pods(server_pods(cluster, namespace))
+    (pod, *_) = publishing(cluster, namespace)
     (port,) = [p for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "kv-events"]
     key = secret(cluster, namespace, f"{NAME}-api-key", "api-key")
     context = zmq.Context()
@@ -136,7 +151,7 @@ def test_endpoint_picker_mode_then_back_to_two_routers(
 ) -> None:
     namespace = cluster.namespace("epp")
     assert cluster.run("kubectl", "get", "crd", POOL_CRD.stem, check=False).returncode != 0
-    router = {"mode": "endpointPicker", "replicas": 2, "kvEvents": True}
+    router = {"mode": "endpointPicker", "replicas": 2}
     # The gateway would run in this namespace: its pods may reach the servers and the picker.
     body = manifest(namespace, replicas=1, gpus=0, router=router,
                     networkPolicy={"apiFrom": [namespace]})  # fmt: skip
@@ -161,10 +176,20 @@ def test_endpoint_picker_mode_then_back_to_two_routers(
     wait_until(lambda: condition(cluster.get("llmd", NAME, namespace), "Ready")["status"]
                == "True", "Ready once a server pod is", timeout_s=90)  # fmt: skip
     check_pool(cluster, namespace)
-    check_kv_events(cluster, namespace)
     cluster.kubectl("apply", "-f", "-", input=http_route(namespace))
     route = cluster.get("httproute", "llm", namespace)
     assert route["spec"]["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
+    # The pickers run (iterserve router --mode endpoint-picker as the operator starts it) and
+    # are ready: their /ready says they found a ready server pod through the EndpointSlices
+    # their ServiceAccount may read.
+    wait_until(lambda: ready_count(cluster, f"{NAME}-epp", namespace) == 2,
+               "two pickers ready", timeout_s=90)  # fmt: skip
+
+    # KV events on: the server pods roll with --kv-events-port 5557 and publish.
+    assert patch_spec(cluster, namespace, {"router": {"kvEvents": True}}).returncode == 0
+    wait_until(lambda: publishing(cluster, namespace), "a ready server pod publishing",
+               timeout_s=90)  # fmt: skip
+    check_kv_events(cluster, namespace)
 
     # Back to proxy mode: the picker's objects deleted, two routers Ready behind their budget.
     assert (
@@ -177,11 +202,8 @@ def test_endpoint_picker_mode_then_back_to_two_routers(
                    f"{kind} {NAME}-epp deleted")  # fmt: skip
     pdb = wait_until(lambda: cluster.get("pdb", f"{NAME}-router", namespace), "the router's PDB")
     assert pdb["spec"]["maxUnavailable"] == 1
-    wait_until(
-        lambda: (cluster.get("deployment", f"{NAME}-router", namespace) or {}).get(
-            "status", {}).get("readyReplicas") == 2,
-        "two router replicas ready", timeout_s=90,
-    )  # fmt: skip
+    wait_until(lambda: ready_count(cluster, f"{NAME}-router", namespace) == 2,
+               "two router replicas ready", timeout_s=90)  # fmt: skip
     wait_until(lambda: (cluster.get("pdb", f"{NAME}-router", namespace).get("status") or {}).get(
         "disruptionsAllowed") == 1, "the disruption controller allowing one eviction")  # fmt: skip
     llmd = cluster.get("llmd", NAME, namespace)

@@ -500,7 +500,14 @@ def _print_table(recording: Recording, average: list[float], counts: list[int]) 
 # -- scale to zero: the router's 503s wake it ---------------------------------------------
 
 
-def test_one_request_to_a_router_with_no_ready_replica_wakes_the_deployment() -> None:
+HOLD_TIMEOUT_S = 3.0  # the router's --hold-timeout-s here (60 s by default)
+
+
+def test_one_request_held_by_a_router_with_no_ready_replica_wakes_the_deployment() -> None:
+    """A real router with no ready replica holds the request: the next scrape, while it is
+    still held, already wakes the deployment (its arrival is counted at once, and the
+    held-requests gauge reads 1); past the hold it gets 503 with Retry-After, and the wake
+    trigger stays active until the request leaves the rate's window."""
     so = _autoscaler(via="keda", minReplicas=0, prometheusURL="http://prometheus:9090")
     queue, wake = so["spec"]["triggers"]
     triggers = [
@@ -511,10 +518,12 @@ def test_one_request_to_a_router_with_no_ready_replica_wakes_the_deployment() ->
     store = Store()
     counts: list[int] = []
     rates: list[float] = []
+    held: list[float] = []
 
     async def run() -> None:
         dead = f"http://127.0.0.1:{DEAD_PORT}"
-        async with router("--backend", dead) as (url, _), httpx.AsyncClient(timeout=10) as http:
+        flags = ("--backend", dead, "--hold-timeout-s", str(HOLD_TIMEOUT_S))
+        async with router(*flags) as (url, _), httpx.AsyncClient(timeout=30) as http:
 
             async def tick(i: int) -> None:
                 t = i * SYNC_PERIOD_S
@@ -525,29 +534,32 @@ def test_one_request_to_a_router_with_no_ready_replica_wakes_the_deployment() ->
                 ]
                 rates.append(values[1])
                 counts.append(keda.step(t, values, triggers))
+                gauge = evaluate("sum(iterserve_router_held_requests)", store, t)
+                held.append(scalar_of(gauge))
 
             for i in range(4):
                 await tick(i)
-            answer = await http.post(url + "/v1/completions", json={"prompt": "hi"})
+            started = time.monotonic()
+            request = asyncio.create_task(http.post(url + "/v1/completions", json={"prompt": "hi"}))
+            while (
+                "iterserve_router_held_requests 1.0" not in (await http.get(url + "/metrics")).text
+            ):
+                assert time.monotonic() - started < HOLD_TIMEOUT_S, "the request was not held"
+                await asyncio.sleep(0.02)
+            await tick(4)  # while it is held
+            assert not request.done()
+            answer = await request
+            assert time.monotonic() - started >= HOLD_TIMEOUT_S * 0.9
             assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
             assert "no ready replica" in answer.json()["error"]["message"]
-            for i in range(4, 4 + WAKE_TICKS + 2):
+            for i in range(5, 4 + WAKE_TICKS + 3):
                 await tick(i)
 
     asyncio.run(run())
-    none_503 = frozenset(
-        {
-            "__name__": "iterserve_router_requests_total",
-            "replica": "none",
-            "code": "503",
-            "namespace": NS,
-            "pod": ROUTER_POD,
-        }.items()
-    )
-    assert [v for _, v in store.series[none_503]] == [0.0] * 4 + [1.0] * (WAKE_TICKS + 2)
     assert counts[:4] == [0] * 4 and rates[:4] == [0.0] * 4
-    assert rates[4] > 0 and counts[4] == 1  # the next evaluation after the 503 wakes it
-    # The one request leaves the rate window: inactive again, still 1 replica until the
-    # cooldown.
+    assert held[4] == 1.0 and rates[4] == 1.0 and counts[4] == 1  # woken while held
+    assert held[5:] == [0.0] * (WAKE_TICKS + 2)
+    # The request (held, then answered 503) leaves the rate window: inactive again, still 1
+    # replica until the cooldown.
     assert all(r > 0 for r in rates[4 : 4 + WAKE_TICKS - 1])
-    assert rates[4 + WAKE_TICKS - 1 :] == [0.0] * 3 and counts[4:] == [1] * (WAKE_TICKS + 2)
+    assert rates[-2:] == [0.0] * 2 and counts[4:] == [1] * (WAKE_TICKS + 3)

@@ -19,6 +19,7 @@ import yaml
 from kube_fakes import MemoryKube
 from kubernetes.aio.client.exceptions import ApiException
 
+from iterserve.cli import build_parser
 from iterserve.operator.builders import Context, build_all
 from iterserve.operator.checks import check_name
 from iterserve.operator.reconcile import OperatorSettings, Outcome, reconcile
@@ -123,6 +124,8 @@ def test_the_picker_runs_the_router_in_endpoint_picker_mode() -> None:
     # in endpoint-picker mode.
     mode = ["--mode", "endpoint-picker", "--grpc-port", "9002"]
     assert picker["args"] == ["router", *mode, *router["args"][1:]]
+    parsed = build_parser().parse_args(picker["args"])  # the router's own parser
+    assert (parsed.mode, parsed.grpc_port, parsed.port) == ("endpoint-picker", 9002, 8080)
     assert (flag(router["args"], "--port"), flag(router["args"], "--policy")) == ("8080", "session")
     assert picker["ports"] == [
         {"name": "http", "containerPort": 8080, "protocol": "TCP"},
