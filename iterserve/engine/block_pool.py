@@ -14,11 +14,14 @@ recently freed cached block is evicted first (as vLLM v1's ``FreeKVCacheBlockQue
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+# The chain hash is shared with the router (which computes a prompt's hashes as replicas do).
+from iterserve.kv_events import hash_block_tokens
+
+__all__ = ["BlockPool", "KVBlock", "hash_block_tokens"]
 
 
 @dataclass(eq=False)
@@ -28,16 +31,6 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
-
-
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Chain hash of one full block: sha256(parent hash || token ids as int64), 16 bytes.
-
-    Chaining makes a block's hash identify the whole prefix up to and including it.
-    """
-    h = hashlib.sha256(parent_hash or b"")
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()[:16]
 
 
 class BlockPool:
