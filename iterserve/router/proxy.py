@@ -193,6 +193,7 @@ class Proxy:
             await send_error(send, refusal)
             return
         key = _prefix_key(body) if body is not None else None
+        tokens = self.picker.prompt_tokens(body)  # for the KV-event match, if any
         session = request.headers.get(self.session_header)
         auth = self.auth
         headers = forward_headers(
@@ -200,7 +201,7 @@ class Proxy:
         )
         attempts = Attempts(self.retry)
         while attempts.may_start(request.gone.is_set()):
-            backend = self.pick(attempts, key, session)
+            backend = self.pick(attempts, key, session, tokens)
             if backend is None:
                 break
             first = not attempts.tried
@@ -223,12 +224,18 @@ class Proxy:
             self.metrics.requests.labels(replica="none", code=str(answer.status)).inc()
             await send_error(send, answer)
 
-    def pick(self, attempts: Attempts, key: bytes | None, session: str | None) -> Backend | None:
+    def pick(
+        self,
+        attempts: Attempts,
+        key: bytes | None,
+        session: str | None,
+        tokens: list[int] | None = None,
+    ) -> Backend | None:
         """The replica for the next attempt (none tried before), or None when no ready
         replica is left."""
         candidates = attempts.candidates(self.pool.states())
         try:
-            pick = self.picker.pick(candidates, time.monotonic(), key, session)
+            pick = self.picker.pick(candidates, time.monotonic(), key, session, tokens)
         except NoReplicaError:
             return None
         if attempts.last is not None:  # this attempt is a retry
