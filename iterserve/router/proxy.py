@@ -193,7 +193,9 @@ class Proxy:
             await send_error(send, refusal)
             return
         key = _prefix_key(body) if body is not None else None
-        tokens = self.picker.prompt_tokens(body)  # for the KV-event match, if any
+        tokens = None  # for the KV-event match: milliseconds for a long prompt, off the loop
+        if body is not None and self.picker.wants_prompt_tokens():
+            tokens = await asyncio.to_thread(self.picker.prompt_tokens, body)
         session = request.headers.get(self.session_header)
         auth = self.auth
         headers = forward_headers(

@@ -258,18 +258,22 @@ class Picker:
             return self._affine(ready, now, key, prompt_token_ids)
         return Pick(self._least_kv(ready, now), "least_kv")
 
+    def wants_prompt_tokens(self) -> bool:
+        """Whether :meth:`pick` would use a prompt's tokens: prefix affinity under
+        ``least_kv`` with a tokenizer and a KV index that holds some block (tokenizing costs
+        time: docs/router.md)."""
+        return (
+            self.tokenize is not None
+            and self.kv_index is not None
+            and self.policy == "least_kv"
+            and self.prefix_affinity
+            and self.kv_index.num_blocks() > 0
+        )
+
     def prompt_tokens(self, body: Mapping[str, Any] | None) -> list[int] | None:
-        """The prompt's token ids of a generation ``body`` when :meth:`pick` would use them:
-        prefix affinity under ``least_kv`` with a KV index that holds some block (tokenizing
-        costs time: docs/router.md); else None."""
-        if (
-            body is None
-            or self.tokenize is None
-            or self.kv_index is None
-            or self.policy != "least_kv"
-            or not self.prefix_affinity
-            or not self.kv_index.num_blocks()
-        ):
+        """The prompt's token ids of a generation ``body`` when :meth:`wants_prompt_tokens`;
+        else None."""
+        if body is None or self.tokenize is None or not self.wants_prompt_tokens():
             return None
         return self.tokenize(body)
 
