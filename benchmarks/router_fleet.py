@@ -72,7 +72,8 @@ class Fleet:
         try:
             for i, port in enumerate(ports):
                 cmd = [*cli, "serve", "--simulate", self.profile, "--simulate-speed", str(speed)]
-                cmd += [*host, "--port", str(port), *self.replica_flags, *(replica_flags or [])]
+                cmd += [*host, "--port", str(port), "--kv-events-port", "0"]
+                cmd += [*self.replica_flags, *(replica_flags or [])]
                 procs.append(_start(cmd, self.log_dir / f"{stamp}-replica{i}.log"))
             for proc, url in zip(procs, urls, strict=True):
                 _wait_ready(proc, url, lambda r: True)

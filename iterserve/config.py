@@ -470,6 +470,13 @@ class ServerConfig:
             "X-Tenant-Id and the router's tier headers, no others are (re-read on change)"
         },
     )
+    kv_events_port: int = field(
+        default=5557,
+        metadata={
+            "help": "publish KV-cache events in vLLM's format (ZMQ PUB on --host:PORT, topic "
+            "kv@<pod>@<model>) for prefix-aware routers; 0 = off"
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -479,6 +486,10 @@ class ServerConfig:
             f"got {self.tenant_label_limit}",
         )
         _require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
+        _require(
+            0 <= self.kv_events_port <= 65535,
+            f"kv_events_port must be in [0, 65535], got {self.kv_events_port}",
+        )
         _require(
             self.admin_port is None
             or (1 <= self.admin_port <= 65535 and self.admin_port != self.port),

@@ -44,14 +44,21 @@ with what was wrong: the router feeds this module bytes off the network.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import queue
 import socket
+import threading
+import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import zmq
+
+logger = logging.getLogger(__name__)
 
 MEDIUM_GPU = "GPU"  # blocks in the accelerator's KV cache (vLLM's name for it)
 MEDIUM_CPU = "CPU"  # blocks in host memory (our swap pool)
@@ -101,7 +108,7 @@ class BlockRemoved:
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    """The replica forgot its whole prefix cache (``/admin/reset_prefix_cache`` or a restart)."""
+    """The replica forgot its whole prefix cache (the block pool's ``reset_prefix_cache``)."""
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
@@ -334,3 +341,131 @@ def decode_message(frames: Sequence[bytes]) -> KVEventsMessage:
     if len(seq_raw) != _SEQ_NUM_BYTES:
         raise KVEventsFormatError(f"sequence number must be 8 bytes, got {len(seq_raw)}")
     return KVEventsMessage(topic, int.from_bytes(seq_raw, "big"), decode_batch(payload))
+
+
+# --- publishing ------------------------------------------------------------------------------
+
+
+class KVEventsBindError(RuntimeError):
+    """The publisher's port cannot be bound (in use, or not an address of this host)."""
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """Where a replica publishes (picklable: it travels to the engine process).
+
+    Attributes:
+        port: TCP port (``--kv-events-port``; 0 binds a free one, for tests).
+        topic: :func:`make_topic` of the pod and the served model.
+        host: address to bind.
+    """
+
+    port: int
+    topic: str
+    host: str = "0.0.0.0"
+
+    def open(self) -> KVEventPublisher:
+        """Bind and start the publisher. Raises KVEventsBindError."""
+        return KVEventPublisher(self.port, self.topic, self.host)
+
+
+class KVEventPublisher:
+    """A ZMQ PUB socket bound on ``tcp://host:port`` that publishes one batch per call.
+
+    :meth:`publish` never blocks the engine: it numbers the batch and puts it on a bounded
+    queue; a daemon thread encodes and sends. A full queue drops the batch (counted in
+    :attr:`num_dropped_batches`) and its number is skipped, so a subscriber sees the gap.
+    Past the PUB socket's high-water mark ZMQ itself drops messages to a slow subscriber
+    (unseen here; the subscriber sees the gap the same way). There is no replay socket: a
+    subscriber that lost batches, or that sees the sequence start again at 0 (a restarted
+    replica), should forget what it knew of this replica and rebuild from the stream.
+
+    Args:
+        port: TCP port to bind; 0 binds a free one (read it from :attr:`port`).
+        topic: the first frame of every message (:func:`make_topic`).
+        host: address to bind (``0.0.0.0``: every interface, as vLLM's ``tcp://*:5557``).
+        max_queue_batches: batches waiting for the sender thread before new ones are dropped.
+        sndhwm: ZMQ send high-water mark, in messages per subscriber.
+
+    Raises:
+        KVEventsBindError: the address cannot be bound.
+    """
+
+    def __init__(
+        self,
+        port: int,
+        topic: str,
+        host: str = "0.0.0.0",
+        max_queue_batches: int = 10_000,
+        sndhwm: int = 100_000,
+    ) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {port}")
+        self.topic = topic
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.SNDHWM, sndhwm)
+        self._sock.setsockopt(zmq.LINGER, 100)  # ms the last batches get at close
+        address = f"tcp://{host}:{port if port else '*'}"
+        try:
+            self._sock.bind(address)
+        except zmq.ZMQError as e:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise KVEventsBindError(
+                f"cannot publish KV events on {address}: {e} (--kv-events-port: choose "
+                "another port, or 0 for no events)"
+            ) from e
+        endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://0.0.0.0:5557
+        self.port = int(endpoint.rsplit(":", 1)[1])
+        self.num_dropped_batches = 0
+        self._next_seq = 0
+        self._queue: queue.Queue[tuple[int, EventBatch]] = queue.Queue(max_queue_batches)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="iterserve-kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: Sequence[KVCacheEvent]) -> bool:
+        """Queue one batch (stamped now); False when it was dropped (queue full, or closed).
+
+        Call from one thread (the engine loop's): sequence numbers are assigned here.
+        """
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        if self._stop.is_set():
+            return False
+        try:
+            self._queue.put_nowait((seq, EventBatch(time.time(), tuple(events))))
+        except queue.Full:
+            self.num_dropped_batches += 1
+            if self.num_dropped_batches == 1 or self.num_dropped_batches % 1000 == 0:
+                logger.warning(
+                    "KV events: %d batches dropped (the sender thread falls behind)",
+                    self.num_dropped_batches,
+                )
+            return False
+        return True
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Send what is queued (up to ``timeout_s``), stop the thread, close the socket.
+        Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout_s)
+        self._sock.close()
+        self._ctx.term()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                seq, batch = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return
+                continue
+            try:
+                self._sock.send_multipart(encode_message(self.topic, seq, batch), zmq.NOBLOCK)
+            except zmq.Again:
+                self.num_dropped_batches += 1
+            except zmq.ZMQError:
+                logger.exception("KV events: sending batch %d failed", seq)

@@ -30,10 +30,17 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        url: str,
+        log: Path,
+        kv_events_port: int | None = None,
+    ) -> None:
         self.proc = proc
         self.url = url
         self.log = log
+        self.kv_events_port = kv_events_port  # where it publishes KV events (None: off)
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -47,14 +54,20 @@ def run_server(
     *flags: str, startup_timeout_s: float = 240.0, port: int | None = None, command: str = "serve"
 ) -> Iterator[Server]:
     """``iterserve COMMAND --host 127.0.0.1 --port <port or a free one> *flags`` (``serve``
-    or ``router``), ready; stopped on exit."""
+    or ``router``), ready; stopped on exit. A server publishes no KV events unless ``flags``
+    give a ``--kv-events-port`` (servers of parallel tests would share the default 5557)."""
     port = port or free_port()
     log = Path(tempfile.mkstemp(prefix="iterserve-server-", suffix=".log")[1])
     cmd = [*ITERSERVE, command, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *flags]
+    kv_events_port = None
+    if "--kv-events-port" in flags:
+        kv_events_port = int(flags[flags.index("--kv-events-port") + 1]) or None
+    elif command == "serve":
+        cmd += ["--kv-events-port", "0"]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    server = Server(proc, f"http://127.0.0.1:{port}", log)
+    server = Server(proc, f"http://127.0.0.1:{port}", log, kv_events_port)
     try:
         deadline = time.monotonic() + startup_timeout_s
         while True:

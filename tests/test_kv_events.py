@@ -3,18 +3,34 @@ declares them), our decoder on what vLLM's releases send, and malformed input.""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import msgpack
 import msgspec
 import pytest
+from kv_events_utils import (
+    AllBlocksClearedV,
+    BlockRemovedV,
+    BlockStoredV,
+    NewBlockStored,
+    OldBlockRemoved,
+    OldBlockStored,
+    VllmEventBatch,
+    VllmKVEventBatch,
+    subscribe,
+)
 
+from iterserve import kv_events
 from iterserve.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
+    KVEventPublisher,
+    KVEventsBindError,
     KVEventsFormatError,
     decode_batch,
     decode_message,
@@ -26,67 +42,6 @@ from iterserve.kv_events import (
     parse_topic,
     prompt_block_hashes,
 )
-
-# --- vLLM's structs, declared as its kv_events.py (0.10/0.11) and its subscriber example -------
-
-
-class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class VllmKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStoredV(VllmKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemovedV(VllmKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[int | bytes]
-    medium: str | None
-
-
-class AllBlocksClearedV(VllmKVCacheEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class VllmKVEventBatch(VllmEventBatch):
-    events: list[BlockStoredV | BlockRemovedV | AllBlocksClearedV]
-
-
-# An older vLLM (0.9): no medium, no data_parallel_rank.
-class OldBlockStored(VllmKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-
-
-class OldBlockRemoved(VllmKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-
-
-# A newer vLLM: fields appended after medium.
-class NewBlockStored(VllmKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-
 
 BATCH = EventBatch(
     ts=1700000000.25,
@@ -244,3 +199,78 @@ def test_prompt_block_hashes_chain_the_block_pools_hashes() -> None:
     assert prompt_block_hashes(tokens[:3], 4) == []
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         prompt_block_hashes(tokens, 0)
+
+
+# --- the publisher ---------------------------------------------------------------------------
+
+
+def recv(sock: Any, timeout_s: float = 5.0) -> Any:
+    assert sock.poll(int(timeout_s * 1000)), "no KV-events message arrived"
+    return decode_message(sock.recv_multipart())
+
+
+def test_publisher_numbers_batches_and_subscribers_decode_them() -> None:
+    pub = KVEventPublisher(0, make_topic("pod-a", "m"), host="127.0.0.1")
+    sub = subscribe(pub.port)
+    try:
+        # A SUB joins asynchronously: publish probes until one arrives, then check the rest.
+        while not sub.poll(20):
+            pub.publish([AllBlocksCleared()])
+        first = recv(sub)
+        assert first.topic == "kv@pod-a@m" and first.batch.events == (AllBlocksCleared(),)
+        while sub.poll(50):  # the probes still in flight
+            first = recv(sub)
+        stored = BlockStored((1, 2), None, (5, 6, 7, 8), 2)
+        assert pub.publish([stored, BlockRemoved((1,))])
+        msg = recv(sub)
+        assert msg.seq == first.seq + 1
+        assert msg.batch.events == (stored, BlockRemoved((1,)))
+        assert abs(msg.batch.ts - time.time()) < 5 and msg.batch.data_parallel_rank is None
+        assert pub.num_dropped_batches == 0
+    finally:
+        sub.close()
+        pub.close()
+    assert not pub._thread.is_alive()
+    assert not pub.publish([AllBlocksCleared()])  # closed: dropped, nothing raised
+    pub.close()  # idempotent
+
+
+def test_a_port_in_use_is_a_clear_error() -> None:
+    pub = KVEventPublisher(0, "kv@p@m", host="127.0.0.1")
+    try:
+        with pytest.raises(KVEventsBindError, match=rf"tcp://127.0.0.1:{pub.port}: Address"):
+            KVEventPublisher(pub.port, "kv@p@m", host="127.0.0.1")
+    finally:
+        pub.close()
+    with pytest.raises(ValueError, match="port must be in"):
+        KVEventPublisher(70000, "kv@p@m")
+
+
+def test_a_full_queue_drops_batches_leaving_a_gap_in_the_numbers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """publish never waits: with the sender stuck on a batch, batches past the queue's bound
+    are dropped and counted, and the kept ones keep their numbers (a subscriber sees the gap)."""
+    sending = threading.Event()
+    release = threading.Event()
+    sent: list[int] = []
+
+    def stuck_encode(topic: str, seq: int, batch: EventBatch) -> list[bytes]:
+        sending.set()
+        release.wait(5)
+        sent.append(seq)
+        return encode_message(topic, seq, batch)
+
+    monkeypatch.setattr(kv_events, "encode_message", stuck_encode)
+    pub = KVEventPublisher(0, "kv@p@m", host="127.0.0.1", max_queue_batches=2)
+    try:
+        assert pub.publish([AllBlocksCleared()])
+        assert sending.wait(5)  # the sender holds batch 0
+        results = [pub.publish([AllBlocksCleared()]) for _ in range(5)]
+        assert results == [True, True, False, False, False]
+        assert pub.num_dropped_batches == 3
+    finally:
+        release.set()
+        pub.close()
+    assert sent == [0, 1, 2]
+    assert pub.publish([AllBlocksCleared()]) is False  # closed

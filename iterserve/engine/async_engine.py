@@ -25,6 +25,7 @@ from iterserve.engine.messages import (
     EngineMessage,
     Shutdown,
 )
+from iterserve.kv_events import KVEventPublisher
 from iterserve.telemetry.iterations import IterationRecorder
 
 logger = logging.getLogger(__name__)
@@ -37,12 +38,20 @@ class AsyncEngine(EngineClientBase):
         engine: the engine; once started only the engine thread touches it.
         telemetry_db: SQLite file the engine thread writes ``scheduler_iterations`` to
             (through its own writer thread; None: off).
+        kv_publisher: where the engine thread publishes KV-cache events (None: off); this
+            client owns it from now on and closes it when the loop ends.
     """
 
-    def __init__(self, engine: LLMEngine, telemetry_db: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        telemetry_db: str | None = None,
+        kv_publisher: KVEventPublisher | None = None,
+    ) -> None:
         super().__init__()
         self.engine = engine
         self.telemetry_db = telemetry_db
+        self.kv_publisher = kv_publisher
         self.config = engine.config
         self.limits = engine.limits
         self.model_dir = engine.model_dir
@@ -102,7 +111,7 @@ class AsyncEngine(EngineClientBase):
     def _run(self) -> None:
         error: BaseException = EngineDeadError("the engine stopped")
         try:
-            EngineCore(self.engine, self._send, self._recorder).run(self._recv)
+            EngineCore(self.engine, self._send, self._recorder, self.kv_publisher).run(self._recv)
         except BaseException as e:  # the loop itself broke: fail every stream
             logger.exception("engine loop died")
             error = EngineDeadError(f"engine loop died: {e}")
@@ -112,6 +121,8 @@ class AsyncEngine(EngineClientBase):
                 self._closed = True
             if self._recorder is not None:
                 self._recorder.close()
+            if self.kv_publisher is not None:
+                self.kv_publisher.close()
             self.engine.abort_all()
             assert self._loop is not None
             with contextlib.suppress(RuntimeError):

@@ -10,6 +10,13 @@ A block is in exactly one of three states:
 
 Allocation pops from the head of the free queue; freed blocks go to its tail, so the least
 recently freed cached block is evicted first (as vLLM v1's ``FreeKVCacheBlockQueue``).
+
+KV-cache events (:mod:`iterserve.kv_events`, off until :meth:`BlockPool.enable_kv_events`):
+the pool records ``BlockRemoved`` when an allocation evicts cached blocks and
+``AllBlocksCleared`` on :meth:`~BlockPool.reset_prefix_cache`; the KV-cache manager records
+``BlockStored`` (it knows the tokens and the parent). The engine loop takes them once per
+iteration (:meth:`~BlockPool.take_events`, as vLLM's ``take_events``) and publishes them.
+A block that is freed but keeps its hash is still cached: no event until it is evicted.
 """
 
 from __future__ import annotations
@@ -19,7 +26,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # The chain hash is shared with the router (which computes a prompt's hashes as replicas do).
-from iterserve.kv_events import hash_block_tokens
+from iterserve.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    KVCacheEvent,
+    external_block_hash,
+    hash_block_tokens,
+)
 
 __all__ = ["BlockPool", "KVBlock", "hash_block_tokens"]
 
@@ -51,6 +64,20 @@ class BlockPool:
         )
         self._cached: dict[bytes, KVBlock] = {}
         self._num_cached_free = 0  # cached blocks with ref_cnt 0
+        # This iteration's KV-cache events, in order; None: not recorded.
+        self.kv_events: list[KVCacheEvent] | None = None
+
+    def enable_kv_events(self) -> None:
+        """Record KV-cache events from now on (take them with :meth:`take_events`)."""
+        if self.kv_events is None:
+            self.kv_events = []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first (empty when not recording)."""
+        if not self.kv_events:
+            return []
+        events, self.kv_events = self.kv_events, []
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -76,12 +103,16 @@ class BlockPool:
         if num_blocks > len(self._free_queue):
             raise ValueError(f"asked for {num_blocks} blocks, {len(self._free_queue)} free")
         out = []
+        evicted: list[int] = []
         for _ in range(num_blocks):
             _, block = self._free_queue.popitem(last=False)
             if block.block_hash is not None:
+                evicted.append(external_block_hash(block.block_hash))
                 self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        if evicted and self.kv_events is not None:
+            self.kv_events.append(BlockRemoved(tuple(evicted)))
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -109,14 +140,16 @@ class BlockPool:
     def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
         return self._cached.get(block_hash)
 
-    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
-        """Register a used, full block under its chain hash (first writer wins)."""
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Register a used, full block under its chain hash (first writer wins); True when
+        the prefix became cached by this call (the caller records ``BlockStored``)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self._cached:
-            return  # another block already holds this prefix; this one stays private
+            return False  # another block already holds this prefix; this one stays private
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks stay where they are)."""
@@ -124,6 +157,8 @@ class BlockPool:
             block.block_hash = None
         self._cached.clear()
         self._num_cached_free = 0
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
 
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None

@@ -2,7 +2,9 @@
 
 One loop for both clients: :class:`~iterserve.engine.process_engine.ProcessEngine` runs it in a
 child process over pipes, :class:`~iterserve.engine.async_engine.AsyncEngine` on a thread over
-a queue. It speaks only the messages of :mod:`iterserve.engine.messages`.
+a queue. It speaks only the messages of :mod:`iterserve.engine.messages`. With a KV-events
+publisher it also publishes, once per iteration that changed the prefix cache, that
+iteration's events (``--kv-events-port``, :mod:`iterserve.kv_events`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from iterserve.engine.messages import (
     StepResult,
     UpdateSchedulerConfig,
 )
+from iterserve.kv_events import KVEventPublisher
 from iterserve.telemetry.iterations import IterationRecorder
 
 logger = logging.getLogger(__name__)
@@ -44,14 +47,23 @@ class EngineCore:
         send: delivers a message to the client (pipe send, or a hand-over to its event loop).
         recorder: where each iteration's ``scheduler_iterations`` row goes
             (``--telemetry-db``; queued without waiting), or None.
+        kv_publisher: where each iteration's KV-cache events go (queued without waiting;
+            the caller closes it), or None: the engine records none.
     """
 
     def __init__(
-        self, engine: LLMEngine, send: Send, recorder: IterationRecorder | None = None
+        self,
+        engine: LLMEngine,
+        send: Send,
+        recorder: IterationRecorder | None = None,
+        kv_publisher: KVEventPublisher | None = None,
     ) -> None:
         self.engine = engine
         self.send = send
         self.recorder = recorder
+        self.kv_publisher = kv_publisher
+        if kv_publisher is not None:
+            engine.enable_kv_events()
         self._num_sent_iterations = engine.num_iterations
         self._errors: list[RequestError] = []
 
@@ -132,4 +144,8 @@ class EngineCore:
         if self.recorder is not None:
             first_id = engine.num_iterations - len(telemetry) + 1
             num_dropped = self.recorder.record(first_id, telemetry)
+        if self.kv_publisher is not None:
+            kv_events = engine.take_kv_events()
+            if kv_events:
+                self.kv_publisher.publish(kv_events)
         self.send(StepResult(outputs, engine.load(), telemetry, errors, num_dropped))

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from iterserve.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
 from iterserve.engine.request import Request
+from iterserve.kv_events import BlockStored, external_block_hash
 
 
 def cdiv(a: int, b: int) -> int:
@@ -160,9 +161,34 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(request)
-        for i in range(start, num_full):
-            self.pool.cache_block(table[i], request.block_hashes[i])
+        newly_cached = [
+            i
+            for i in range(start, num_full)
+            if self.pool.cache_block(table[i], request.block_hashes[i])
+        ]
         self._num_cached_blocks[request.request_id] = num_full
+        if newly_cached and self.pool.kv_events is not None:
+            self._record_stored(request, newly_cached)
+
+    def _record_stored(self, request: Request, block_idxs: list[int]) -> None:
+        """One ``BlockStored`` per run of consecutive newly cached blocks of the request (a
+        block whose prefix another block already held breaks the run: it is not stored)."""
+        assert self.pool.kv_events is not None
+        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
+        run_start = 0
+        for k in range(1, len(block_idxs) + 1):
+            if k < len(block_idxs) and block_idxs[k] == block_idxs[k - 1] + 1:
+                continue
+            first, last = block_idxs[run_start], block_idxs[k - 1]
+            self.pool.kv_events.append(
+                BlockStored(
+                    block_hashes=tuple(external_block_hash(h) for h in hashes[first : last + 1]),
+                    parent_block_hash=external_block_hash(hashes[first - 1]) if first else None,
+                    token_ids=tuple(tokens[first * bs : (last + 1) * bs]),
+                    block_size=bs,
+                )
+            )
+            run_start = k
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks (tail first, so its tail is evicted first)."""

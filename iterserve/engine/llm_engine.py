@@ -38,6 +38,7 @@ from iterserve.engine.request import RequestStatus as Status
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.engine.scheduler import Scheduler
 from iterserve.engine.tokenizer import Tokenizer
+from iterserve.kv_events import KVCacheEvent
 
 TELEMETRY_LEN = 1024
 
@@ -275,6 +276,14 @@ class LLMEngine:
     def update_scheduler_config(self, config: Any) -> None:
         """Apply new scheduler settings from the next iteration on (call between steps)."""
         self.scheduler.update_config(config)
+
+    def enable_kv_events(self) -> None:
+        """Record KV-cache events (:mod:`iterserve.kv_events`) from now on."""
+        self.scheduler.kv.pool.enable_kv_events()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events since the last call, oldest first (empty unless enabled)."""
+        return self.scheduler.kv.pool.take_events()
 
     def telemetry_since(self, num_iterations: int) -> list[IterationStats]:
         """Records of the iterations after the first ``num_iterations`` (those still kept)."""

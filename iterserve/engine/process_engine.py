@@ -41,6 +41,7 @@ from iterserve.engine.messages import (
     Shutdown,
     monotonic_clock,
 )
+from iterserve.kv_events import KVEventPublisher, KVEventsBindError, KVEventsConfig
 from iterserve.telemetry.iterations import IterationRecorder
 
 logger = logging.getLogger(__name__)
@@ -94,20 +95,27 @@ def _engine_main(
     results: Any,
     telemetry_db: str | None = None,
     parent_pid: int | None = None,
+    kv_events: KVEventsConfig | None = None,
 ) -> None:
     """The child: build the engine, then run the engine loop over the two pipes (writing
-    ``scheduler_iterations`` to ``telemetry_db`` when given); it dies with ``parent_pid``."""
+    ``scheduler_iterations`` to ``telemetry_db`` and publishing KV-cache events per
+    ``kv_events`` when given); it dies with ``parent_pid``."""
     if parent_pid is not None:
         die_with_parent(parent_pid)
     # A spawned child starts with no logging set up: log as the server does (start-up notes
     # such as the one-time kernel build, warnings such as a fallback to plain torch).
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     module, name = factory.split(":")
+    publisher: KVEventPublisher | None = None
     try:
+        # Bound before the model loads: a port in use fails in a second, not a minute.
+        publisher = kv_events.open() if kv_events is not None else None
         engine = getattr(importlib.import_module(module), name)(**kwargs)
     except Exception as e:
+        if publisher is not None:
+            publisher.close()
         # Tell the server why, in one line, rather than leave it an EOF to guess from.
-        bad_settings = isinstance(e, ConfigError)
+        bad_settings = isinstance(e, ConfigError | KVEventsBindError)
         if bad_settings:
             logger.error("the engine cannot start: %s", e)
         else:
@@ -126,10 +134,12 @@ def _engine_main(
 
     recorder = IterationRecorder(telemetry_db) if telemetry_db else None
     try:
-        EngineCore(engine, results.send, recorder).run(recv)
+        EngineCore(engine, results.send, recorder, publisher).run(recv)
     finally:
         if recorder is not None:
             recorder.close()
+        if publisher is not None:
+            publisher.close()
 
 
 class ProcessEngine(EngineClientBase):
@@ -139,6 +149,8 @@ class ProcessEngine(EngineClientBase):
         engine_kwargs: keywords of the factory (for the default: ``LLM``-style config keys).
         factory: ``"module:function"`` returning an ``LLMEngine``; runs in the child.
         telemetry_db: SQLite file the child writes ``scheduler_iterations`` to (None: off).
+        kv_events: where the child publishes KV-cache events (None: off). A port it cannot
+            bind fails :meth:`start` with ``EngineStartError(bad_settings=True)``.
         hang_timeout_s: the child is declared hung, and killed, when it has sent nothing for
             this long (seconds; 0: never). A running engine sends a message every iteration;
             an idle one is probed with a ``QueryLoad`` after half the timeout (answered at
@@ -152,11 +164,13 @@ class ProcessEngine(EngineClientBase):
         factory: str = DEFAULT_FACTORY,
         telemetry_db: str | None = None,
         hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+        kv_events: KVEventsConfig | None = None,
     ) -> None:
         super().__init__()
         self.engine_kwargs = engine_kwargs
         self.factory = factory
         self.telemetry_db = telemetry_db
+        self.kv_events = kv_events
         self.hang_timeout_s = hang_timeout_s
         self._last_heard = 0.0  # monotonic_clock() of the child's latest message
         self._hung_after_s: float | None = None  # set when the watchdog killed the child
@@ -188,6 +202,7 @@ class ProcessEngine(EngineClientBase):
                 res_send,
                 self.telemetry_db,
                 os.getpid(),
+                self.kv_events,
             ),
             name="iterserve-engine-core",
             daemon=True,

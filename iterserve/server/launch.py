@@ -28,8 +28,9 @@ from fastapi import FastAPI
 from iterserve.config import ConfigError, EngineConfig, ServerConfig
 from iterserve.draining import DrainingServer
 from iterserve.engine.process_engine import LOG_FORMAT, ProcessEngine
+from iterserve.kv_events import KVEventsConfig, default_pod_name, make_topic
 from iterserve.server.app import build_app
-from iterserve.server.state import ServerState
+from iterserve.server.state import ServerState, served_model_name
 
 logger = logging.getLogger("iterserve.server")
 
@@ -100,15 +101,26 @@ def serve(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> int:
     """
     setup_logging()
     # Invalid settings fail here, before any process starts.
-    EngineConfig.from_kwargs(**engine_kwargs)
+    config = EngineConfig.from_kwargs(**engine_kwargs)
     if server_config.telemetry_db:
         check_telemetry_db(server_config.telemetry_db)
     engine = ProcessEngine(
         engine_kwargs,
         telemetry_db=server_config.telemetry_db,
         hang_timeout_s=server_config.engine_hang_timeout_s,
+        kv_events=kv_events_config(server_config, served_model_name(config)),
     )
     return run_server(build_app(engine, server_config), server_config)
+
+
+def kv_events_config(server_config: ServerConfig, model_name: str) -> KVEventsConfig | None:
+    """Where the replica publishes KV-cache events: ``--kv-events-port`` on ``--host`` (by
+    default every interface; a pod bound to its own IP publishes on that IP), topic
+    ``kv@<pod>@<model>`` (pod: env ``POD_NAME``, else the host name); None when the port is 0."""
+    if not server_config.kv_events_port:
+        return None
+    topic = make_topic(default_pod_name(), model_name)
+    return KVEventsConfig(server_config.kv_events_port, topic, server_config.host)
 
 
 def check_telemetry_db(path: str) -> None:

@@ -35,6 +35,7 @@ from iterserve.config import (
 from iterserve.engine.factory import ModelInfo, build_engine, num_host_blocks
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.messages import Clock
+from iterserve.kv_events import KVEventsBindError
 from iterserve.sim.profile import MAX_NUM_BLOCKS, LatencyProfile, OutputLengths, load_profile
 from iterserve.sim.runner import SimulatedModelRunner
 from iterserve.sim.tokenizer import CharTokenizer, FileTokenizer, load_tokenizer
@@ -226,7 +227,8 @@ def serve_simulated(
     """
     from iterserve.engine.async_engine import AsyncEngine
     from iterserve.server.app import build_app
-    from iterserve.server.launch import run_server, setup_logging
+    from iterserve.server.launch import kv_events_config, run_server, setup_logging
+    from iterserve.server.state import served_model_name
 
     setup_logging()
     assert sim.simulate is not None
@@ -249,6 +251,15 @@ def serve_simulated(
         if engine.model_dir
         else "~4 characters per token (no tokenizer file)",
     )
-    client = AsyncEngine(engine, telemetry_db=server_config.telemetry_db)
-    app = build_app(client, server_config, tokenizer=tokenizer, clock=clock)
-    return run_server(app, server_config)
+    kv_events = kv_events_config(server_config, served_model_name(engine.config))
+    try:
+        publisher = kv_events.open() if kv_events is not None else None
+    except KVEventsBindError as e:
+        raise ConfigError(str(e)) from e
+    try:
+        client = AsyncEngine(engine, server_config.telemetry_db, publisher)
+        app = build_app(client, server_config, tokenizer=tokenizer, clock=clock)
+        return run_server(app, server_config)
+    finally:
+        if publisher is not None:
+            publisher.close()  # the engine loop closed it, unless it never started
