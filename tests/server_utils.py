@@ -51,14 +51,19 @@ ITERSERVE = [sys.executable, "-m", "iterserve.cli"]  # the CLI of the interprete
 
 @contextmanager
 def run_server(
-    *flags: str, startup_timeout_s: float = 240.0, port: int | None = None, command: str = "serve"
+    *flags: str,
+    startup_timeout_s: float = 240.0,
+    port: int | None = None,
+    command: str = "serve",
+    host: str = "127.0.0.1",
 ) -> Iterator[Server]:
-    """``iterserve COMMAND --host 127.0.0.1 --port <port or a free one> *flags`` (``serve``
-    or ``router``), ready; stopped on exit. A server publishes no KV events unless ``flags``
-    give a ``--kv-events-port`` (servers of parallel tests would share the default 5557)."""
+    """``iterserve COMMAND --host HOST --port <port or a free one> *flags`` (``serve`` or
+    ``router``), ready; stopped on exit. A server publishes no KV events unless ``flags``
+    give a ``--kv-events-port`` (servers of parallel tests would share the default 5557;
+    servers on other loopback hosts, 127.0.0.2..., can share one port)."""
     port = port or free_port()
     log = Path(tempfile.mkstemp(prefix="iterserve-server-", suffix=".log")[1])
-    cmd = [*ITERSERVE, command, "--host", "127.0.0.1"]
+    cmd = [*ITERSERVE, command, "--host", host]
     cmd += ["--port", str(port), *flags]
     kv_events_port = None
     if "--kv-events-port" in flags:
@@ -67,7 +72,7 @@ def run_server(
         cmd += ["--kv-events-port", "0"]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    server = Server(proc, f"http://127.0.0.1:{port}", log, kv_events_port)
+    server = Server(proc, f"http://{host}:{port}", log, kv_events_port)
     try:
         deadline = time.monotonic() + startup_timeout_s
         while True:
