@@ -79,7 +79,6 @@ def server_under_test(args: Any, log_dir: Path) -> Iterator[Target]:
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "iterserve.cli", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--admin-token", ADMIN_TOKEN, "--tiers", str(tiers)]
-    cmd += ["--kv-events-port", "0"]  # --server-args may turn them on
     cmd += shlex.split(args.server_args)
     with (log_dir / "server.log").open("ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -21,7 +21,7 @@ from iterserve.config import (
 )
 from iterserve.engine_flags import add_engine_flags
 from iterserve.operator.cli_args import add_operator_args
-from iterserve.router.cli_args import add_router_args
+from iterserve.router.cli_args import add_router_args, add_router_subcommands
 from iterserve.sim.cli_args import add_simulate_args
 from iterserve.telemetry.cli_args import add_report_args
 
@@ -126,6 +126,10 @@ def _pop_fields(kwargs: dict[str, Any], cls: type) -> dict[str, Any]:
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
+    if getattr(args, "router_command", None) == "envoy-config":
+        from iterserve.router.envoy_bootstrap import print_config
+
+        return print_config(args)
     from iterserve.router.server import main
 
     return main(args)
@@ -172,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate, subparser=gen)
     rtr = sub.add_parser("router", help="route requests to the replica with the least KV pressure")
     add_router_args(rtr)
+    add_router_subcommands(rtr)
     rtr.set_defaults(func=_cmd_router)
     op = sub.add_parser("operator", help="the Kubernetes operator of LLMDeployment resources")
     add_operator_args(op)

@@ -471,10 +471,10 @@ class ServerConfig:
         },
     )
     kv_events_port: int = field(
-        default=5557,
+        default=0,
         metadata={
             "help": "publish KV-cache events in vLLM's format (ZMQ PUB on --host:PORT, topic "
-            "kv@<pod>@<model>) for prefix-aware routers; 0 = off"
+            "kv@<pod>@<model>) for prefix-aware routers, e.g. 5557 (vLLM's); 0 = off (default)"
         },
     )
 

@@ -58,9 +58,9 @@ def run_server(
     host: str = "127.0.0.1",
 ) -> Iterator[Server]:
     """``iterserve COMMAND --host HOST --port <port or a free one> *flags`` (``serve`` or
-    ``router``), ready; stopped on exit. A server publishes no KV events unless ``flags``
-    give a ``--kv-events-port`` (servers of parallel tests would share the default 5557;
-    servers on other loopback hosts, 127.0.0.2..., can share one port)."""
+    ``router``), ready; stopped on exit. A server publishes KV events when ``flags`` give a
+    ``--kv-events-port`` (its ``kv_events_port``; servers on other loopback hosts,
+    127.0.0.2..., can share one port)."""
     port = port or free_port()
     log = Path(tempfile.mkstemp(prefix="iterserve-server-", suffix=".log")[1])
     cmd = [*ITERSERVE, command, "--host", host]
@@ -68,8 +68,6 @@ def run_server(
     kv_events_port = None
     if "--kv-events-port" in flags:
         kv_events_port = int(flags[flags.index("--kv-events-port") + 1]) or None
-    elif command == "serve":
-        cmd += ["--kv-events-port", "0"]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
     server = Server(proc, f"http://{host}:{port}", log, kv_events_port)

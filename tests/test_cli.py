@@ -48,6 +48,7 @@ COMMANDS = [
     "serve",
     "generate",
     "router",
+    "router envoy-config",
     "operator",
     "operator run",
     "operator render",

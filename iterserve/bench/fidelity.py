@@ -73,7 +73,7 @@ def _cmdline(pid: int) -> str:
 def real_server(port: int, flags: list[str]) -> Iterator[tuple[str, int]]:
     """``iterserve serve`` on the default model, ready; (its URL, its pid); stopped on exit."""
     cmd = [sys.executable, "-m", "iterserve.cli", "serve", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--kv-events-port", "0", *flags]
+    cmd += ["--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -57,6 +57,8 @@ class EngineClientBase:
         self.on_iteration: IterationCallback | None = None
         # scheduler_iterations rows the engine's telemetry writer dropped, in all.
         self.num_telemetry_dropped = 0
+        # KV-event batches the engine's publisher dropped, in all (--kv-events-port).
+        self.num_kv_events_dropped = 0
         self._streams: dict[str, asyncio.Queue[_Item]] = {}  # internal id ->
         self._live: dict[str, str] = {}  # request id -> internal id
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -146,6 +148,7 @@ class EngineClientBase:
         if isinstance(message, StepResult):
             self.load = message.load
             self.num_telemetry_dropped = message.num_telemetry_dropped
+            self.num_kv_events_dropped = message.num_kv_events_dropped
             for delta in message.outputs:
                 stream = self._streams.get(delta.request_id)
                 if stream is not None:

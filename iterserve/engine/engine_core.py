@@ -148,4 +148,7 @@ class EngineCore:
             kv_events = engine.take_kv_events()
             if kv_events:
                 self.kv_publisher.publish(kv_events)
-        self.send(StepResult(outputs, engine.load(), telemetry, errors, num_dropped))
+        num_kv_dropped = self.kv_publisher.num_dropped_batches if self.kv_publisher else 0
+        self.send(
+            StepResult(outputs, engine.load(), telemetry, errors, num_dropped, num_kv_dropped)
+        )

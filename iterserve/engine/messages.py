@@ -271,6 +271,7 @@ class StepResult(_Positional):
     telemetry: list[IterationStats] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
     num_telemetry_dropped: int = 0  # scheduler_iterations rows the engine dropped, in all
+    num_kv_events_dropped: int = 0  # KV-event batches the engine's publisher dropped, in all
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,34 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 
+def add_router_subcommands(p: argparse.ArgumentParser) -> None:
+    """``iterserve router envoy-config``: print an Envoy bootstrap in front of the endpoint
+    picker (:mod:`iterserve.router.envoy_bootstrap`, docs/gateway.md)."""
+    sub = p.add_subparsers(dest="router_command", required=False, metavar="{envoy-config}")
+    e = sub.add_parser(
+        "envoy-config",
+        help="print an Envoy bootstrap: a gateway in front of the endpoint picker",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    e.add_argument("--epp", required=True, metavar="HOST:PORT", help="the picker's --grpc-port")
+    e.add_argument("--listen", default="0.0.0.0:8081", metavar="HOST:PORT", help="for clients")
+    e.add_argument("--admin", default="127.0.0.1:9901", metavar="HOST:PORT", help="Envoy's admin")
+    e.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="IP:PORT",
+        help="a replica (repeatable): an override_host cluster over them, the picker's "
+        "fallback list honoured; none: an ORIGINAL_DST cluster (picker: "
+        "--destination-endpoints 1)",
+    )
+    e.add_argument(
+        "--fail-open", action="store_true", help="go on without a pick when the picker is down"
+    )
+    e.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    e.add_argument("--hold-timeout-s", type=float, default=60.0, help="the picker's")
+
+
 def _unwrap_optional(tp: Any) -> Any:
     """``X | None`` -> ``X``; any other type as is."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:

@@ -18,6 +18,7 @@ from iterserve import envs
 from iterserve.router.scoring import POLICIES
 
 BackendType = Literal["auto", "iterserve", "vllm", "sglang"]
+Mode = Literal["proxy", "endpoint-picker"]
 
 # Flags that must be positive and finite.
 _POSITIVE = (
@@ -135,6 +136,55 @@ class RouterConfig:
         },
     )
 
+    mode: Mode = field(
+        default="proxy",
+        metadata={
+            "help": "proxy: the router forwards /v1 requests itself; endpoint-picker: it answers "
+            "a gateway's Envoy ext_proc calls on --grpc-port with the replica to use "
+            "(docs/gateway.md), --port serving /health, /ready and /metrics only"
+        },
+    )
+    grpc_port: int = field(
+        default=9002,
+        metadata={"help": "endpoint-picker: the ext_proc gRPC port (0: any free port)"},
+    )
+    destination_endpoints: int = field(
+        default=1,
+        metadata={
+            "help": "endpoint-picker: endpoints in x-gateway-destination-endpoint, the pick "
+            "then fallbacks by score (1 for an ORIGINAL_DST cluster, which reads one)"
+        },
+    )
+    shed_queue_depth: int = field(
+        default=5,
+        metadata={
+            "help": "endpoint-picker: a replica with this many requests waiting (or sent and "
+            "not yet reported) is saturated"
+        },
+    )
+    shed_kv_usage: float = field(
+        default=0.8,
+        metadata={"help": "endpoint-picker: a replica with this KV cache usage is saturated"},
+    )
+    sheddable_tiers: str = field(
+        default="best-effort",
+        metadata={
+            "help": "endpoint-picker: comma-separated tiers answered 429 when every candidate "
+            "replica is saturated"
+        },
+    )
+    hold_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "with no ready replica (scale from zero), a new request waits up to this "
+            "long for one, then gets 503 (0: 503 at once)"
+        },
+    )
+    max_held_requests: int = field(
+        default=256,
+        metadata={"help": "requests waiting for a ready replica at once; more get 503 at once"},
+    )
+
     def __post_init__(self) -> None:
         if not self.backend and not self.k8s_service:
             raise ValueError("give --backend URL (repeatable) or --k8s-service NAME")
@@ -152,6 +202,7 @@ class RouterConfig:
             raise ValueError(f"--kv-events-port must be in [0, 65535], got {self.kv_events_port}")
         if self.tokenizer is not None and not self.kv_events_port:
             raise ValueError("--tokenizer is for --kv-events-port (the KV-event match)")
+        self._check_picker()
         if self.eject_after < 1:
             raise ValueError("--eject-after must be >= 1")
         if self.api_key and self.api_keys_file:
@@ -166,6 +217,26 @@ class RouterConfig:
                 "--api-keys-file needs --router-token-file (the replicas trust the key's "
                 "tenant and tiers only from requests bearing the router token)"
             )
+
+    def _check_picker(self) -> None:
+        """The endpoint-picker and hold flags."""
+        if not 0 <= self.grpc_port <= 65535:
+            raise ValueError(f"--grpc-port must be a TCP port (0-65535), got {self.grpc_port}")
+        if self.destination_endpoints < 1:
+            raise ValueError("--destination-endpoints must be >= 1")
+        if self.shed_queue_depth < 1:
+            raise ValueError("--shed-queue-depth must be >= 1")
+        if not 0 < self.shed_kv_usage <= 1:
+            raise ValueError(f"--shed-kv-usage must be in (0, 1], got {self.shed_kv_usage}")
+        if not 0 <= self.hold_timeout_s < math.inf:
+            raise ValueError(f"--hold-timeout-s must be >= 0, got {self.hold_timeout_s}")
+        if self.max_held_requests < 0:
+            raise ValueError("--max-held-requests must be >= 0")
+
+    @property
+    def sheddable(self) -> frozenset[str]:
+        """The tier names of ``--sheddable-tiers``."""
+        return frozenset(t.strip() for t in self.sheddable_tiers.split(",") if t.strip())
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:

@@ -46,15 +46,28 @@ class RouterMetrics:
             registry=r,
         )
         self.ready_replicas = Gauge(p + "ready_replicas", "Replicas receiving traffic", registry=r)
+        self.held_requests = Gauge(
+            p + "held_requests",
+            "Requests waiting for a replica to turn ready (scale from zero)",
+            registry=r,
+        )
+        self.served = Counter(
+            p + "endpoint_served",
+            "Endpoint picker: requests the gateway reports served (x-gateway-destination-"
+            "endpoint-served), by replica and whether it was the pick or a fallback",
+            ["replica", "picked"],
+            registry=r,
+        )
         for reason in RETRY_REASONS:
             self.retries.labels(reason=reason)
         # The 503 series exists at 0 from the start: Prometheus' rate() sees no increase in a
         # series' first sample, so the first "no ready replica" would not count in the rate
         # that wakes a deployment scaled to zero (docs/autoscaling.md).
         self.requests.labels(replica="none", code="503")
+        self.requests.labels(replica="none", code="held")  # held for a replica to turn ready
 
     def forget_replica(self, name: str) -> None:
         """Remove every series of the replica ``name`` (it left the set: a replaced pod's
         series must not stay, or they grow with every rolling restart)."""
-        for metric in (self.requests, self.ejections):
+        for metric in (self.requests, self.ejections, self.served):
             metric.remove_by_labels({"replica": name})

@@ -25,7 +25,7 @@ import json
 import logging
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +123,8 @@ class ReplicaPool:
     _by_name: dict[str, Backend] = field(default_factory=dict, init=False, repr=False)
     # Gone from the set with attempts still open: their series go when the last one ends.
     _leaving: dict[str, Backend] = field(default_factory=dict, init=False, repr=False)
+    # Set, then replaced by a fresh one, each time a replica turns ready (held requests).
+    _turned_ready: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def set_urls(self, urls: Iterable[str]) -> None:
         """:meth:`set_replicas` for replicas known by URL alone, each named ``host:port``."""
@@ -166,6 +168,12 @@ class ReplicaPool:
 
     def ready(self) -> list[Backend]:
         return [b for b in self.backends.values() if b.state.ready]
+
+    def turned_ready(self) -> Coroutine[Any, Any, bool]:
+        """What to await for the next replica to turn ready (a poll re-admits it or finds
+        it ready for the first time): what requests held for lack of one wait on. Bound to
+        the next turn when called, so a turn between the call and the await is not missed."""
+        return self._turned_ready.wait()
 
     # ----------------------------------------------------------------- in flight
 
@@ -223,6 +231,7 @@ class ReplicaPool:
     async def poll(self, b: Backend) -> None:
         """One poll of ``b``; its report, readiness and failure count follow."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        was_ready = b.state.ready
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
             # that lands as the fetch completes, and the poll loop then never stops.
@@ -241,6 +250,9 @@ class ReplicaPool:
         self.record_success(b)
         if report.draining:  # answering, but refusing new work: no traffic, no failure
             b.state.ready = False
+        if b.state.ready and not was_ready:
+            turned, self._turned_ready = self._turned_ready, asyncio.Event()
+            turned.set()
 
     async def _fetch(self, b: Backend, headers: dict[str, str]) -> Any:
         assert self.fetch is not None, "the pool polls through a fetch function"

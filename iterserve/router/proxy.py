@@ -2,9 +2,10 @@
 answers relayed back.
 
 Per request (:meth:`Proxy.__call__`): refuse what must not go on (shutdown, method, key, path),
-read the body (for the prefix key, and a tier the client's key may not use: 403,
-:mod:`iterserve.router.auth`), then per attempt: :meth:`~Proxy.pick` a ready replica not
-tried yet (:mod:`iterserve.router.scoring`), :meth:`~Proxy.forward` the request with the
+read the body, let the shared core (:mod:`iterserve.router.decide`, the endpoint picker's too)
+read it (its prefix key; a tier the client's key may not use: 403) and hold it while no
+replica is ready (scale from zero), then per attempt: :meth:`~Proxy.pick` the first replica
+of the core's ranking not tried yet, :meth:`~Proxy.forward` the request with the
 replicas' key and relay the answer (:class:`~iterserve.router.relay.Relay`): SSE chunk by chunk
 as the replica writes them, or whole. A client that goes away closes the upstream request, so
 the replica aborts it and frees its KV blocks. A failure before the first byte is retried on
@@ -21,11 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import yarl
@@ -46,13 +45,14 @@ from iterserve.router.asgi import (
     shutting_down,
     watch_disconnect,
 )
-from iterserve.router.auth import AS_SENT, RouterAuth
+from iterserve.router.auth import AS_SENT
 from iterserve.router.config import RouterConfig
+from iterserve.router.decide import Decider, Decision, no_ready_replica
 from iterserve.router.metrics import RouterMetrics
 from iterserve.router.pool import Backend, ReplicaPool
 from iterserve.router.relay import Relay, close_when
 from iterserve.router.retry import AttemptFailed, Attempts, RetryPolicy, UpstreamAnswer
-from iterserve.router.scoring import NoReplicaError, Picker, prefix_key
+from iterserve.router.scoring import Picker
 
 logger = logging.getLogger("iterserve.router")
 
@@ -81,8 +81,8 @@ class Proxy:
         self.config = config
         self.metrics = metrics
         self.retry = retry or RetryPolicy()
-        self.auth = RouterAuth(config)
-        self.session_header = config.session_header.lower()
+        self.decider = Decider(pool, picker, config, metrics)
+        self.auth = self.decider.auth
         self.active: set[ProxiedRequest] = set()
         self.aborting = False
         self.http: aiohttp.ClientSession | None = None
@@ -184,26 +184,30 @@ class Proxy:
         return True
 
     async def route(self, request: ProxiedRequest, send: Send, arrival: float) -> None:
-        """Attempts until one answers the client or the retry policy stops; then the best
-        answer the failures left (:func:`answer_after`); first, a tier the client's key may
-        not use is refused (403)."""
-        body = _json_object(request.body) if request.method == "POST" else None
+        """The request read and held as the shared core says (:mod:`iterserve.router.decide`:
+        a tier its key may not use is a 403; with no ready replica it waits for one, or gets
+        a 503); then attempts until one answers the client or the retry policy stops; then
+        the best answer the failures left (:func:`answer_after`)."""
         grant = request.grant or AS_SENT
-        if (refusal := self.auth.tier_refusal(grant, body)) is not None:
+        try:
+            decision = self.decider.decide(request.method, grant, request.headers, request.body)
+            if not await self.decider.hold(gone=request.gone):
+                if request.aborted:  # the shutdown ended it while it was held
+                    await send_error(send, shutting_down())
+                return
+            decision = await self.decider.with_prompt_tokens(decision)
+        except APIError as refusal:
+            if refusal.status == 503:
+                self.metrics.requests.labels(replica="none", code="503").inc()
             await send_error(send, refusal)
             return
-        key = _prefix_key(body) if body is not None else None
-        tokens = None  # for the KV-event match: milliseconds for a long prompt, off the loop
-        if body is not None and self.picker.wants_prompt_tokens():
-            tokens = await asyncio.to_thread(self.picker.prompt_tokens, body)
-        session = request.headers.get(self.session_header)
         auth = self.auth
         headers = forward_headers(
             request, auth.upstream_authorization(), auth.trusted_headers(grant)
         )
         attempts = Attempts(self.retry)
         while attempts.may_start(request.gone.is_set()):
-            backend = self.pick(attempts, key, session, tokens)
+            backend = self.pick(attempts, decision)
             if backend is None:
                 break
             first = not attempts.tried
@@ -226,24 +230,15 @@ class Proxy:
             self.metrics.requests.labels(replica="none", code=str(answer.status)).inc()
             await send_error(send, answer)
 
-    def pick(
-        self,
-        attempts: Attempts,
-        key: bytes | None,
-        session: str | None,
-        tokens: list[int] | None = None,
-    ) -> Backend | None:
-        """The replica for the next attempt (none tried before), or None when no ready
-        replica is left."""
-        candidates = attempts.candidates(self.pool.states())
-        try:
-            pick = self.picker.pick(candidates, time.monotonic(), key, session, tokens)
-        except NoReplicaError:
+    def pick(self, attempts: Attempts, decision: Decision) -> Backend | None:
+        """The replica for the next attempt (the first of the core's ranking of the replicas
+        not tried yet), or None when no ready replica is left."""
+        ranking = self.decider.rank(decision, exclude=attempts.tried)
+        if ranking is None:
             return None
         if attempts.last is not None:  # this attempt is a retry
             self.metrics.retries.labels(reason=attempts.last.reason).inc()
-        self.metrics.picks.labels(policy=self.picker.policy, reason=pick.reason).inc()
-        return self.pool.named(pick.replica.name)
+        return ranking.backends[0]
 
     async def forward(
         self,
@@ -338,26 +333,4 @@ def answer_after(attempts: Attempts) -> UpstreamAnswer | APIError:
         return attempts.answer
     if attempts.last is not None:
         return retry_later(502, f"the replicas failed ({attempts.last.reason})", "bad_gateway")
-    return retry_later(503, "no ready replica; retry later", "service_unavailable_error")
-
-
-def _json_object(body: bytes) -> dict[str, Any] | None:
-    """A body's JSON object; None when it is not one."""
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _prefix_key(data: dict[str, Any]) -> bytes | None:
-    """The prefix key of a generation body (a JSON object)."""
-    messages = data.get("messages")
-    prompt = data.get("prompt")
-    if isinstance(messages, list):
-        key = prefix_key(messages=[m for m in messages if isinstance(m, dict)])
-    elif isinstance(prompt, str):
-        key = prefix_key(prompt)
-    else:
-        key = None
-    return key or None
+    return no_ready_replica()

@@ -116,6 +116,12 @@ class ServerMetrics:
             ["table"],
             registry=r,
         )
+        self.kv_events_dropped = Counter(
+            p + "kv_events_dropped",
+            "KV-event batches not published (the publisher's queue was full)",
+            registry=r,
+        )
+        self._num_kv_events_dropped = 0  # the engine's total as of the last scrape
 
     def _add_histograms(self, r: CollectorRegistry) -> None:
         p = "iterserve_"
@@ -217,6 +223,12 @@ class ServerMetrics:
         self.gie_running.set(load.num_running)
         self.gie_waiting.set(load.num_waiting)
         self.gie_kv_usage.set(load.kv_cache_usage)
+
+    def set_kv_events_dropped(self, total: int) -> None:
+        """Bring the counter up to the engine's running total of dropped KV-event batches."""
+        if total > self._num_kv_events_dropped:
+            self.kv_events_dropped.inc(total - self._num_kv_events_dropped)
+            self._num_kv_events_dropped = total
 
     def observe_iterations(self, telemetry: list[IterationStats], load: EngineLoad) -> None:
         """Per-iteration telemetry records (called with each engine message)."""

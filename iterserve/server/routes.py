@@ -193,6 +193,7 @@ async def load(request: Request) -> Any:
 async def metrics(request: Request) -> Response:
     state = state_of(request)
     state.metrics.set_load(state.engine.load)
+    state.metrics.set_kv_events_dropped(getattr(state.engine, "num_kv_events_dropped", 0))
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

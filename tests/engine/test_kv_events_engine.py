@@ -10,7 +10,13 @@ from engine_fakes import Harness, prompt
 
 from iterserve.engine.engine_core import EngineCore
 from iterserve.engine.kv_cache_manager import KVCacheManager
-from iterserve.engine.messages import AddRequest, EngineCommand, EngineMessage, Shutdown
+from iterserve.engine.messages import (
+    AddRequest,
+    EngineCommand,
+    EngineMessage,
+    Shutdown,
+    StepResult,
+)
 from iterserve.engine.request import Request
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.kv_events import (
@@ -117,6 +123,7 @@ class RecordingPublisher:
 
     def __init__(self) -> None:
         self.batches: list[list[KVCacheEvent]] = []
+        self.num_dropped_batches = 3  # as if 3 had been dropped before
 
     def publish(self, events: Sequence[KVCacheEvent]) -> bool:
         self.batches.append(list(events))
@@ -143,3 +150,6 @@ def test_the_engine_loop_publishes_one_batch_per_iteration_that_changed_the_cach
         [stored(tokens, 0, 1)],
         [stored(tokens, 2, 2)],
     ]
+    # Every step's result carries the publisher's drop count (the server's metric).
+    results = [m for m in sent if isinstance(m, StepResult)]
+    assert results and all(m.num_kv_events_dropped == 3 for m in results)

@@ -296,6 +296,7 @@ def test_control_runs_a_simulated_replica(control_venv: ControlVenv, tmp_path: P
     port = free_port()
     cmd = [str(control_venv.iterserve), "serve", "--simulate", "cpu-smollm2"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--simulate-speed", "100"]
+    cmd += ["--kv-events-port", str(free_port())]  # publishing works in the control install
     log = tmp_path / "replica.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, env=control_venv.env, stdout=out, stderr=subprocess.STDOUT)

@@ -47,6 +47,21 @@ def test_the_flags_the_chart_and_the_operator_pass_keep_their_names_and_defaults
     assert config.read_timeout_s == 5.0
 
 
+def test_the_mode_and_hold_flags_of_the_contract() -> None:
+    config = _parse("--k8s-service", "llm-server")
+    assert (config.mode, config.grpc_port) == ("proxy", 9002)
+    assert (config.hold_timeout_s, config.max_held_requests) == (60.0, 256)
+    assert config.sheddable == frozenset({"best-effort"})
+    config = _parse(
+        "--k8s-service", "s", "--mode", "endpoint-picker", "--grpc-port", "9100",
+        "--hold-timeout-s", "0", "--max-held-requests", "8", "--sheddable-tiers", "batch, bulk",
+    )  # fmt: skip
+    assert (config.mode, config.grpc_port, config.hold_timeout_s) == ("endpoint-picker", 9100, 0)
+    assert config.max_held_requests == 8 and config.sheddable == frozenset({"batch", "bulk"})
+    with pytest.raises(SystemExit):
+        _parse("--k8s-service", "s", "--mode", "gateway")
+
+
 def test_keys_fall_back_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(envs, "ITERSERVE_API_KEY", "from-env")
     monkeypatch.setattr(envs, "ITERSERVE_BACKEND_API_KEY", "inner-env")
@@ -71,6 +86,13 @@ def test_keys_fall_back_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
         ({"backend": ("http://a:0",)}, "http://host:port"),
         ({"backend": ("http://a:99999",)}, "--backend 'http://a:99999'"),
         ({"k8s_service": "s", "eject_after": 0}, "--eject-after must be >= 1"),
+        ({"k8s_service": "s", "grpc_port": 70000}, "--grpc-port must be a TCP port"),
+        ({"k8s_service": "s", "destination_endpoints": 0}, "--destination-endpoints"),
+        ({"k8s_service": "s", "shed_queue_depth": 0}, "--shed-queue-depth"),
+        ({"k8s_service": "s", "shed_kv_usage": 1.5}, "--shed-kv-usage must be in"),
+        ({"k8s_service": "s", "hold_timeout_s": -1}, "--hold-timeout-s must be >= 0"),
+        ({"k8s_service": "s", "hold_timeout_s": float("inf")}, "--hold-timeout-s"),
+        ({"k8s_service": "s", "max_held_requests": -1}, "--max-held-requests"),
     ],
 )
 def test_inconsistent_settings_name_the_flag(settings: dict[str, object], message: str) -> None:

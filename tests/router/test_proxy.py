@@ -209,7 +209,8 @@ def test_a_replica_that_never_answers_cannot_stall_the_router(profile_file: Path
 def test_no_ready_replica_is_a_503_with_retry_after() -> None:
     async def run() -> None:
         dead = f"http://127.0.0.1:{free_port()}"
-        async with router("--backend", dead) as (url, _), httpx.AsyncClient(timeout=10) as http:
+        flags = ("--backend", dead, "--hold-timeout-s", "0")
+        async with router(*flags) as (url, _), httpx.AsyncClient(timeout=10) as http:
             r = await http.post(url + "/v1/completions", json={"prompt": "x"})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "service_unavailable_error"

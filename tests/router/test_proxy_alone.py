@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
+from iterserve.credentials import Grant
 from iterserve.router.asgi import ProxiedRequest
 from iterserve.router.config import RouterConfig
 from iterserve.router.metrics import RouterMetrics
@@ -176,14 +177,15 @@ def test_pick_skips_the_replicas_tried_and_counts_retries() -> None:
 
     proxy = _proxy((A, B))
     attempts = Attempts()
-    first = proxy.pick(attempts, None, None)
+    decision = proxy.decider.decide("POST", Grant(), {}, b"{}")
+    first = proxy.pick(attempts, decision)
     assert first is not None
     attempts.started(first.name)
     attempts.failed(AttemptFailed("connect"))
-    second = proxy.pick(attempts, None, None)
+    second = proxy.pick(attempts, decision)
     assert second is not None and second.name != first.name
     attempts.started(second.name)
-    assert proxy.pick(attempts, None, None) is None
+    assert proxy.pick(attempts, decision) is None
     assert proxy.metrics.retries.labels(reason="connect")._value.get() == 1
 
 
@@ -346,7 +348,7 @@ def test_a_429_then_a_failure_passes_the_429_through_without_blaming_the_full_re
 
 
 def test_no_ready_replica_is_a_503_to_retry_later() -> None:
-    proxy = _proxy()
+    proxy = _proxy(hold_timeout_s=0)
     proxy.pool.backends[A].state.ready = False
     client = _route(proxy, _request())
     assert client.status == 503 and (b"retry-after", b"1") in client.messages[0]["headers"]

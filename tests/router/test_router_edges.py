@@ -23,7 +23,7 @@ from router_utils import pool_of, router, until
 from server_utils import Server, run_server
 from sim_profiles import make_profile, write_profile
 
-from iterserve.router import proxy
+from iterserve.router import decide
 
 PROFILE = make_profile(fixed_s=0.020)  # 20 ms per token: a 1000-token stream lasts 20 s
 
@@ -233,7 +233,7 @@ def test_paths_headers_streams_and_errors(monkeypatch: pytest.MonkeyPatch) -> No
                 assert r.status_code == 307
                 assert r.headers["location"] == "http://elsewhere.invalid/v1/x"
                 # A bug in the proxy still answers in OpenAI's shape (and logs it).
-                monkeypatch.setattr(proxy, "_prefix_key", lambda body: 1 / 0)
+                monkeypatch.setattr(decide, "_prefix_key", lambda body: 1 / 0)
                 r = await http.post("/v1/completions", json={"prompt": "x"})
                 assert r.status_code == 500
                 assert r.json()["error"]["type"] == "internal_server_error"

@@ -14,6 +14,7 @@ from server_utils import API_KEY, ITERSERVE, Server, free_port
 
 from iterserve.config import DEFAULT_MODEL_NAME
 from iterserve.kv_events import BlockStored, default_pod_name, prompt_block_hashes
+from iterserve.server.metrics import ServerMetrics
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -71,3 +72,17 @@ def test_a_kv_events_port_in_use_fails_before_the_model_loads() -> None:
         "Address already in use"
     ), last
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_dropped_batches_counter_follows_the_engines_total() -> None:
+    metrics = ServerMetrics()
+
+    def value() -> float | None:
+        return metrics.registry.get_sample_value("iterserve_kv_events_dropped_total")
+
+    assert value() == 0
+    metrics.set_kv_events_dropped(3)
+    metrics.set_kv_events_dropped(3)  # a scrape with no news adds nothing
+    assert value() == 3
+    metrics.set_kv_events_dropped(5)
+    assert value() == 5

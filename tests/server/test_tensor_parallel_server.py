@@ -117,7 +117,6 @@ def test_an_abort_frees_its_blocks_and_a_live_config_change_applies(tp_server: S
 def test_a_degree_the_model_does_not_split_into_is_a_one_line_error_and_exit_2() -> None:
     """Found only once the engine process has read the model (9 query heads, 3 KV heads)."""
     cmd = [*ITERSERVE, "serve", "--tensor-parallel-size", "2", "--port", str(free_port())]
-    cmd += ["--kv-events-port", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]

@@ -98,6 +98,8 @@ def test_a_simulated_replica_publishes_stored_and_removed_blocks(
                 else:
                     assert isinstance(theirs, BlockRemovedV)
                     assert theirs.block_hashes == list(ours.block_hashes)
+            metrics = httpx.get(server.url + "/metrics", timeout=10).text
+            assert "\niterserve_kv_events_dropped_total 0.0\n" in metrics
         finally:
             events.close()
 
