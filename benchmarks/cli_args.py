@@ -84,6 +84,18 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--smoke", action="store_true", help="2 replicas, tiny workloads (tests)")
 
 
+def add_router_kv_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-replicas", type=int, default=4, help="on 127.0.0.2 and up")
+    p.add_argument("--simulate-speed", type=float, default=2.0, help="the replicas' speed")
+    p.add_argument("--num-requests", type=int, default=300)
+    p.add_argument("--load-factor", type=float, default=1.0, help="x the burst capacity")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--base-port", type=int, default=8700, help="the replicas' and the router's")
+    p.add_argument("--kv-events-port", type=int, default=8701, help="every replica's")
+    p.add_argument("--output-dir", type=Path, default=None, help=SMOKE_DIR_HELP)
+    p.add_argument("--smoke", action="store_true", help="2 replicas, 10 requests (tests)")
+
+
 def add_telemetry_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=32, help="max_num_seqs")
@@ -201,6 +213,10 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "router": (
         "the router's overhead, balance per policy and prefix affinity (sim)",
         add_router_args,
+    ),
+    "router_kv": (
+        "prefix-cache hits, TTFT and throughput: no affinity, hash affinity, KV events (sim)",
+        add_router_kv_args,
     ),
     "telemetry": ("engine iterations/s with and without --telemetry-db", add_telemetry_args),
     "overload": (

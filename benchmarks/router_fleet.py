@@ -46,12 +46,15 @@ class Fleet:
         replica_flags: given to every replica (``--model DIR`` for a tokenizer).
         log_dir: one log file per process and run.
         profile: the replicas' latency profile.
+        loopback_hosts: replica ``i`` on ``127.0.0.{i + 2}``, all on ``base_port`` (so that
+            they can share one ``--kv-events-port``); the router on ``127.0.0.1:base_port``.
     """
 
     base_port: int
     replica_flags: list[str]
     log_dir: Path
     profile: str
+    loopback_hosts: bool = False
 
     @contextlib.contextmanager
     def running(
@@ -66,18 +69,23 @@ class Fleet:
         stamp = time.strftime("%H%M%S")
         cli = [sys.executable, "-m", "iterserve.cli"]
         host = ["--host", "127.0.0.1"]
-        ports = [self.base_port + i for i in range(num_replicas)]
-        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        if self.loopback_hosts:
+            hosts = [f"127.0.0.{i + 2}" for i in range(num_replicas)]
+            ports = [self.base_port] * num_replicas
+        else:
+            hosts = ["127.0.0.1"] * num_replicas
+            ports = [self.base_port + i for i in range(num_replicas)]
+        urls = [f"http://{h}:{p}" for h, p in zip(hosts, ports, strict=True)]
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for i, port in enumerate(ports):
                 cmd = [*cli, "serve", "--simulate", self.profile, "--simulate-speed", str(speed)]
-                cmd += [*host, "--port", str(port), "--kv-events-port", "0"]
+                cmd += ["--host", hosts[i], "--port", str(port), "--kv-events-port", "0"]
                 cmd += [*self.replica_flags, *(replica_flags or [])]
                 procs.append(_start(cmd, self.log_dir / f"{stamp}-replica{i}.log"))
             for proc, url in zip(procs, urls, strict=True):
                 _wait_ready(proc, url, lambda r: True)
-            router_port = self.base_port + num_replicas
+            router_port = self.base_port + (0 if self.loopback_hosts else num_replicas)
             cmd = [*cli, "router", *host, "--port", str(router_port), *router_flags]
             for url in urls:
                 cmd += ["--backend", url]

@@ -51,21 +51,26 @@ ITERSERVE = [sys.executable, "-m", "iterserve.cli"]  # the CLI of the interprete
 
 @contextmanager
 def run_server(
-    *flags: str, startup_timeout_s: float = 240.0, port: int | None = None, command: str = "serve"
+    *flags: str,
+    startup_timeout_s: float = 240.0,
+    port: int | None = None,
+    command: str = "serve",
+    host: str = "127.0.0.1",
 ) -> Iterator[Server]:
-    """``iterserve COMMAND --host 127.0.0.1 --port <port or a free one> *flags`` (``serve``
-    or ``router``), ready; stopped on exit. A server publishes KV events when ``flags`` give
-    a ``--kv-events-port`` (its ``kv_events_port``)."""
+    """``iterserve COMMAND --host HOST --port <port or a free one> *flags`` (``serve`` or
+    ``router``), ready; stopped on exit. A server publishes KV events when ``flags`` give a
+    ``--kv-events-port`` (its ``kv_events_port``; servers on other loopback hosts,
+    127.0.0.2..., can share one port)."""
     port = port or free_port()
     log = Path(tempfile.mkstemp(prefix="iterserve-server-", suffix=".log")[1])
-    cmd = [*ITERSERVE, command, "--host", "127.0.0.1"]
+    cmd = [*ITERSERVE, command, "--host", host]
     cmd += ["--port", str(port), *flags]
     kv_events_port = None
     if "--kv-events-port" in flags:
         kv_events_port = int(flags[flags.index("--kv-events-port") + 1]) or None
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    server = Server(proc, f"http://127.0.0.1:{port}", log, kv_events_port)
+    server = Server(proc, f"http://{host}:{port}", log, kv_events_port)
     try:
         deadline = time.monotonic() + startup_timeout_s
         while True:

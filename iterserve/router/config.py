@@ -71,6 +71,23 @@ class RouterConfig:
             "negative_flag": True,
         },
     )
+    kv_events_port: int = field(
+        default=0,
+        metadata={
+            "help": "subscribe to every replica's KV-cache events at tcp://<replica host>:PORT "
+            "and place prompts where their blocks are (0 = off)",
+            "metavar": "PORT",
+        },
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata={
+            "help": "with --kv-events-port: the replicas' tokenizer (a tokenizer.json or a "
+            "model directory; char[:VOCAB] for simulated replicas without one; default: the "
+            "default model's, from the iterserve cache)",
+            "metavar": "PATH",
+        },
+    )
     poll_interval_ms: float = field(default=50.0, metadata={"help": "load polls per replica"})
     poll_timeout_ms: float = field(default=400.0, metadata={"help": "(below --stale-after-ms)"})
     stale_after_ms: float = field(
@@ -181,6 +198,10 @@ class RouterConfig:
             raise ValueError("--poll-timeout-ms must be below --stale-after-ms")
         for url in self.backend:
             _check_url(url)
+        if not 0 <= self.kv_events_port <= 65535:
+            raise ValueError(f"--kv-events-port must be in [0, 65535], got {self.kv_events_port}")
+        if self.tokenizer is not None and not self.kv_events_port:
+            raise ValueError("--tokenizer is for --kv-events-port (the KV-event match)")
         self._check_picker()
         if self.eject_after < 1:
             raise ValueError("--eject-after must be >= 1")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import urllib.parse
@@ -54,6 +55,8 @@ class Decision:
         session: the session header's value, if any.
         tier: the tier the request names (``priority`` as a name), else its key's default
             tier; None for an integer priority or none at all (not known here).
+        prompt_token_ids: the prompt as the replicas' tokens, for the KV-event match
+            (:meth:`Decider.with_prompt_tokens`); None without KV events.
     """
 
     body: dict[str, Any] | None
@@ -61,6 +64,7 @@ class Decision:
     key: bytes | None
     session: str | None
     tier: str | None
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,15 @@ class Decider:
             tier=tier,
         )
 
+    async def with_prompt_tokens(self, decision: Decision) -> Decision:
+        """``decision`` with its prompt's token ids when the picker matches prompts against
+        the replicas' KV events (docs/router.md); tokenized on a worker thread, since a long
+        prompt takes milliseconds."""
+        if decision.body is None or not self.picker.wants_prompt_tokens():
+            return decision
+        tokens = await asyncio.to_thread(self.picker.prompt_tokens, decision.body)
+        return dataclasses.replace(decision, prompt_token_ids=tokens)
+
     def candidates(
         self, exclude: Collection[str] = (), subset: Collection[str] | None = None
     ) -> list[Backend]:
@@ -147,7 +160,13 @@ class Decider:
         ready = self.candidates(exclude, subset)
         now = time.monotonic()
         try:
-            pick = self.picker.pick([b.state for b in ready], now, decision.key, decision.session)
+            pick = self.picker.pick(
+                [b.state for b in ready],
+                now,
+                decision.key,
+                decision.session,
+                decision.prompt_token_ids,
+            )
         except NoReplicaError:
             return None
         self.metrics.picks.labels(policy=self.picker.policy, reason=pick.reason).inc()

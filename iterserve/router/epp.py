@@ -175,6 +175,7 @@ class PickerStream:
                 wait.seconds += HOLD_MARGIN_S
                 yield pb.ProcessingResponse(override_message_timeout=wait)
             await decider.hold(self.subset)
+            decision = await decider.with_prompt_tokens(decision)
             ranking = decider.rank(decision, subset=self.subset)
             if ranking is None:  # turned unready meanwhile, or no such endpoint in the subset
                 raise no_ready_replica()

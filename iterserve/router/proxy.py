@@ -195,6 +195,7 @@ class Proxy:
                 if request.aborted:  # the shutdown ended it while it was held
                     await send_error(send, shutting_down())
                 return
+            decision = await self.decider.with_prompt_tokens(decision)
         except APIError as refusal:
             if refusal.status == 503:
                 self.metrics.requests.labels(replica="none", code="503").inc()

@@ -16,16 +16,22 @@ and a burst does not all land on the replica that looked idlest when it last rep
 replica without a report, or whose report is older than ``stale_after_s``, scores as
 saturated (every term at its maximum). Ties are broken at random.
 
-Prefix affinity (with ``least_kv``): a request whose prefix key the picker has seen goes
-back to the replica that served that prefix last, as long as that replica's load (running +
-waiting + in flight) is below the bound of consistent hashing with bounded loads (Mirrokni,
-Thorup and Zadimoghaddam, SODA 2018; as KubeAI's PrefixHash), ``ceil(load_bound * (total +
-1) / n)``, or below ``MIN_CAPACITY`` (at low load the strict bound would scatter a burst's
-requests for one prefix for no gain). Otherwise, and for a prefix never seen, the
-``least_kv`` score picks and the key is remembered there (the last ``MAX_PREFIXES`` keys).
-Unlike a pure hash ring this never sends a new prefix to a loaded replica only because of
-where its hash falls, so unshared prompts balance as without affinity; the ring is kept for
-``session`` stickiness, which must agree across router replicas.
+Prefix affinity (with ``least_kv``) places a request by its prefix key alone, so that every
+router replica given the same replica set and load reports places a prefix on the same
+replica (no per-process memory decides placement): consistent hashing with bounded loads
+(Mirrokni, Thorup and Zadimoghaddam, SODA 2018; as KubeAI's PrefixHash) with two choices.
+Walking the ring clockwise from the key's point, the first two replicas whose load (running +
+waiting + in flight) is under the bound ``ceil(load_bound * (total + 1) / n)``, or under
+``MIN_CAPACITY`` (at low load the strict bound would scatter a burst's requests for one prefix
+for no gain), are the candidates; the lower ``least_kv`` score wins, ring order breaking ties.
+A shared prefix so lives on at most two replicas while they have room, and an unshared one
+balances by load nearly as well as without affinity (docs/router.md has the replay that chose
+two choices over one).
+
+With KV events (:mod:`iterserve.router.kv_index`) the picker knows which blocks each replica
+holds: among the replicas under the bound, those holding the longest run of the prompt's
+leading blocks are the candidates (two choices over them in ring order, as above); when no
+replica under the bound holds the first block, the hash placement decides.
 """
 
 from __future__ import annotations
@@ -35,16 +41,18 @@ import hashlib
 import itertools
 import math
 import random
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the index is built only with --kv-events-port
+    from iterserve.router.kv_index import KvIndex
 
 POLICIES = ("least_kv", "round_robin", "session", "random")
 PREFIX_KEY_BYTES = 512
 VIRTUAL_NODES = 64
-MAX_PREFIXES = 65536
 MIN_CAPACITY = 4
+NUM_CHOICES = 2  # candidates on the ring (the power of two choices)
 
 
 class NoReplicaError(RuntimeError):
@@ -181,9 +189,15 @@ class Picker:
     """Picks a replica per request under ``policy`` (one of :data:`POLICIES`).
 
     Args:
-        prefix_affinity: with ``least_kv``, keep a prefix on the replica that served it.
+        prefix_affinity: with ``least_kv``, place a request by its prefix (see the module
+            docstring).
         load_bound: the bounded-load factor (a replica over it passes a prefix key on).
-        seed: random tie-breaks and the ``random`` policy (None: unseeded).
+        seed: random tie-breaks of plain ``least_kv`` (no key) and the ``random`` policy
+            (None: unseeded); never a prefix's placement.
+        kv_index: the blocks each replica holds, from its KV events (None: hash placement
+            alone).
+        tokenize: a generation body's prompt as the replicas' token ids, or None
+            (:func:`iterserve.router.prompt_tokens.prompt_token_ids`), for the KV index.
 
     Raises:
         ValueError: an unknown policy.
@@ -195,11 +209,11 @@ class Picker:
     weights: ScoreWeights = ScoreWeights()
     load_bound: float = 1.25
     seed: int | None = None
+    kv_index: KvIndex | None = None
+    tokenize: Callable[[Mapping[str, Any]], list[int] | None] | None = None
     _rng: random.Random = field(init=False, repr=False)
     _ring: HashRing | None = field(default=None, init=False, repr=False)
     _next: int = field(default=0, init=False, repr=False)
-    # prefix key -> the replica that served it last (oldest first)
-    _homes: OrderedDict[bytes, str] = field(default_factory=OrderedDict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -214,12 +228,15 @@ class Picker:
         now: float,
         key: bytes | None = None,
         session: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> Pick:
         """The replica for one request among the ready ones.
 
         Args:
             key: the request's :func:`prefix_key` (affinity), if any.
             session: the session header's value (policy ``session``), if any.
+            prompt_token_ids: the prompt's tokens as the replicas count them, for the KV
+                events' match (:meth:`prompt_tokens`).
 
         Raises:
             NoReplicaError: no replica is ready.
@@ -238,22 +255,61 @@ class Picker:
             name = self._ring_for(ready).walk(session.encode())[0]
             return Pick(next(r for r in ready if r.name == name), "session")
         if self.prefix_affinity and key:
-            return self._affine(ready, now, key)
+            return self._affine(ready, now, key, prompt_token_ids)
         return Pick(self._least_kv(ready, now), "least_kv")
 
-    def _affine(self, ready: list[ReplicaState], now: float, key: bytes) -> Pick:
-        key = hashlib.blake2b(key, digest_size=16).digest()  # remember digests, not prompts
-        name = self._homes.get(key)
-        home = next((r for r in ready if r.name == name), None)
-        if home is not None and home.load < self.capacity(ready):
-            self._homes.move_to_end(key)
-            return Pick(home, "prefix")
-        chosen = self._least_kv(ready, now)
-        self._homes[key] = chosen.name
-        self._homes.move_to_end(key)
-        if len(self._homes) > MAX_PREFIXES:
-            self._homes.popitem(last=False)
-        return Pick(chosen, "prefix_new" if home is None else "prefix_passed_on")
+    def wants_prompt_tokens(self) -> bool:
+        """Whether :meth:`pick` would use a prompt's tokens: prefix affinity under
+        ``least_kv`` with a tokenizer and a KV index that holds some block (tokenizing costs
+        time: docs/router.md)."""
+        return (
+            self.tokenize is not None
+            and self.kv_index is not None
+            and self.policy == "least_kv"
+            and self.prefix_affinity
+            and self.kv_index.num_blocks() > 0
+        )
+
+    def prompt_tokens(self, body: Mapping[str, Any] | None) -> list[int] | None:
+        """The prompt's token ids of a generation ``body`` when :meth:`wants_prompt_tokens`;
+        else None."""
+        if body is None or self.tokenize is None or not self.wants_prompt_tokens():
+            return None
+        return self.tokenize(body)
+
+    def _affine(
+        self,
+        ready: list[ReplicaState],
+        now: float,
+        key: bytes,
+        prompt_token_ids: Sequence[int] | None,
+    ) -> Pick:
+        """Bounded loads, two choices (see the module docstring); a function of the replica
+        set, their loads and the KV index only."""
+        by_name = {r.name: r for r in ready}
+        bound = self.capacity(ready)
+        walk = self._ring_for(ready).walk(key)
+        # One is always under the bound: the bound exceeds the mean load.
+        under = [name for name in walk if by_name[name].load < bound]
+        if self.kv_index is not None and prompt_token_ids:
+            matched = self.kv_index.matched_blocks(prompt_token_ids, under)
+            longest = max(matched.values(), default=0)
+            if longest > 0:
+                holders = [name for name in under if matched[name] == longest]
+                return Pick(self._lower_score(by_name, holders, now), "kv_match")
+        chosen = self._lower_score(by_name, under, now)
+        if chosen.name == walk[0]:
+            return Pick(chosen, "prefix")
+        return Pick(chosen, "prefix_second" if under[0] == walk[0] else "prefix_passed_on")
+
+    def _lower_score(
+        self, by_name: Mapping[str, ReplicaState], names: Sequence[str], now: float
+    ) -> ReplicaState:
+        """Of the first :data:`NUM_CHOICES` of ``names`` (ring order), the lower score; the
+        earlier on the ring on a tie."""
+        candidates = [by_name[n] for n in names[:NUM_CHOICES]]
+        s = scores(candidates, now, self.stale_after_s, self.weights)
+        return min(candidates, key=lambda r: s[r.name])  # min keeps the first of equals
 
     def capacity(self, ready: Sequence[ReplicaState]) -> int:
         """How many requests a replica may hold and still take a prefix it is home to:

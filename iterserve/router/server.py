@@ -23,8 +23,9 @@ from iterserve.router.pool import ReplicaPool, aiohttp_fetch, polling
 from iterserve.router.proxy import KEEPALIVE_S
 from iterserve.router.scoring import Picker
 
-if TYPE_CHECKING:  # the kubernetes client is imported only with --k8s-service
+if TYPE_CHECKING:  # the kubernetes client and zmq are imported only when used
     from iterserve.router.discovery import EndpointSliceDiscovery
+    from iterserve.router.kv_subscriber import KvEventsSubscriber
 
 logger = logging.getLogger("iterserve.router")
 
@@ -47,12 +48,13 @@ def build(args: argparse.Namespace) -> RouterApp:
     picker = Picker(
         config.policy, config.prefix_affinity, stale_after_s=config.stale_after_ms / 1000
     )
+    kv_events = _kv_events(config, pool, picker)
     discovery = None
     if config.backend:
         pool.set_urls(list(config.backend))
     else:
         discovery = _discovery(config)
-    return build_router_app(pool, picker, config, _background(config, pool, discovery))
+    return build_router_app(pool, picker, config, _background(config, pool, discovery, kv_events))
 
 
 def _discovery(config: RouterConfig) -> EndpointSliceDiscovery:
@@ -68,11 +70,35 @@ def _discovery(config: RouterConfig) -> EndpointSliceDiscovery:
     )
 
 
+def _kv_events(
+    config: RouterConfig, pool: ReplicaPool, picker: Picker
+) -> KvEventsSubscriber | None:
+    """With ``--kv-events-port``: the picker's KV index and tokenizer, and the subscriptions
+    that feed the index (docs/router.md, "KV events").
+
+    Raises:
+        ValueError: the tokenizer cannot be loaded.
+    """
+    if not config.kv_events_port:
+        return None
+    from iterserve.router.kv_index import KvIndex
+    from iterserve.router.kv_subscriber import KvEventsSubscriber
+    from iterserve.router.prompt_tokens import load_prompt_tokenizer, prompt_token_ids
+
+    tokenizer = load_prompt_tokenizer(config.tokenizer)
+    picker.kv_index = KvIndex()
+    picker.tokenize = lambda body: prompt_token_ids(tokenizer, body)
+    return KvEventsSubscriber(pool, picker.kv_index, config.kv_events_port)
+
+
 def _background(
-    config: RouterConfig, pool: ReplicaPool, discovery: EndpointSliceDiscovery | None
+    config: RouterConfig,
+    pool: ReplicaPool,
+    discovery: EndpointSliceDiscovery | None,
+    kv_events: KvEventsSubscriber | None = None,
 ) -> Background:
-    """What runs for the router's lifetime: discovery (if any) feeding the pool, and the
-    pool's polling over its own aiohttp session."""
+    """What runs for the router's lifetime: discovery (if any) feeding the pool, the pool's
+    polling over its own aiohttp session, and the KV-event subscriptions (if any)."""
 
     @contextlib.asynccontextmanager
     async def background() -> AsyncIterator[None]:
@@ -82,6 +108,8 @@ def _background(
 
             on_change = lambda endpoints: pool.set_replicas(replicas_by_name(endpoints))  # noqa: E731
             tasks.append(asyncio.create_task(discovery.run(on_change)))
+        if kv_events is not None:
+            tasks.append(asyncio.create_task(kv_events.run()))
         timeout = aiohttp.ClientTimeout(total=config.poll_timeout_ms / 1000)
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:

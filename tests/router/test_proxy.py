@@ -358,7 +358,7 @@ def test_flags_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         build(build_parser().parse_args(["router", "--k8s-service", "llm"]))
 
 
-def test_prefix_affinity_keeps_each_prefix_on_one_replica(profile_file: Path) -> None:
+def test_prefix_affinity_keeps_each_prefix_on_its_two_replicas(profile_file: Path) -> None:
     with replicas(profile_file, 4, "--simulate-speed", "4") as servers:
 
         async def run() -> None:
@@ -379,7 +379,8 @@ def test_prefix_affinity_keeps_each_prefix_on_one_replica(profile_file: Path) ->
 
                     for i in range(5):  # rounds of 8 concurrent requests, one per prefix
                         await asyncio.gather(*(one(p, prefix, i) for p, prefix in prompts))
-            assert all(len(set(h)) == 1 for h in homes.values()), homes  # 8 prefixes, 4 homes
+            # Each prefix on the first two replicas of its ring walk (two choices), at most.
+            assert all(len(set(h)) <= 2 for h in homes.values()), homes
             assert len(served) == 4 and max(served.values()) <= 15, served  # 40 requests
 
         asyncio.run(run())
