@@ -515,21 +515,17 @@ def _router_args(ctx: Context, spec: LLMDeploymentSpec) -> list[str]:
         *_auth_args(spec),
     ]  # fmt: skip
     if spec.router.kvEvents:
-        args += ["--kv-events-port", str(KV_EVENTS_PORT)]
-        if (tokenizer := _router_tokenizer(spec)) is not None:
-            args += ["--tokenizer", tokenizer[0]]
+        args += ["--kv-events-port", str(KV_EVENTS_PORT), "--tokenizer", _router_tokenizer(spec)[0]]
     return args
 
 
-def _router_tokenizer(spec: LLMDeploymentSpec) -> tuple[str, dict[str, Any]] | None:
+def _router_tokenizer(spec: LLMDeploymentSpec) -> tuple[str, dict[str, Any]]:
     """(the model directory, its volume) for the router's ``--tokenizer`` with kvEvents: the
-    server pods' model volume, mounted read-only, when the router can mount it (source pvc or
-    hostPath). None for source image (the weights are in the server image) or uri (a download
-    per router pod would cost what a server's does): the router's default tokenizer then."""
-    source = spec.model.source
-    if source.pvc is None and source.hostPath is None:
-        return None
+    server pods' model volume (source pvc or hostPath), mounted read-only. The spec's rules
+    refuse kvEvents with source image (the weights are in the server image) or uri (a
+    download per router pod would cost what a server's does): no tokenizer to read there."""
     model_dir, volumes, _, _ = _model_volume(spec)
+    assert spec.model.source.image is None and spec.model.source.uri is None, "the rules"
     return model_dir, volumes[0]
 
 
@@ -540,8 +536,8 @@ def router_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
     picker = picker_mode(spec)
     name, component = (epp_name if picker else router_name)(ctx.name), front_component(spec)
     volumes, mounts = _auth_volumes(ctx, spec)
-    if spec.router.kvEvents and (tokenizer := _router_tokenizer(spec)) is not None:
-        volumes.append(tokenizer[1])
+    if spec.router.kvEvents:
+        volumes.append(_router_tokenizer(spec)[1])
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
     ports = [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}]
     if picker:

@@ -99,6 +99,14 @@ OPERATOR_RULES: tuple[Rule, ...] = (
         "router's request rate wakes the server pods",
     ),
     Rule(
+        fields=("router.kvEvents", "model.source.image", "model.source.uri"),
+        check=lambda kv_events, image, uri: not kv_events or (image is None and uri is None),
+        cel="!{router.kvEvents} || (!has({model.source.image}) && !has({model.source.uri}))",
+        message="{router.kvEvents} needs the model's tokenizer in the router pods: weights on "
+        "model.source.pvc or model.source.hostPath (mounted read-only there), not "
+        "{model.source.image} or {model.source.uri}",
+    ),
+    Rule(
         fields=("router.mode", "networkPolicy.enabled", "networkPolicy.apiFrom"),
         check=lambda mode, enabled, namespaces: (
             mode != "endpointPicker" or not enabled or len(namespaces) > 0

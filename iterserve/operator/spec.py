@@ -487,9 +487,8 @@ class RouterSpec(_Model):
         description="Precise prefix routing: the server pods publish their KV-cache events "
         "(ZMQ, port 5557, vLLM's format) and the router (or picker) subscribes and sends a "
         "prompt where its blocks are cached. The router reads the model's tokenizer from the "
-        "model's volume (source pvc or hostPath, mounted read-only); with source image or uri "
-        "the router image's default tokenizer is used (docs/kubernetes.md). A change rolls the "
-        "server pods too. Default false.",
+        "model's volume, mounted read-only: needs model.source pvc or hostPath. A change rolls "
+        "the server pods too. Default false.",
     )
     image: str | None = Field(
         None, description="The router image. Default: the operator's configured control image."

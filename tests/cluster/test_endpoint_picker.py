@@ -107,6 +107,16 @@ def ready_count(cluster: LocalCluster, deployment: str, namespace: str) -> int |
     return ready
 
 
+def kv_pickers_ready(cluster: LocalCluster, namespace: str) -> int:
+    """Ready picker pods started with ``--kv-events-port``, none of the old ones left."""
+    pods = [p for p in cluster.get("pods", namespace=namespace) or []
+            if p["metadata"]["labels"].get("app.kubernetes.io/component") == "epp"
+            and not p["metadata"].get("deletionTimestamp")]  # fmt: skip
+    if any("--kv-events-port" not in p["spec"]["containers"][0]["args"] for p in pods):
+        return 0
+    return len(ready_pods(pods))
+
+
 def publishing(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
     """The ready server pods with a ``kv-events`` port."""
     return [
@@ -190,6 +200,10 @@ def test_endpoint_picker_mode_then_back_to_two_routers(
     wait_until(lambda: publishing(cluster, namespace), "a ready server pod publishing",
                timeout_s=90)  # fmt: skip
     check_kv_events(cluster, namespace)
+    # The pickers roll too (--kv-events-port 5557 --tokenizer on the model's volume, which the
+    # pod runner maps to the simulated replicas' tokenizer) and are ready again.
+    wait_until(lambda: kv_pickers_ready(cluster, namespace) == 2, "two KV-event pickers ready",
+               timeout_s=90)  # fmt: skip
 
     # Back to proxy mode: the picker's objects deleted, two routers Ready behind their budget.
     assert (

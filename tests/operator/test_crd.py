@@ -415,6 +415,11 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
      ["router.mode endpointPicker with networkPolicy.enabled needs the gateway's namespace in "
       "networkPolicy.apiFrom: the gateway sends requests to the server pods and asks the "
       "picker"]),
+    ("kv-events-weights-in-image",
+     {"router.kvEvents": True, "model.source": {"image": {"path": "/opt/models/llama"}}},
+     ["router.kvEvents needs the model's tokenizer in the router pods: weights on "
+      "model.source.pvc or model.source.hostPath (mounted read-only there), not "
+      "model.source.image or model.source.uri"]),
     ("two-rules", {"scheduler.chunkSize": 4096, "autoscaling.minReplicas": 5},
      ["scheduler.chunkSize must be <= scheduler.maxNumBatchedTokens",
       "autoscaling.minReplicas must be <= autoscaling.maxReplicas"]),
@@ -438,6 +443,7 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     ("uri-with-init", {"model.source": {"uri": "s3://b/l", "initImage": "fetch:1"}}, []),
     ("image-source", {"model.source": {"image": {"path": "/opt/models/llama"}, "pvc": None}}, []),
     ("host-path", {"model.source": {"hostPath": "/models/llama"}}, []),
+    ("kv-events-on-a-pvc", {"router.kvEvents": True}, []),
     ("picker-with-gateway-namespace",
      {"router.mode": "endpointPicker", "networkPolicy": {"apiFrom": ["gateway"]}}, []),
     ("picker-without-policies",

@@ -195,14 +195,21 @@ def test_kv_events_wire_the_servers_the_router_and_the_policy(mode: str) -> None
                        "ports": [{"protocol": "TCP", "port": 5557}]}  # fmt: skip
 
 
-def test_kv_events_with_weights_in_the_image_use_the_routers_default_tokenizer() -> None:
+@pytest.mark.parametrize(
+    "source",
+    [{"image": {"path": "/opt/models/llama"}}, {"uri": "s3://b/llama", "initImage": "fetch:1"}],
+    ids=["image", "uri"],
+)
+def test_kv_events_need_weights_the_router_can_mount(source: dict[str, Any]) -> None:
+    """The router's KV-event match needs the model's tokenizer: with the weights in the server
+    image or downloaded per pod it has none to read (it would not start), so the spec is
+    refused, naming the fields."""
     spec = copy.deepcopy(EXAMPLE["spec"])
-    spec["model"]["source"] = {"image": {"path": "/opt/models/llama"}}
+    spec["model"]["source"] = source
+    _by_key(spec)  # without kvEvents: fine
     spec["router"]["kvEvents"] = True
-    router = container(_by_key(spec)["Deployment", f"{N}-router"])
-    assert flag(router["args"], "--kv-events-port") == "5557"
-    assert "--tokenizer" not in router["args"]
-    assert all(m["name"] != "model" for m in router["volumeMounts"])
+    with pytest.raises(SpecError, match=r"router.kvEvents needs the model's tokenizer"):
+        _by_key(spec)
 
 
 def test_picker_mode_policies_let_the_gateway_in() -> None:

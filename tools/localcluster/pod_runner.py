@@ -13,7 +13,9 @@ container's command inside the pod network namespace, bound to the pod IP:
   is ``a100x4-llama3-70b`` for a tensor-parallel degree of 4 and ``cpu-smollm2`` otherwise
   (its degree replaces the pod's); ``--model`` is dropped (no weights are mounted).
 - ``iterserve operator|router ...`` (the control image) runs as it is, with a kubeconfig for
-  the pod's ServiceAccount, so RBAC authorizes its every call for real.
+  the pod's ServiceAccount, so RBAC authorizes its every call for real; a router's
+  ``--tokenizer`` naming a directory without a tokenizer (the model's volume: no weights here)
+  becomes ``char``, the simulated replicas' tokenizer.
 - ``--host`` becomes the pod IP (pods share one network namespace here, so ``0.0.0.0`` would
   collide); paths under a volume's mount path become the pod directory's.
 
@@ -324,6 +326,8 @@ class PodRunner:
         argv = _host_is_pod_ip(argv, ip, where)
         if command[1] == "serve":
             argv = _simulated(argv, where)
+        elif command[1] == "router":
+            argv = _simulated_tokenizer(argv, where)
         running.argv, running.env = [ITERSERVE, *argv], env
 
     def _volumes(
@@ -708,6 +712,20 @@ def _host_is_pod_ip(argv: list[str], ip: str, where: str) -> list[str]:
         return argv
     logger.info("pod %s: --host %s -> %s (pods share one network namespace here)", where, host, ip)
     return [*_without(argv, "--host"), "--host", ip]
+
+
+def _simulated_tokenizer(argv: list[str], where: str) -> list[str]:
+    """A router's ``--tokenizer DIR`` without a tokenizer there (no weights are mounted here)
+    as ``char``: the simulated replicas' tokenizer (~4 characters per token over the
+    ``cpu-smollm2`` profile's 49152 ids; replicas on the 70B profile use 128256 and would not
+    match), so that its KV-event match sees the token ids the replicas publish."""
+    tokenizer = _flag_value(argv, "--tokenizer")
+    if tokenizer is None or tokenizer.startswith("char") or (
+        (Path(tokenizer) / "tokenizer.json").is_file() or Path(tokenizer).is_file()
+    ):
+        return argv
+    logger.info("pod %s: --tokenizer %s -> char (no tokenizer there)", where, tokenizer)
+    return [*_without(argv, "--tokenizer"), "--tokenizer", "char"]
 
 
 def _simulated(argv: list[str], where: str) -> list[str]:
