@@ -720,8 +720,10 @@ def _simulated_tokenizer(argv: list[str], where: str) -> list[str]:
     ``cpu-smollm2`` profile's 49152 ids; replicas on the 70B profile use 128256 and would not
     match), so that its KV-event match sees the token ids the replicas publish."""
     tokenizer = _flag_value(argv, "--tokenizer")
-    if tokenizer is None or tokenizer.startswith("char") or (
-        (Path(tokenizer) / "tokenizer.json").is_file() or Path(tokenizer).is_file()
+    if (
+        tokenizer is None
+        or tokenizer.startswith("char")
+        or ((Path(tokenizer) / "tokenizer.json").is_file() or Path(tokenizer).is_file())
     ):
         return argv
     logger.info("pod %s: --tokenizer %s -> char (no tokenizer there)", where, tokenizer)
