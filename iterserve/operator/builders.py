@@ -36,7 +36,9 @@ ROUTER_PORT = 8080
 # appProtocol: gRPC without TLS, so the gateway speaks HTTP/2 to it in cleartext.
 EPP_GRPC_PORT, EPP_APP_PROTOCOL = 9002, "kubernetes.io/h2c"
 INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
-# The servers' KV-cache event publisher (ZMQ PUB, vLLM's default port), with spec.router.kvEvents.
+# The servers' KV-cache event publisher (ZMQ PUB, vLLM's default port): always on in the
+# operator's pods (DESIGN.md), so a router with spec.router.kvEvents, or another prefix-aware
+# picker (llm-d's), can subscribe without the servers restarting.
 KV_EVENTS_PORT = 5557
 KV_EVENTS_POD_ENV = "POD_NAME"  # the publisher's topic names the pod (iterserve/kv_events.py)
 # The N-admin Secret's volume (not under CONFIG_DIR: a mount inside the read-only ConfigMap
@@ -222,8 +224,9 @@ def server_args(spec: LLMDeploymentSpec, model_dir: str) -> list[str]:
         "--shutdown-grace-period-s", str(SERVER_GRACE_S),
         "--admin-port", str(ADMIN_PORT),
         "--admin-token-file", f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}",
-        # Explicit either way (the server's default is off): on only for a router that subscribes.
-        "--kv-events-port", str(KV_EVENTS_PORT if spec.router.kvEvents else 0),
+        # On (the server's default is off): turning the router's subscription on or off
+        # (spec.router.kvEvents) then rolls the router pods only.
+        "--kv-events-port", str(KV_EVENTS_PORT),
     ]  # fmt: skip
     if e.maxModelLen is not None:
         args += ["--max-model-len", str(e.maxModelLen)]
@@ -404,7 +407,7 @@ def server_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
         *_api_key_env(ctx, spec),
         {"name": "XDG_CACHE_HOME", "value": "/var/cache/iterserve"},
         # The KV-events topic's pod (kv@<pod>@<model>): the pod's name, not a hostname.
-        *([_field_env(KV_EVENTS_POD_ENV, "metadata.name")] if spec.router.kvEvents else []),
+        _field_env(KV_EVENTS_POD_ENV, "metadata.name"),
         # An empty value is dropped by the API server (omitempty): as built, it would read
         # back different and be patched on every pass.
         *({k: v for k, v in e.items() if not (k == "value" and v == "")} for e in spec.pod.env),
@@ -417,11 +420,7 @@ def server_deployment(ctx: Context, spec: LLMDeploymentSpec) -> dict[str, Any]:
         "ports": [
             {"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"},
             {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"},
-            *(
-                [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}]
-                if spec.router.kvEvents
-                else []
-            ),
+            {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
         ],
         "env": env,
         "volumeMounts": mounts,
@@ -684,7 +683,8 @@ def network_policies(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, An
     in endpointPicker mode), the operator's (``/load``) and the namespaces of
     ``spec.networkPolicy.apiFrom`` (a Prometheus scraping ``/metrics``; the gateway's, which
     sends the requests there in endpointPicker mode), their admin port from the operator's pods
-    only, and with kvEvents their KV-events port from the router's (picker's) pods. ``N-router``:
+    only, their KV-events port from the router's (picker's) pods and apiFrom's namespaces (another
+    prefix-aware picker subscribing). ``N-router``:
     the router pods take their port from anywhere; ``N-epp`` instead: the picker pods take
     their ports (ext_proc, metrics) from the namespaces of apiFrom. Ingress only; none when
     ``spec.networkPolicy.enabled`` is false. (The kubelet's probes come from the node, which
@@ -702,8 +702,7 @@ def network_policies(ctx: Context, spec: LLMDeploymentSpec) -> list[dict[str, An
         {"from": [*api_peers, *namespaces], "ports": [_tcp(SERVER_PORT)]},
         {"from": [operator_peer(ctx)], "ports": [_tcp(ADMIN_PORT)]},
     ]
-    if spec.router.kvEvents:
-        ingress.append({"from": [front], "ports": [_tcp(KV_EVENTS_PORT)]})
+    ingress.append({"from": [front, *namespaces], "ports": [_tcp(KV_EVENTS_PORT)]})
     server = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

@@ -24,9 +24,9 @@ _NAME_PART = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
 # The longest suffix the operator adds to a name that must be a DNS-1035 label (Services).
 _SERVICE_SUFFIX = "-router"
 MAX_NAME = 63 - len(_SERVICE_SUFFIX)
-# What the operator sets in the server container's environment (and POD_NAME, the KV-events
-# topic's pod, with spec.router.kvEvents).
-OPERATOR_ENV = ("ITERSERVE_ADMIN_TOKEN", "ITERSERVE_API_KEY", "XDG_CACHE_HOME")
+# What the operator sets in the server container's environment (POD_NAME: the KV-events
+# topic's pod).
+OPERATOR_ENV = ("ITERSERVE_ADMIN_TOKEN", "ITERSERVE_API_KEY", "XDG_CACHE_HOME", "POD_NAME")
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
 _AFFINITY_KEYS = {"nodeAffinity", "podAffinity", "podAntiAffinity"}
 # Server flags the operator sets through other means than its arguments: the secrets come
@@ -111,7 +111,7 @@ def check_objects_fields(spec: LLMDeploymentSpec) -> None:
         name = entry.get("name")
         if not isinstance(name, str) or not name or not re.fullmatch(r"[ -<>-~]+", name):
             raise SpecError(f"{where}: name must be printable ASCII other than '=', got {name!r}")
-        if name in OPERATOR_ENV or (spec.router.kvEvents and name == "POD_NAME"):
+        if name in OPERATOR_ENV:
             raise SpecError(f"{where}: {name} is set by the operator")
         if name in names:
             raise SpecError(f"{where}: {name} is given twice")

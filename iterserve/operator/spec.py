@@ -450,8 +450,8 @@ class RouterSpec(_Model):
     proxy: its Service's URL is status.routerURL), or an endpoint picker behind the cluster's
     Gateway API gateway (mode endpointPicker: an InferencePool N and the picker N-epp that
     the gateway asks over Envoy's ext_proc). A change rolls the router pods only (the picker's
-    in endpointPicker mode), not the server pods, except kvEvents (the servers'
-    --kv-events-port)."""
+    in endpointPicker mode), not the server pods (they always publish their KV-cache
+    events)."""
 
     mode: Literal["proxy", "endpointPicker"] = Field(
         "proxy",
@@ -484,11 +484,11 @@ class RouterSpec(_Model):
     )
     kvEvents: bool = Field(
         False,
-        description="Precise prefix routing: the server pods publish their KV-cache events "
-        "(ZMQ, port 5557, vLLM's format) and the router (or picker) subscribes and sends a "
-        "prompt where its blocks are cached. The router reads the model's tokenizer from the "
-        "model's volume, mounted read-only: needs model.source pvc or hostPath. A change rolls "
-        "the server pods too. Default false.",
+        description="Precise prefix routing: the router (or picker) subscribes to the server "
+        "pods' KV-cache events (ZMQ, port 5557, vLLM's format; the servers always publish them) "
+        "and sends a prompt where its blocks are cached. The router reads the model's "
+        "tokenizer from the model's volume, mounted read-only: needs model.source pvc or "
+        "hostPath. A change rolls the router pods only. Default false.",
     )
     image: str | None = Field(
         None, description="The router image. Default: the operator's configured control image."

@@ -127,7 +127,7 @@ def publishing(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
 
 
 def check_kv_events(cluster: LocalCluster, namespace: str) -> None:
-    """A server pod of ``router.kvEvents`` publishes on its port 5557 with its pod's name in
+    """A server pod publishes on its port 5557 with its pod's name in
     the topic: a completion sent to it directly shows up as BlockStored events."""
     (pod, *_) = publishing(cluster, namespace)
     (port,) = [p for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "kv-events"]
@@ -195,7 +195,7 @@ def test_endpoint_picker_mode_then_back_to_two_routers(
     wait_until(lambda: ready_count(cluster, f"{NAME}-epp", namespace) == 2,
                "two pickers ready", timeout_s=90)  # fmt: skip
 
-    # KV events on: the server pods roll with --kv-events-port 5557 and publish.
+    # The server pods publish (always, on 5557); KV events on: the pickers subscribe.
     assert patch_spec(cluster, namespace, {"router": {"kvEvents": True}}).returncode == 0
     wait_until(lambda: publishing(cluster, namespace), "a ready server pod publishing",
                timeout_s=90)  # fmt: skip

@@ -185,7 +185,7 @@ def test_server_container_args_of_the_example() -> None:
         "--shutdown-grace-period-s", "30",
         "--admin-port", "8001",
         "--admin-token-file", "/var/run/secrets/iterserve.io/admin/token",
-        "--kv-events-port", "0",
+        "--kv-events-port", "5557",
         "--router-token-file", "/var/run/iterserve/router-token/token",
     ]  # fmt: skip
 
@@ -215,7 +215,7 @@ def test_every_engine_flag_and_extra_args_in_order() -> None:
         "--shutdown-grace-period-s", "30",
         "--admin-port", "8001",
         "--admin-token-file", "/var/run/secrets/iterserve.io/admin/token",
-        "--kv-events-port", "0",
+        "--kv-events-port", "5557",
         "--max-model-len", "8192",
         "--router-token-file", "/var/run/iterserve/router-token/token",
         "--seed", "7", "--log-prompts",
@@ -253,6 +253,7 @@ def test_server_pod_of_the_example() -> None:
     assert container["ports"] == [
         {"name": "http", "containerPort": 8000, "protocol": "TCP"},
         {"name": "admin", "containerPort": 8001, "protocol": "TCP"},
+        {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"},
     ]
     assert container["resources"] == {
         "limits": {"nvidia.com/gpu": "4", "cpu": "8", "memory": "64Gi"},
@@ -264,6 +265,10 @@ def test_server_pod_of_the_example() -> None:
             "valueFrom": {"secretKeyRef": {"name": "chat-70b-api-key", "key": "api-key"}},
         },
         {"name": "XDG_CACHE_HOME", "value": "/var/cache/iterserve"},
+        {
+            "name": "POD_NAME",
+            "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}},
+        },
     ]
     assert pod["spec"]["volumes"] == [
         {"name": "model", "persistentVolumeClaim": {"claimName": "models"}},
@@ -1379,7 +1384,7 @@ def test_network_policies_select_the_peers_and_ports() -> None:
     }
     assert server["podSelector"] == {"matchLabels": selector("chat-70b", "server")}
     assert server["policyTypes"] == ["Ingress"]
-    api, admin = server["ingress"]
+    api, admin, kv_events = server["ingress"]
     assert api["ports"] == [{"protocol": "TCP", "port": 8000}]
     assert api["from"] == [
         {"podSelector": {"matchLabels": selector("chat-70b", "router")}},
@@ -1389,6 +1394,9 @@ def test_network_policies_select_the_peers_and_ports() -> None:
             "values": ["monitoring", "batch-jobs"]}]}},
     ]  # fmt: skip
     assert admin == {"from": [operator_peer], "ports": [{"protocol": "TCP", "port": 8001}]}
+    # KV events: the router and the apiFrom namespaces (another picker may subscribe).
+    assert kv_events == {"from": [api["from"][0], api["from"][2]],
+                         "ports": [{"protocol": "TCP", "port": 5557}]}  # fmt: skip
     assert router == {
         "podSelector": {"matchLabels": selector("chat-70b", "router")},
         "policyTypes": ["Ingress"],
@@ -1400,7 +1408,7 @@ def test_network_policies_select_the_peers_and_ports() -> None:
 
 def test_network_policies_default_to_the_charts_operator_labels_and_can_be_off() -> None:
     objects = build(EXAMPLE)
-    (_, admin) = objects["NetworkPolicy", "chat-70b-server"]["spec"]["ingress"]
+    (_, admin, _) = objects["NetworkPolicy", "chat-70b-server"]["spec"]["ingress"]
     assert admin["from"] == [{
         "namespaceSelector": {},  # render knows no operator namespace: any
         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "iterserve",

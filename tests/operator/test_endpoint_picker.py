@@ -161,15 +161,20 @@ def test_two_routers_by_default() -> None:
     assert ("PodDisruptionBudget", f"{N}-router") in objects
 
 
-def test_without_kv_events_the_servers_do_not_publish() -> None:
+def test_without_kv_events_the_servers_publish_and_the_router_does_not_subscribe() -> None:
+    """The servers always publish (DESIGN.md): kvEvents is the router's subscription, so
+    turning it on or off rolls the router pods only."""
     objects = build()
     server = container(objects["Deployment", N])
-    assert flag(server["args"], "--kv-events-port") == "0"
-    assert [p["name"] for p in server["ports"]] == ["http", "admin"]
+    assert flag(server["args"], "--kv-events-port") == "5557"
+    assert [p["name"] for p in server["ports"]] == ["http", "admin", "kv-events"]
     assert "--kv-events-port" not in container(objects["Deployment", f"{N}-router"])["args"]
     policy = objects["NetworkPolicy", f"{N}-server"]["spec"]["ingress"]
     assert [rule["ports"] for rule in policy] == [[{"protocol": "TCP", "port": 8000}],
-                                                  [{"protocol": "TCP", "port": 8001}]]  # fmt: skip
+                                                  [{"protocol": "TCP", "port": 8001}],
+                                                  [{"protocol": "TCP", "port": 5557}]]  # fmt: skip
+    on = build(kvEvents=True)
+    assert on["Deployment", N] == objects["Deployment", N]
 
 
 @pytest.mark.parametrize("mode", ["proxy", "endpointPicker"])
@@ -191,7 +196,14 @@ def test_kv_events_wire_the_servers_the_router_and_the_policy(mode: str) -> None
     assert model in server_volumes
     *_, kv_rule = objects["NetworkPolicy", f"{N}-server"]["spec"]["ingress"]
     selector = objects["Deployment", f"{N}-{front}"]["spec"]["selector"]
-    assert kv_rule == {"from": [{"podSelector": selector}],
+    gateway = {
+        "namespaceSelector": {
+            "matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [GATEWAY_NS]}
+            ]
+        }
+    }
+    assert kv_rule == {"from": [{"podSelector": selector}, gateway],
                        "ports": [{"protocol": "TCP", "port": 5557}]}  # fmt: skip
 
 
@@ -376,15 +388,14 @@ def test_without_the_pool_crd_the_picker_runs_and_ready_says_why() -> None:
 
 def test_kv_events_name_the_pod_in_the_topic() -> None:
     """The publisher's topic is ``kv@<pod>@<model>``, its pod from ``POD_NAME``: the pod's
-    name from the downward API (a container's hostname need not be it); a POD_NAME of the
-    user's is then refused, and allowed without kvEvents."""
+    name from the downward API (a container's hostname need not be it), with or without
+    kvEvents (the servers always publish); a POD_NAME of the user's is refused."""
     field = {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}
-    env = container(build(kvEvents=True)["Deployment", N])["env"]
-    assert {"name": "POD_NAME", "valueFrom": field} in env
-    assert all(e["name"] != "POD_NAME" for e in container(build()["Deployment", N])["env"])
+    for objects in (build(), build(kvEvents=True)):
+        assert {"name": "POD_NAME", "valueFrom": field} in container(objects["Deployment", N])[
+            "env"
+        ]
     spec = copy.deepcopy(EXAMPLE["spec"])
     spec["pod"] = {"env": [{"name": "POD_NAME", "value": "mine"}]}
-    assert _by_key(spec)  # without kvEvents: the user's
-    spec["router"]["kvEvents"] = True
     with pytest.raises(SpecError, match=r"spec.pod.env\[0\]: POD_NAME is set by the operator"):
         _by_key(spec)

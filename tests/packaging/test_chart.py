@@ -455,7 +455,7 @@ def test_monitors_select_what_the_operator_builds(custom_objects: list[dict[str,
     assert selects(pod_selector, pod_labels)
     assert not selects(pod_selector, labels("demo", "router"))
     (server,) = server_pods["spec"]["template"]["spec"]["containers"]
-    assert [p["name"] for p in server["ports"]] == ["http", "admin"]  # scraped: http
+    assert [p["name"] for p in server["ports"]] == ["http", "admin", "kv-events"]  # scraped: http
 
 
 def test_the_operators_own_monitor_scrapes_its_metrics_port(helm: Path) -> None:
