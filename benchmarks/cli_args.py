@@ -88,12 +88,21 @@ def add_router_kv_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-replicas", type=int, default=4, help="on 127.0.0.2 and up")
     p.add_argument("--simulate-speed", type=float, default=2.0, help="the replicas' speed")
     p.add_argument("--num-requests", type=int, default=300)
+    p.add_argument("--num-prefixes", type=int, default=16, help="distinct 500-token system prompts")
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=500,
+        help="each replica's KV pool in 16-token blocks (0: the profile's, 2912)",
+    )
     p.add_argument("--load-factor", type=float, default=1.0, help="x the burst capacity")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--base-port", type=int, default=8700, help="the replicas' and the router's")
     p.add_argument("--kv-events-port", type=int, default=8701, help="every replica's")
     p.add_argument("--output-dir", type=Path, default=None, help=SMOKE_DIR_HELP)
-    p.add_argument("--smoke", action="store_true", help="2 replicas, 10 requests (tests)")
+    p.add_argument(
+        "--smoke", action="store_true", help="2 replicas, 10 requests, 2 prefixes (tests)"
+    )
 
 
 def add_telemetry_args(p: argparse.ArgumentParser) -> None:

@@ -92,11 +92,17 @@ def _with_arrivals(requests: list[BenchRequest], rate: float, seed: int) -> list
 
 
 def _burst_capacity(
-    requests: list[BenchRequest], tokenizer: SimTokenizer, n: int, affinity: bool
+    requests: list[BenchRequest],
+    tokenizer: SimTokenizer,
+    n: int,
+    affinity: bool,
+    engine_kwargs: dict[str, Any] | None = None,
 ) -> float:
-    """Requests per profile second the fleet drains a burst of ``requests`` at (replay)."""
+    """Requests per profile second the fleet drains a burst of ``requests`` at (replay;
+    ``engine_kwargs`` as the replicas' flags, e.g. ``num_kv_blocks``)."""
+    profile = load_profile(PROFILE)
     result = replay(
-        requests, load_profile(PROFILE), {}, tokenizer, n, "least_kv", prefix_affinity=affinity
+        requests, profile, engine_kwargs or {}, tokenizer, n, "least_kv", prefix_affinity=affinity
     )
     return len(requests) / result.duration_s
 

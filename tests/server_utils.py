@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,6 +29,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port_block(num_ports: int, attempts: int = 100) -> int:
+    """The first of ``num_ports`` consecutive ports free on 127.0.0.1 now (for tools that take
+    a base port and count up). Drawn below Linux's ephemeral range (32768 and up), where
+    nothing is handed out by the kernel, so they stay free unless someone binds them
+    explicitly. Raises RuntimeError after ``attempts`` draws that each met a busy port."""
+    rng = random.Random()
+    for _ in range(attempts):
+        base = rng.randrange(20000, 32768 - num_ports)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + num_ports):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {num_ports} consecutive free ports in {attempts} draws")
 
 
 class Server:

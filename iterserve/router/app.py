@@ -76,6 +76,8 @@ def build_router_app(
     metrics = RouterMetrics()
     pool.on_eject = lambda name: metrics.ejections.labels(replica=name).inc()
     pool.on_remove = metrics.forget_replica
+    if picker.kv_index is not None:
+        metrics.watch_kv_index(picker.kv_index)
     proxy = Proxy(pool, picker, config, metrics)
     epp = EndpointPicker(proxy.decider) if config.mode == "endpoint-picker" else None
 

@@ -83,9 +83,11 @@ class ReplicaBlocks:
 
 @dataclass
 class IndexCounters:
-    """What the index has seen (the router's ``iterserve_router_kv_events_*`` metrics)."""
+    """What the index has seen, all replicas (the router's ``iterserve_router_kv_*`` metrics,
+    :class:`~iterserve.router.metrics.KvIndexCollector`)."""
 
-    batches: int = 0
+    batches: int = 0  # batches applied
+    events: dict[str, int] = field(default_factory=dict)  # events applied, by type name
     malformed: int = 0  # messages that did not decode
     gaps: int = 0  # sequence gaps or restarts that cleared a replica
     unresolved: int = 0  # stored blocks whose parent was unknown
@@ -134,6 +136,8 @@ class KvIndex:
         replica.last_seq = seq
         self.counters.batches += 1
         for event in batch.events:
+            kind = type(event).__name__
+            self.counters.events[kind] = self.counters.events.get(kind, 0) + 1
             if isinstance(event, BlockStored):
                 self._stored(replica, event)
             elif isinstance(event, BlockRemoved):

@@ -1,6 +1,16 @@
-"""The router's Prometheus metrics (``iterserve_router_*``, docs/router.md), prometheus-client."""
+"""The router's Prometheus metrics (``iterserve_router_*``, docs/router.md), prometheus-client.
+
+Most are the client library's own counters, updated where things happen. The KV-event index's
+(``iterserve_router_kv_*``, with ``--kv-events-port``) are read from the index at each scrape
+instead (:class:`KvIndexCollector`, a custom collector): the index keeps its own counters, and
+a replica's ``iterserve_router_kv_blocks`` series goes away with the replica's entry in the
+index (the subscriptions drop it when it leaves the set), with nothing to remove by hand.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -9,8 +19,13 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from iterserve.router.retry import RETRY_REASONS
+
+if TYPE_CHECKING:  # the index (and its msgpack) only with --kv-events-port
+    from iterserve.router.kv_index import KvIndex
 
 # No ``*_created`` series (as the server's).
 disable_created_metrics()
@@ -71,3 +86,51 @@ class RouterMetrics:
         series must not stay, or they grow with every rolling restart)."""
         for metric in (self.requests, self.ejections, self.served):
             metric.remove_by_labels({"replica": name})
+
+    def watch_kv_index(self, index: KvIndex) -> None:
+        """Export ``index``'s counters and blocks (``iterserve_router_kv_*``) from now on."""
+        self.registry.register(KvIndexCollector(index))
+
+
+# The KV events' type names (kv_events' wire tags): their series exist at 0 from the start.
+KV_EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+
+
+class KvIndexCollector(Collector):
+    """The KV-event index's counters and per-replica blocks, read at each scrape.
+
+    Series (``p`` = ``iterserve_router_kv_``): ``p + batches_total``, ``p + events_total{type}``,
+    ``p + malformed_total``, ``p + gaps_total``, ``p + unresolved_blocks_total``,
+    ``p + overflows_total`` (all replicas together; see
+    :class:`~iterserve.router.kv_index.IndexCounters`) and ``p + blocks{replica}`` (the
+    distinct prompt blocks the index says a replica holds in its accelerator's KV cache).
+    """
+
+    def __init__(self, index: KvIndex) -> None:
+        self.index = index
+
+    def collect(self) -> Iterator[Metric]:
+        p = "iterserve_router_kv_"
+        c = self.index.counters
+        yield CounterMetricFamily(p + "batches", "KV-event batches applied", value=c.batches)
+        events = CounterMetricFamily(
+            p + "events", "KV events applied, by type (vLLM's event names)", labels=["type"]
+        )
+        for kind in sorted({*KV_EVENT_TYPES, *c.events}):
+            events.add_metric([kind], c.events.get(kind, 0))
+        yield events
+        for name, doc, value in (
+            ("malformed", "KV-event messages ignored: they did not decode", c.malformed),
+            ("gaps", "Sequence gaps or restarts that cleared a replica's blocks", c.gaps),
+            ("unresolved_blocks", "Stored blocks skipped: parent never seen", c.unresolved),
+            ("overflows", "Replicas cleared for holding too many blocks", c.overflows),
+        ):
+            yield CounterMetricFamily(p + name, doc, value=value)
+        blocks = GaugeMetricFamily(
+            p + "blocks",
+            "Prompt blocks a replica holds in its accelerator's KV cache, per its KV events",
+            labels=["replica"],
+        )
+        for replica in sorted(self.index.replicas):
+            blocks.add_metric([replica], self.index.num_blocks(replica))
+        yield blocks

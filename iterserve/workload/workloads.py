@@ -10,7 +10,11 @@ Workloads (``--workload``):
 - ``mixed``: prompt lengths log-normal (median 200 tokens, sigma 0.8, clipped to 16-1024);
   output lengths 50% uniform 8-48, 35% 48-192, 15% 192-512.
 - ``long-prompt``: one request in ten with a 3,000-4,000-token prompt, the rest 100-300.
-- ``shared-prefix``: one 500-token system prompt shared by all, plus 50-200 tokens each.
+- ``shared-prefix``: one 500-token system prompt shared by all, plus 50-200 tokens each; with
+  ``num_prefixes`` N > 1, N distinct system prompts, each request one of them drawn uniformly
+  (its own seeded generator, so the tails are those of any other N with the same seed).
+  Decision: uniform, as the prefix-group workloads of the Gateway API Inference Extension's and
+  SGLang's benchmarks; a Zipf skew would mostly measure the load bound on the hot prefixes.
 
 Trace (JSONL, one request per line, docs/simulator.md): ``{"timestamp": s, "prompt": str,
 "max_tokens": int}`` plus optional ``min_tokens``, ``priority`` (tier name or integer),
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 WORKLOADS = ("mixed", "long-prompt", "shared-prefix")
+SYSTEM_PROMPT_LEN = 500  # tokens of shared-prefix's system prompts
 
 # Standard-library modules whose docstrings make the corpus (fixed, for reproducibility).
 _CORPUS_MODULES = (
@@ -127,7 +132,12 @@ def _mixed_output_len(rng: random.Random) -> int:
 
 
 def make_workload(
-    name: str, tokenizer: Any, num_requests: int = 64, seed: int = 0, max_output_len: int = 512
+    name: str,
+    tokenizer: Any,
+    num_requests: int = 64,
+    seed: int = 0,
+    max_output_len: int = 512,
+    num_prefixes: int = 1,
 ) -> list[BenchRequest]:
     """The requests of workload ``name`` (see the module docstring), reproducible by ``seed``.
 
@@ -135,18 +145,24 @@ def make_workload(
         tokenizer: cuts the prompts; None gives requests with lengths only (``prompt`` empty,
             ``prompt_len`` set: what ``iterserve simulate`` accepts without a tokenizer).
         max_output_len: clip output lengths (``--smoke`` runs use short outputs).
+        num_prefixes: ``shared-prefix``'s distinct 500-token system prompts (1: one for all).
 
     Raises:
-        ValueError: unknown workload name.
+        ValueError: unknown workload name; ``num_prefixes`` < 1, or > 1 for another workload.
     """
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS} or give a trace")
+    if num_prefixes < 1 or (num_prefixes > 1 and name != "shared-prefix"):
+        raise ValueError(
+            f"num_prefixes must be >= 1 (and > 1 only for shared-prefix), got {num_prefixes}"
+        )
     rng = random.Random(seed)
+    prefix_rng = random.Random(f"prefixes-{seed}")  # which system prompt: apart from the tails
     cutter = PromptCutter(tokenizer, rng) if tokenizer is not None else None
     requests: list[BenchRequest] = []
-    system = ""
+    systems = [""]
     if name == "shared-prefix" and cutter is not None:
-        system = cutter.cut(500)
+        systems = [cutter.cut(SYSTEM_PROMPT_LEN) for _ in range(num_prefixes)]
     for i in range(num_requests):
         if name == "mixed":
             prompt_len = int(min(1024, max(16, rng.lognormvariate(math.log(200), 0.8))))
@@ -157,8 +173,9 @@ def make_workload(
         output_len = min(max_output_len, _mixed_output_len(rng))
         prompt = cutter.cut(prompt_len) if cutter is not None else ""
         if name == "shared-prefix":
+            system = systems[prefix_rng.randrange(len(systems))]
             prompt = system + "\n\n" + prompt if system else prompt
-            prompt_len += 500
+            prompt_len += SYSTEM_PROMPT_LEN
         requests.append(BenchRequest(prompt, prompt_len, output_len))
     return requests
 

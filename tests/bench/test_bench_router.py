@@ -8,12 +8,10 @@ import math
 from pathlib import Path
 
 import pytest
+from server_utils import free_port_block
 
 from benchmarks.cli_args import parse_args
 from benchmarks.router import BALANCE_POLICIES, main
-
-# Ports of this test's replicas and router (bench router's full runs use 8680 and up).
-BASE_PORT = 8690
 
 
 def _finite(run: dict[str, float], keys: tuple[str, ...]) -> bool:
@@ -21,7 +19,8 @@ def _finite(run: dict[str, float], keys: tuple[str, ...]) -> bool:
 
 
 def test_smoke_run_writes_three_parts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--smoke", "--output-dir", str(tmp_path), "--base-port", str(BASE_PORT)]
+    # The replicas on the base port and up, the router after them: 2 replicas in --smoke.
+    argv = ["--smoke", "--output-dir", str(tmp_path), "--base-port", str(free_port_block(3))]
     assert main(parse_args("router", argv)) == 0
     (json_path,) = tmp_path.glob("router-*/router.json")
     data = json.loads(json_path.read_text())

@@ -120,6 +120,26 @@ def test_long_prompt_and_shared_prefix_workloads(tokenizer: Any) -> None:
     assert all(550 <= r.prompt_len <= 700 for r in shared)
 
 
+def test_shared_prefix_with_many_prefixes(tokenizer: Any) -> None:
+    one = make_workload("shared-prefix", tokenizer, 40, seed=5)
+    assert make_workload("shared-prefix", tokenizer, 40, seed=5, num_prefixes=1) == one
+    many = make_workload("shared-prefix", tokenizer, 40, seed=5, num_prefixes=4)
+    assert many == make_workload("shared-prefix", tokenizer, 40, seed=5, num_prefixes=4)
+    groups: dict[str, list[str]] = {}  # by the first 100 characters: the system prompt
+    for r in many:
+        groups.setdefault(r.prompt[:100], []).append(r.prompt)
+    assert len({r.prompt[:100] for r in one}) == 1
+    assert len(groups) == 4  # 40 uniform draws over 4: every one drawn (seeded)
+    for prompts in groups.values():
+        assert len(prompts) >= 2
+        prefix = os.path.commonprefix(prompts)  # noqa: RUF071 (strings)
+        assert len(tokenizer(prefix).input_ids) == pytest.approx(500, abs=10)
+    assert all(550 <= r.prompt_len <= 700 for r in many)
+    for bad, name in ((0, "shared-prefix"), (2, "mixed")):
+        with pytest.raises(ValueError, match="num_prefixes must be >= 1"):
+            make_workload(name, tokenizer, 4, num_prefixes=bad)
+
+
 def test_trace_round_trip(tmp_path: Path, tokenizer: Any) -> None:
     requests = make_workload("mixed", tokenizer, 5, max_output_len=20)
     path = tmp_path / "trace.jsonl"

@@ -1,12 +1,17 @@
 """The router's KV index on hand-made event batches, and the picker that uses it: blocks keyed
 by the router's own chain hash of their tokens (the engine's hashes here are arbitrary
-numbers), chains, removals, clears, sequence gaps, malformed messages."""
+numbers), chains, removals, clears, sequence gaps, malformed messages; the index's counters
+and blocks on the router's ``/metrics``."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.kv_events import (
     AllBlocksCleared,
@@ -16,9 +21,12 @@ from iterserve.kv_events import (
     KVCacheEvent,
     encode_message,
 )
+from iterserve.router.app import RouterApp
+from iterserve.router.cli_args import add_router_args
 from iterserve.router.kv_index import KvIndex, chain_keys
 from iterserve.router.prompt_tokens import load_prompt_tokenizer, prompt_token_ids
 from iterserve.router.scoring import HashRing, LoadReport, Picker, ReplicaState, prefix_key
+from iterserve.router.server import build
 from iterserve.sim.tokenizer import CharTokenizer
 
 BS = 4
@@ -187,3 +195,86 @@ def test_kv_event_flags_are_checked() -> None:
     with pytest.raises(ValueError, match=r"--kv-events-port must be in \[0, 65535\]"):
         RouterConfig(backend=backend, kv_events_port=70000)
     assert RouterConfig(backend=backend, kv_events_port=5557, tokenizer="char").kv_events_port
+
+
+def _router_with_kv_events() -> RouterApp:
+    """The router's app from its flags, with ``--kv-events-port`` (nothing started: the
+    subscriptions run in the lifespan, which these tests do not enter)."""
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    backends = ["--backend", "http://127.0.0.2:8000", "--backend", "http://127.0.0.3:8000"]
+    return build(parser.parse_args([*backends, "--kv-events-port", "5557", "--tokenizer", "char"]))
+
+
+def _kv_samples(app: RouterApp) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The router's ``/metrics``, its ``iterserve_router_kv_*`` samples: (name, labels) ->
+    value."""
+
+    async def scrape() -> str:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            r = await c.get("/metrics")
+            assert r.status_code == 200
+            return r.text
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(asyncio.run(scrape()))
+        for s in family.samples
+        if s.name.startswith("iterserve_router_kv_")
+    }
+
+
+def test_the_index_counters_and_blocks_are_router_metrics() -> None:
+    app = _router_with_kv_events()
+    index = app.proxy.picker.kv_index
+    assert index is not None
+    zero = {
+        ("iterserve_router_kv_batches_total", ()): 0.0,
+        ("iterserve_router_kv_events_total", (("type", "AllBlocksCleared"),)): 0.0,
+        ("iterserve_router_kv_events_total", (("type", "BlockRemoved"),)): 0.0,
+        ("iterserve_router_kv_events_total", (("type", "BlockStored"),)): 0.0,
+        ("iterserve_router_kv_malformed_total", ()): 0.0,
+        ("iterserve_router_kv_gaps_total", ()): 0.0,
+        ("iterserve_router_kv_unresolved_blocks_total", ()): 0.0,
+        ("iterserve_router_kv_overflows_total", ()): 0.0,
+    }
+    assert _kv_samples(app) == zero  # every counter from the start, no replica yet
+
+    a, b = "127.0.0.2:8000", "127.0.0.3:8000"  # the replicas' names (host:port)
+    index.apply_frames(a, _frames(0, _stored([901, 902], None, PROMPT[:8])))
+    index.apply_frames(
+        a, _frames(1, _stored([903], 902, PROMPT[8:12]), BlockRemoved((901,), "GPU"))
+    )
+    index.apply_frames(b, _frames(0, _stored([5, 6], 999, PROMPT[4:12])))  # parent unseen
+    index.apply_frames(b, _frames(3, _stored([7], None, PROMPT[:4])))  # 1 and 2 lost: a gap
+    index.apply_frames(b, [b"kv@pod@model", b"\x00"])  # malformed
+    index.apply_frames(b, _frames(4, AllBlocksCleared()))
+    index.apply_frames(b, _frames(5, _stored([8], None, PROMPT[:4])))
+    samples = _kv_samples(app)
+    assert samples == {
+        **zero,
+        ("iterserve_router_kv_batches_total", ()): 6.0,
+        ("iterserve_router_kv_events_total", (("type", "AllBlocksCleared"),)): 1.0,
+        ("iterserve_router_kv_events_total", (("type", "BlockRemoved"),)): 1.0,
+        ("iterserve_router_kv_events_total", (("type", "BlockStored"),)): 5.0,
+        ("iterserve_router_kv_malformed_total", ()): 1.0,
+        ("iterserve_router_kv_gaps_total", ()): 1.0,
+        ("iterserve_router_kv_unresolved_blocks_total", ()): 2.0,
+        ("iterserve_router_kv_blocks", (("replica", a),)): 2.0,  # 902, 903 (901 removed)
+        ("iterserve_router_kv_blocks", (("replica", b),)): 1.0,
+    }
+
+    index.remove(a)  # it left the set (the subscriptions drop it): its series goes too
+    samples = _kv_samples(app)
+    assert ("iterserve_router_kv_blocks", (("replica", a),)) not in samples
+    assert samples[("iterserve_router_kv_blocks", (("replica", b),))] == 1.0
+    assert samples[("iterserve_router_kv_batches_total", ())] == 6.0
+
+
+def test_no_kv_metrics_without_kv_events() -> None:
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    app = build(parser.parse_args(["--backend", "http://127.0.0.2:8000"]))
+    assert app.proxy.picker.kv_index is None
+    assert _kv_samples(app) == {}
