@@ -175,7 +175,10 @@ def _local_replies(s: GatewaySettings) -> dict[str, Any]:
             code = {"op": "EQ", "value": {"default_value": status, "runtime_key": "unused"}}
             status_filter = {"status_code_filter": {"comparison": code}}
             match = {"and_filter": {"filters": [match, status_filter]}}
-        out = {"filter": match, "body_format_override": {"json_format": {"error": error}}}
+        out: dict[str, Any] = {
+            "filter": match,
+            "body_format_override": {"json_format": {"error": error}},
+        }
         if status == 503:
             retry = {"header": {"key": "retry-after", "value": "1"}}
             out["headers_to_add"] = [{**retry, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]

@@ -207,6 +207,31 @@ def test_an_sse_stream_through_envoy_keeps_its_timing(setup: Setup) -> None:
     asyncio.run(run())
 
 
+def test_clients_leaving_mid_stream_end_their_picks(setup: Setup) -> None:
+    """A client that disconnects mid-stream through Envoy: Envoy closes the ext_proc stream
+    and the pick's in-flight attempt ends (it would otherwise weigh on the replica's score
+    for ever)."""
+
+    async def run() -> None:
+        async with router(*_picker_flags(setup, setup.idle)) as (_, app):
+            backend = pool_of(app).backends[setup.idle.url]
+            await until(lambda: backend.state.ready, "ready")
+            body = {"prompt": "s", "max_tokens": 500, "ignore_eos": True, "stream": True}
+            for _ in range(3):
+                async with (
+                    httpx.AsyncClient(timeout=60) as http,
+                    http.stream("POST", setup.gateway.url + "/v1/completions", json=body) as r,
+                ):
+                    lines = r.aiter_lines()
+                    while not (await anext(lines)).startswith("data: {"):
+                        pass
+                    assert backend.in_flight == 1
+                # The client is gone, the stream not over.
+            await until(lambda: backend.in_flight == 0, "the picks ended")
+
+    asyncio.run(run())
+
+
 def test_the_picker_down_is_fail_close_or_fail_open(setup: Setup) -> None:
     body = {"prompt": "d", "max_tokens": 2}
     # No picker on its port: FailClose answers 503, in OpenAI's shape as the picker's own.
