@@ -68,6 +68,7 @@ BlockHash = int | bytes
 
 _SEQ_NUM_BYTES = 8
 _UINT64_MAX = (1 << 64) - 1
+_TOKEN_ID_END = 1 << 63  # token ids are hashed as int64 (hash_block_tokens)
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 """Larger payloads are refused before unpacking (one iteration's events are kilobytes)."""
 
@@ -262,8 +263,11 @@ def _decode_block_stored(fields: list[Any]) -> BlockStored:
         None if parent_raw is None else _check_hash(parent_raw, "BlockStored.parent_block_hash")
     )
     tokens = _check_int_list(tokens_raw, "BlockStored.token_ids")
-    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in tokens):
-        raise KVEventsFormatError("BlockStored.token_ids must be non-negative ints")
+    # Below 2**63: the chain hash packs token ids as int64 (a larger one raised past here).
+    if any(
+        isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _TOKEN_ID_END for t in tokens
+    ):
+        raise KVEventsFormatError("BlockStored.token_ids must be non-negative ints below 2**63")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise KVEventsFormatError(f"BlockStored.block_size must be an int >= 1, got {block_size!r}")
     if len(tokens) != len(hashes) * block_size:

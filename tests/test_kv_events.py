@@ -149,6 +149,8 @@ STORED = ["BlockStored", [1], None, [1, 2], 2, None, "GPU"]
         (_pack([1.0, [["BlockStored", [1], "p", [1, 2], 2, None]]]), "parent_block_hash"),
         (_pack([1.0, [["BlockStored", [1], None, [1, -2], 2, None]]]), "non-negative ints"),
         (_pack([1.0, [["BlockStored", [1], None, [1, "a"], 2, None]]]), "non-negative ints"),
+        # Past int64 the chain hash cannot pack it (it killed the router's subscription).
+        (_pack([1.0, [["BlockStored", [1], None, [1, 1 << 63], 2, None]]]), "below 2\\*\\*63"),
         (_pack([1.0, [["BlockStored", [1], None, [1, 2], 0, None]]]), "block_size must be"),
         (
             _pack([1.0, [["BlockStored", [1], None, [1, 2, 3], 2, None]]]),

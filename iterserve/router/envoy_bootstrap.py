@@ -36,6 +36,9 @@ import yaml
 
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
+# The picker's ImmediateResponses carry this details prefix; Envoy's local-reply mappers
+# leave those answers as the picker wrote them (they are in OpenAI's shape already).
+PICKER_DETAILS_PREFIX = "iterserve_picker_"
 _TYPES = "type.googleapis.com/envoy.extensions."
 
 
@@ -133,6 +136,7 @@ def _listener(s: GatewaySettings) -> dict[str, Any]:
             ]
         },
         "http_filters": [_strip_destination(), _ext_proc(s), _router()],
+        "local_reply_config": _local_replies(s),
     }
     return {
         "name": "gateway",
@@ -145,6 +149,56 @@ def _listener(s: GatewaySettings) -> dict[str, Any]:
                 ]
             }
         ],
+    }
+
+
+def _local_replies(s: GatewaySettings) -> dict[str, Any]:
+    """Envoy's own answers (a body over its buffer: 413; the picker unreachable in FailClose,
+    no healthy upstream: 503; ...) in OpenAI's error shape, as the picker's and the replicas'
+    are, with ``Retry-After`` on a 503; the picker's own answers are left as they are.
+
+    Decision: a CEL filter on the response's details tells the picker's ImmediateResponses
+    (:data:`PICKER_DETAILS_PREFIX`) from Envoy's; a status filter alone would rewrite the
+    picker's 503s and 413s too (their codes and messages lost)."""
+    not_picker = {
+        "name": "envoy.access_loggers.extension_filters.cel",
+        "typed_config": {
+            "@type": _TYPES + "access_loggers.filters.cel.v3.ExpressionFilter",
+            "expression": f"!response.code_details.startsWith('{PICKER_DETAILS_PREFIX}')",
+        },
+    }
+
+    def mapper(status: int | None, message: str, kind: str) -> dict[str, Any]:
+        error = {"message": message, "type": kind, "param": None, "code": None}
+        match: dict[str, Any] = {"extension_filter": not_picker}
+        if status is not None:
+            code = {"op": "EQ", "value": {"default_value": status, "runtime_key": "unused"}}
+            status_filter = {"status_code_filter": {"comparison": code}}
+            match = {"and_filter": {"filters": [match, status_filter]}}
+        out: dict[str, Any] = {
+            "filter": match,
+            "body_format_override": {"json_format": {"error": error}},
+        }
+        if status == 503:
+            retry = {"header": {"key": "retry-after", "value": "1"}}
+            out["headers_to_add"] = [{**retry, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+        return out
+
+    why = "%RESPONSE_CODE_DETAILS%"
+    return {
+        "mappers": [
+            mapper(
+                413,
+                f"the request body is over {s.max_request_body_bytes} bytes",
+                "invalid_request_error",
+            ),
+            mapper(
+                503,
+                f"the gateway cannot serve the request now ({why}); retry later",
+                "service_unavailable_error",
+            ),
+            mapper(None, f"the gateway answered %RESPONSE_CODE% ({why})", "api_error"),
+        ]
     }
 
 

@@ -46,6 +46,7 @@ from iterserve.credentials import TRUSTED_HEADERS, Grant
 from iterserve.openai_http import APIError
 from iterserve.router.asgi import shutting_down
 from iterserve.router.decide import Decider, Decision, Ranking, endpoint_of, no_ready_replica
+from iterserve.router.envoy_bootstrap import PICKER_DETAILS_PREFIX
 from iterserve.router.pool import Backend, OpenAttempt
 
 logger = logging.getLogger("iterserve.router")
@@ -292,7 +293,7 @@ def _immediate(error: APIError) -> pb.ProcessingResponse:
             status=http_status_pb2.HttpStatus(code=error.status),
             headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in headers.items()]),
             body=json.dumps(error.body()).encode(),
-            details=f"iterserve_picker_{error.status}",
+            details=f"{PICKER_DETAILS_PREFIX}{error.status}",
         )
     )
 

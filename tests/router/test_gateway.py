@@ -207,11 +207,38 @@ def test_an_sse_stream_through_envoy_keeps_its_timing(setup: Setup) -> None:
     asyncio.run(run())
 
 
+def test_clients_leaving_mid_stream_end_their_picks(setup: Setup) -> None:
+    """A client that disconnects mid-stream through Envoy: Envoy closes the ext_proc stream
+    and the pick's in-flight attempt ends (it would otherwise weigh on the replica's score
+    for ever)."""
+
+    async def run() -> None:
+        async with router(*_picker_flags(setup, setup.idle)) as (_, app):
+            backend = pool_of(app).backends[setup.idle.url]
+            await until(lambda: backend.state.ready, "ready")
+            body = {"prompt": "s", "max_tokens": 500, "ignore_eos": True, "stream": True}
+            for _ in range(3):
+                async with (
+                    httpx.AsyncClient(timeout=60) as http,
+                    http.stream("POST", setup.gateway.url + "/v1/completions", json=body) as r,
+                ):
+                    lines = r.aiter_lines()
+                    while not (await anext(lines)).startswith("data: {"):
+                        pass
+                    assert backend.in_flight == 1
+                # The client is gone, the stream not over.
+            await until(lambda: backend.in_flight == 0, "the picks ended")
+
+    asyncio.run(run())
+
+
 def test_the_picker_down_is_fail_close_or_fail_open(setup: Setup) -> None:
     body = {"prompt": "d", "max_tokens": 2}
-    # No picker on its port: FailClose answers 503.
+    # No picker on its port: FailClose answers 503, in OpenAI's shape as the picker's own.
     r = httpx.post(setup.gateway.url + "/v1/completions", json=body, timeout=30)
-    assert r.status_code == 503
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert _openai_error(r)["type"] == "service_unavailable_error"
+    assert "ext_proc" in _openai_error(r)["message"]  # what failed, from Envoy's details
     # FailOpen: the request goes on without a pick, round robin over the pool's endpoints.
     settings = GatewaySettings(
         listen=Address("127.0.0.1", 0),
@@ -226,6 +253,40 @@ def test_the_picker_down_is_fail_close_or_fail_open(setup: Setup) -> None:
             assert r.status_code == 200
             served.add(r.headers[SERVED])
         assert served == {_endpoint(setup.busy), _endpoint(setup.idle)}
+
+
+def _openai_error(r: httpx.Response) -> dict[str, Any]:
+    """The ``error`` object of an answer in OpenAI's error shape (asserting that shape)."""
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    error = r.json()["error"]
+    assert isinstance(error["message"], str) and isinstance(error["type"], str)
+    assert set(error) == {"message", "type", "param", "code"}
+    return dict(error)
+
+
+def test_the_gateways_own_refusals_are_in_openais_shape_and_the_pickers_pass(
+    setup: Setup,
+) -> None:
+    """Envoy's local replies (a body over its buffer: 413) in OpenAI's error shape; the
+    picker's answers (401 here) reach the client as the picker wrote them."""
+
+    async def run() -> None:
+        flags = (*_picker_flags(setup, setup.idle), "--api-key", "k1")
+        async with router(*flags) as (_, app), httpx.AsyncClient(timeout=30) as http:
+            await until(lambda: len(pool_of(app).ready()) == 1, "ready")
+            url = setup.gateway.url + "/v1/completions"
+            r = await http.post(url, json={"prompt": "a"})
+            assert r.status_code == 401 and _openai_error(r)["code"] == "invalid_api_key"
+            huge = {"prompt": "a" * (5 << 20)}  # over the bootstrap's 4 MiB buffer
+            r = await http.post(url, json=huge, headers={"authorization": "Bearer k1"})
+            assert r.status_code == 413 and "4194304 bytes" in _openai_error(r)["message"]
+            assert _openai_error(r)["type"] == "invalid_request_error"
+            r = await http.post(
+                url, json={"prompt": "a", "max_tokens": 1}, headers={"authorization": "Bearer k1"}
+            )
+            assert r.status_code == 200
+
+    asyncio.run(run())
 
 
 def test_a_request_with_no_replica_ready_is_held_until_one_is(setup: Setup) -> None:

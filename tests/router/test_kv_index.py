@@ -98,6 +98,8 @@ def test_malformed_messages_are_ignored_and_counted() -> None:
         [good[0], b"\x00" * 4, good[2]],  # a short sequence number
         [good[0], good[1], b"\xc1 not msgpack"],
         [good[0], good[1], b"\x93\x00\x91\x92\xabBlockStored\x01\xc0"],  # a short BlockStored
+        # A token id past int64 (a rogue publisher): the chain hash cannot pack it.
+        _frames(2, BlockStored((904,), 903, (1 << 63, 1, 2, 3), BS)),
     ]
     for frames in bad:
         assert not index.apply_frames("a", frames)

@@ -89,3 +89,40 @@ def test_subscriptions_follow_the_pool_and_a_restarted_publisher_clears_its_repl
         assert not subscriber._tasks
 
     asyncio.run(asyncio.wait_for(run(), 30))
+
+
+def test_a_message_over_the_size_limit_is_refused_by_the_transport() -> None:
+    """A rogue publisher's huge message is never buffered whole: ZMQ drops the connection
+    at ``max_message_bytes`` (the subscription reconnects and goes on)."""
+    port = _free_port()
+    pool = ReplicaPool()
+    pool.set_urls(["http://127.0.0.1:1"])
+    name = "127.0.0.1:1"
+    index = KvIndex()
+    subscriber = KvEventsSubscriber(
+        pool, index, port, reconcile_interval_s=0.02, max_message_bytes=1024
+    )
+    stored = EventBatch(0.0, (BlockStored((7,), None, BLOCK, 4),))
+
+    async def run() -> None:
+        task = asyncio.create_task(subscriber.run())
+        try:
+            with publisher(port) as pub:
+                seq = 0
+                while index.num_blocks(name) == 0:  # subscribed
+                    pub.send_multipart(encode_message("kv@p@m", seq, stored))
+                    seq += 1
+                    await asyncio.sleep(0.02)
+                pub.send_multipart([b"kv@p@m", seq.to_bytes(8, "big"), b"\xc1" * 4096])
+                await until(lambda: subscriber.num_connects >= 2, "dropped and reconnected")
+                while index.num_blocks(name) == 0:  # events flow again
+                    seq += 1
+                    pub.send_multipart(encode_message("kv@p@m", seq, stored))
+                    await asyncio.sleep(0.02)
+            assert index.counters.malformed == 0  # never received, so never decoded
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(asyncio.wait_for(run(), 30))
