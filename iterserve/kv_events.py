@@ -55,8 +55,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-import zmq
+# msgpack and zmq are imported where they are used: the engine imports this module for the
+# events and the chain hash, and a machine that never publishes (the lent GPU machine's
+# benchmark image) need not have them.
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,8 @@ def _event_to_wire(event: KVCacheEvent) -> list[Any]:
 
 def encode_batch(batch: EventBatch) -> bytes:
     """The msgpack payload of ``batch`` (the third frame of a message)."""
+    import msgpack
+
     wire = [batch.ts, [_event_to_wire(e) for e in batch.events], batch.data_parallel_rank]
     return msgpack.packb(wire, use_bin_type=True)
 
@@ -311,6 +314,8 @@ def decode_batch(payload: bytes) -> EventBatch:
         KVEventsFormatError: not msgpack, larger than :data:`MAX_PAYLOAD_BYTES`, or not the
             shape above (the message says which field).
     """
+    import msgpack
+
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise KVEventsFormatError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
     try:
@@ -403,6 +408,8 @@ class KVEventPublisher:
         max_queue_batches: int = 10_000,
         sndhwm: int = 100_000,
     ) -> None:
+        import zmq
+
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {port}")
         self.topic = topic
@@ -460,6 +467,8 @@ class KVEventPublisher:
         self._ctx.term()
 
     def _run(self) -> None:
+        import zmq
+
         while True:
             try:
                 seq, batch = self._queue.get(timeout=0.05)

@@ -213,7 +213,7 @@ def test_admin_token_rotation_with_a_live_change_in_the_same_pass(
     hidden = httpx.get(f"{pod_url(pods[0])}/admin/scheduler_config", headers=bearer, timeout=5)
     assert hidden.status_code == 404
     policy = cluster.get("networkpolicy", f"{NAME}-server", deployed)
-    assert [r["ports"][0]["port"] for r in policy["spec"]["ingress"]] == [8000, 8001]
+    assert [r["ports"][0]["port"] for r in policy["spec"]["ingress"]] == [8000, 8001, 5557]
     body = {"metadata": {"annotations": {"iterserve.io/rotate-admin-token": "r1"}},
             "spec": {"scheduler": {"maxNumSeqs": 40}}}  # fmt: skip
     cluster.kubectl("patch", "llmd", NAME, "-n", deployed, "--type", "merge", "-p",
