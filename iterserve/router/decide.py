@@ -266,13 +266,20 @@ def _json_object(body: bytes) -> dict[str, Any] | None:
 
 
 def _prefix_key(data: dict[str, Any]) -> bytes | None:
-    """The prefix key of a generation body (a JSON object)."""
+    """The prefix key of a generation body (a JSON object); a batch of prompts is keyed by
+    its first."""
     messages = data.get("messages")
     prompt = data.get("prompt")
     if isinstance(messages, list):
-        key = prefix_key(messages=[m for m in messages if isinstance(m, dict)])
-    elif isinstance(prompt, str):
-        key = prefix_key(prompt)
-    else:
-        key = None
-    return key or None
+        return prefix_key(messages=[m for m in messages if isinstance(m, dict)]) or None
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prefix_key(prompt) or None
+    if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+        return prefix_key(token_ids=prompt)
+    return None
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -132,11 +132,16 @@ def scores(
 
 
 def prefix_key(
-    prompt: str | None = None, messages: Sequence[Mapping[str, Any]] | None = None
+    prompt: str | None = None,
+    messages: Sequence[Mapping[str, Any]] | None = None,
+    token_ids: Sequence[int] | None = None,
 ) -> bytes:
     """The bytes a request's prefix is hashed by: the first 512 bytes of the prompt text; for
-    chat, of the system message and the first user message (docs/router.md)."""
-    if messages is not None:
+    chat, of the system message and the first user message; for a prompt given as token ids,
+    of ``"ids:"`` and its ids in decimal, comma-separated (docs/router.md)."""
+    if token_ids is not None:
+        text = "ids:" + ",".join(str(t) for t in token_ids[:PREFIX_KEY_BYTES])
+    elif messages is not None:
         parts = []
         for role in ("system", "user"):
             first = next((m for m in messages if m.get("role") == role), None)

@@ -141,6 +141,21 @@ def test_prefix_key_of_chat_and_completions() -> None:
     )
 
 
+def test_prefix_key_of_token_ids_and_of_a_batch() -> None:
+    """A prompt of token ids is keyed by its leading ids (it had no key: no affinity at all);
+    a batch by its first prompt; what no replica takes has none."""
+    from iterserve.router.decide import _prefix_key
+
+    ids = list(range(1000))
+    assert _prefix_key({"prompt": ids}) == prefix_key(token_ids=ids)
+    assert _prefix_key({"prompt": ids}) == _prefix_key({"prompt": [*ids, 7]})  # same prefix
+    assert _prefix_key({"prompt": [5, 6]}) == b"ids:5,6" != _prefix_key({"prompt": "5,6"})
+    assert _prefix_key({"prompt": [ids, [1]]}) == _prefix_key({"prompt": ids})
+    assert _prefix_key({"prompt": ["one", "two"]}) == b"one"
+    for prompt in ([], [True, 1], [1.5], [{}], None, {}):
+        assert _prefix_key({"prompt": prompt}) is None
+
+
 def test_round_robin_random_and_session() -> None:
     replicas = [_replica(n) for n in "abc"]
     rr = Picker("round_robin")
