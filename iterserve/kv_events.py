@@ -463,6 +463,11 @@ class KVEventPublisher:
             return
         self._stop.set()
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            # Still inside a send: a ZMQ socket is not thread-safe, so it is left to the
+            # process's exit rather than closed under the sender.
+            logger.warning("KV events: the sender thread did not stop in %.1f s", timeout_s)
+            return
         self._sock.close()
         self._ctx.term()
 

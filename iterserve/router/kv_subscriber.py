@@ -125,6 +125,10 @@ class KvEventsSubscriber:
         except zmq.ZMQError as e:  # a bad endpoint (an unresolvable host): logged, retried
             logger.warning("KV events of %s at %s: %s", name, endpoint, e)
             await asyncio.sleep(1.0)
+        except Exception:  # a bug: logged, and the next reconcile subscribes anew
+            logger.exception("KV events of %s at %s: the subscription failed", name, endpoint)
+            self.index.clear(name)
+            await asyncio.sleep(1.0)
         finally:
             sock.disable_monitor()
             monitor.close(linger=0)

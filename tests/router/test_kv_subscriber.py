@@ -9,6 +9,7 @@ import contextlib
 import socket
 from collections.abc import Iterator
 
+import pytest
 import zmq
 from router_utils import until
 
@@ -126,3 +127,44 @@ def test_a_message_over_the_size_limit_is_refused_by_the_transport() -> None:
                 await task
 
     asyncio.run(asyncio.wait_for(run(), 30))
+
+
+def test_a_failure_inside_a_subscription_is_logged_and_it_subscribes_anew(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A bug in handling one message (here: the index raising once) ends that subscription
+    with its traceback logged, and the next reconcile subscribes again: events flow on."""
+    port = _free_port()
+    pool = ReplicaPool()
+    pool.set_urls(["http://127.0.0.1:1"])
+    name = "127.0.0.1:1"
+    index = KvIndex()
+    apply_frames, calls = index.apply_frames, []
+
+    def failing_once(replica: str, frames: list[bytes]) -> None:
+        calls.append(replica)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        apply_frames(replica, frames)
+
+    index.apply_frames = failing_once  # type: ignore[method-assign]
+    subscriber = KvEventsSubscriber(pool, index, port, reconcile_interval_s=0.02)
+
+    async def run() -> None:
+        task = asyncio.create_task(subscriber.run())
+        try:
+            with publisher(port) as pub:
+                for seq in range(600):
+                    stored = BlockStored((seq + 1000,), None, BLOCK, 4)
+                    pub.send_multipart(encode_message("kv@p@m", seq, EventBatch(0.0, (stored,))))
+                    await asyncio.sleep(0.01)
+                    if index.num_blocks(name):
+                        break
+                assert index.num_blocks(name) == 1, "no event reached the index after the failure"
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(run())
+    assert "the subscription failed" in caplog.text and "RuntimeError: a bug" in caplog.text
