@@ -46,3 +46,13 @@ async def until(condition: Any, what: str, timeout_s: float = 10.0) -> None:
 
 def pool_of(app: Any) -> Any:
     return app.state.router["pool"]
+
+
+def all_idle(app: Any) -> bool:
+    """Every replica of the router ``app`` ready, reported idle, nothing of the router's in
+    flight: what a test waits for so that the next pick sees fresh loads."""
+    states = [b.state for b in pool_of(app).backends.values()]
+    return all(
+        s.ready and s.report and s.report.num_running + s.report.num_waiting == 0 and s.load == 0
+        for s in states
+    )

@@ -179,3 +179,14 @@ def write_secret_volume(directory: Path, tokens: str, generation: int) -> Path:
     if not (directory / "token").is_symlink():
         (directory / "token").symlink_to("..data/token")
     return directory / "token"
+
+
+@contextmanager
+def simulated_replicas(profile_file: Path, n: int, *flags: str) -> Iterator[list[Server]]:
+    """``n`` simulated replicas (``serve --simulate profile_file *flags``), ready; stopped on
+    exit."""
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(run_server("--simulate", str(profile_file), *flags))
+            for _ in range(n)
+        ]

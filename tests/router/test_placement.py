@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from router_utils import pool_of, router, until
-from server_utils import Server, free_port, run_server
+from router_utils import all_idle, router, until
+from server_utils import free_port, run_server, simulated_replicas
 from sim_profiles import make_profile, write_profile
 
 from iterserve.router.pool import replica_name
@@ -26,26 +25,8 @@ def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_profile(tmp_path_factory.mktemp("placement") / "profile.json", PROFILE)
 
 
-@contextlib.contextmanager
-def replicas(profile_file: Path, n: int, *flags: str) -> Iterator[list[Server]]:
-    with contextlib.ExitStack() as stack:
-        yield [
-            stack.enter_context(run_server("--simulate", str(profile_file), *flags))
-            for _ in range(n)
-        ]
-
-
-def _idle(app: object) -> bool:
-    """Every replica ready, reported idle, nothing of this router's in flight."""
-    states = [b.state for b in pool_of(app).backends.values()]
-    return all(
-        s.ready and s.report and s.report.num_running + s.report.num_waiting == 0 and s.load == 0
-        for s in states
-    )
-
-
 def test_two_routers_send_each_prefix_to_the_same_replica(profile_file: Path) -> None:
-    with replicas(profile_file, 4) as servers:
+    with simulated_replicas(profile_file, 4) as servers:
         backends = [x for s in servers for x in ("--backend", s.url)]
 
         async def run() -> None:
@@ -58,7 +39,7 @@ def test_two_routers_send_each_prefix_to_the_same_replica(profile_file: Path) ->
                 for i in range(24):  # 8 prefixes, 3 times each, alternately through A and B
                     p = i % 8
                     for url, app in ((url_a, app_a), (url_b, app_b)):
-                        await until(lambda app=app: _idle(app), "idle replicas reported")
+                        await until(lambda app=app: all_idle(app), "idle replicas reported")
                         body = {
                             "prompt": f"system prompt {p}: " + "be kind. " * 80,
                             "max_tokens": 2,
@@ -96,7 +77,7 @@ def test_a_shared_prefix_goes_where_its_blocks_are_by_kv_events(profile_file: Pa
                 httpx.AsyncClient(timeout=30) as http,
             ):
                 index = app.proxy.picker.kv_index
-                await until(lambda: _idle(app), "replicas ready")
+                await until(lambda: all_idle(app), "replicas ready")
                 # Each replica's events seen (a subscription misses what is published before
                 # it reaches the replica), before the first request.
                 for i, server in enumerate(servers):
@@ -113,7 +94,7 @@ def test_a_shared_prefix_goes_where_its_blocks_are_by_kv_events(profile_file: Pa
                 assert r.status_code == 200
                 name = replica_name(holder.url)
                 await until(lambda: index.num_blocks(name) > 0, "the holder's blocks indexed")
-                await until(lambda: _idle(app), "idle again")
+                await until(lambda: all_idle(app), "idle again")
                 body = {"prompt": prefix + "second question", "max_tokens": 2}
                 r = await http.post(url + "/v1/completions", json=body)
                 assert r.status_code == 200 and r.headers["x-routed-to"] == holder.url

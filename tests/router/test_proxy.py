@@ -9,7 +9,7 @@ import contextlib
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from router_utils import pool_of, router, until
-from server_utils import Server, free_port, run_server
+from router_utils import all_idle, pool_of, router, until
+from server_utils import Server, free_port, run_server, simulated_replicas
 from sim_profiles import make_profile, write_profile
 
 from iterserve.cli import build_parser
@@ -35,21 +35,12 @@ def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_profile(tmp_path_factory.mktemp("router") / "profile.json", PROFILE)
 
 
-@contextlib.contextmanager
-def replicas(profile_file: Path, n: int, *flags: str) -> Iterator[list[Server]]:
-    with contextlib.ExitStack() as stack:
-        yield [
-            stack.enter_context(run_server("--simulate", str(profile_file), *flags))
-            for _ in range(n)
-        ]
-
-
 def _backends(servers: list[Server]) -> list[str]:
     return [x for s in servers for x in ("--backend", s.url)]
 
 
 def test_new_requests_go_to_the_idle_replica(profile_file: Path) -> None:
-    with replicas(profile_file, 2) as (busy, idle):
+    with simulated_replicas(profile_file, 2) as (busy, idle):
 
         async def run() -> None:
             # Reports stay fresh for 5 s: on a busy machine a poll can come late, and two stale
@@ -104,7 +95,7 @@ def _requests_by_replica(response: httpx.Response) -> dict[str, int]:
 
 
 def test_streams_pass_through_as_they_are_written(profile_file: Path) -> None:
-    with replicas(profile_file, 1) as (only,):
+    with simulated_replicas(profile_file, 1) as (only,):
 
         async def stamps(http: httpx.AsyncClient, base: str) -> list[float]:
             body = {"prompt": "stream me", "max_tokens": 10, "ignore_eos": True, "stream": True}
@@ -130,7 +121,7 @@ def test_streams_pass_through_as_they_are_written(profile_file: Path) -> None:
 
 def test_a_dead_replica_is_ejected_and_readmitted(profile_file: Path) -> None:
     port = free_port()
-    with replicas(profile_file, 1) as (alive,):
+    with simulated_replicas(profile_file, 1) as (alive,):
 
         async def run() -> None:
             dead_url = f"http://127.0.0.1:{port}"
@@ -177,7 +168,7 @@ class _Silent:
 
 def test_a_replica_that_never_answers_cannot_stall_the_router(profile_file: Path) -> None:
     silent = _Silent()
-    with replicas(profile_file, 1) as (alive,):
+    with simulated_replicas(profile_file, 1) as (alive,):
 
         async def run() -> None:
             flags = ("--backend", silent.url, "--backend", alive.url, "--first-byte-timeout-s", "1")
@@ -224,7 +215,7 @@ def test_a_full_replica_passes_the_request_on_and_429_comes_through_last(
     profile_file: Path,
 ) -> None:
     flags = ("--max-waiting", "1", "--max-num-seqs", "1")
-    with replicas(profile_file, 2, *flags) as servers:
+    with simulated_replicas(profile_file, 2, *flags) as servers:
 
         async def run() -> None:
             async with router(*_backends(servers), "--no-prefix-affinity") as (url, app):
@@ -273,7 +264,7 @@ def _vllm_like(waiting: int, usage: float) -> FastAPI:
 
 
 def test_vllm_style_replicas_are_scored_from_their_metrics(profile_file: Path) -> None:
-    with replicas(profile_file, 1) as (ours,):
+    with simulated_replicas(profile_file, 1) as (ours,):
 
         async def run() -> None:
             sock = socket.socket()
@@ -313,7 +304,7 @@ def test_vllm_style_replicas_are_scored_from_their_metrics(profile_file: Path) -
 
 
 def test_router_keys(profile_file: Path) -> None:
-    with replicas(profile_file, 1, "--api-key", "replica-key") as (only,):
+    with simulated_replicas(profile_file, 1, "--api-key", "replica-key") as (only,):
 
         async def run() -> None:
             flags = ("--backend", only.url, "--api-key", "router-key")
@@ -359,7 +350,7 @@ def test_flags_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_prefix_affinity_keeps_each_prefix_on_its_two_replicas(profile_file: Path) -> None:
-    with replicas(profile_file, 4, "--simulate-speed", "4") as servers:
+    with simulated_replicas(profile_file, 4, "--simulate-speed", "4") as servers:
 
         async def run() -> None:
             async with router(*_backends(servers)) as (url, app):
@@ -378,6 +369,9 @@ def test_prefix_affinity_keeps_each_prefix_on_its_two_replicas(profile_file: Pat
                         served[replica] = served.get(replica, 0) + 1
 
                     for i in range(5):  # rounds of 8 concurrent requests, one per prefix
+                        # A report taken while the last round ran would count its requests
+                        # as load and pass prefixes on past the bound: wait for idle ones.
+                        await until(lambda: all_idle(app), "idle replicas reported")
                         await asyncio.gather(*(one(p, prefix, i) for p, prefix in prompts))
             # Each prefix on the first two replicas of its ring walk (two choices), at most.
             assert all(len(set(h)) <= 2 for h in homes.values()), homes
@@ -387,7 +381,7 @@ def test_prefix_affinity_keeps_each_prefix_on_its_two_replicas(profile_file: Pat
 
 
 def test_a_replica_killed_mid_run(profile_file: Path) -> None:
-    with replicas(profile_file, 2) as (victim, survivor):
+    with simulated_replicas(profile_file, 2) as (victim, survivor):
 
         async def run() -> None:
             flags = (*_backends([victim, survivor]), "--policy", "round_robin")
@@ -430,7 +424,7 @@ def test_a_replica_killed_mid_run(profile_file: Path) -> None:
 
 
 def test_a_client_leaving_the_router_aborts_the_replica_request(profile_file: Path) -> None:
-    with replicas(profile_file, 1) as (only,):
+    with simulated_replicas(profile_file, 1) as (only,):
 
         async def run() -> None:
             async with (
@@ -493,7 +487,7 @@ class _Hangup:
 
 def test_a_replica_resetting_connections_is_retried_and_ejected(profile_file: Path) -> None:
     hangup = _Hangup()
-    with replicas(profile_file, 1) as (alive,):
+    with simulated_replicas(profile_file, 1) as (alive,):
 
         async def run() -> None:
             flags = ("--backend", hangup.url, "--backend", alive.url, "--policy", "round_robin")
@@ -520,7 +514,7 @@ def test_sigterm_drains_the_router(profile_file: Path) -> None:
     """First SIGTERM: /ready 503 (the router's Service stops sending), /health 200, the open
     stream runs to its end and new requests are still served; then the router exits 0."""
     with (
-        replicas(profile_file, 1) as (replica,),
+        simulated_replicas(profile_file, 1) as (replica,),
         run_server(*_backends([replica]), "--poll-interval-ms", "20", command="router") as r,
     ):
 
