@@ -111,22 +111,24 @@ def quantile(q: float, buckets: Buckets) -> float | None:
 
 @dataclass(frozen=True)
 class GateLimits:
-    """The gate (spec.rollout): the most each quantile may grow, as a fraction of the
-    baseline's, and the requests each group needs before it decides."""
+    """The gate (spec.rollout): the most each quantile of the canaries may exceed the
+    baseline's, in percent of the baseline's (20: up to 1.2 times), and the requests each
+    group needs before it decides."""
 
-    max_ttft_p99_increase: float = 0.2
-    max_tpot_p50_increase: float = 0.15
+    max_ttft_p99_regression_pct: float = 20.0
+    max_tpot_p50_regression_pct: float = 15.0
     min_requests: int = 20
 
 
 @dataclass(frozen=True)
 class Figure:
-    """One gated quantile in seconds, canaries and baseline, and its limit on their ratio."""
+    """One gated quantile in seconds, canaries and baseline, and the most the canaries' may
+    exceed the baseline's, in percent of it."""
 
     name: str  # "TTFT p99", "TPOT p50"
     canary_s: float
     baseline_s: float
-    max_ratio: float
+    max_regression_pct: float
 
     @property
     def ratio(self) -> float:
@@ -135,14 +137,19 @@ class Figure:
         return 1.0 if self.canary_s <= 0 else math.inf
 
     @property
+    def regression_pct(self) -> float:
+        """How far the canaries' exceeds the baseline's, in percent (negative: faster)."""
+        return (self.ratio - 1.0) * 100.0
+
+    @property
     def within(self) -> bool:
-        return self.ratio <= self.max_ratio
+        return self.ratio <= 1.0 + self.max_regression_pct / 100.0
 
     def text(self) -> str:
-        """E.g. ``TTFT p99 0.412 s vs baseline 0.105 s (x3.92, limit x1.20)``."""
+        """E.g. ``TTFT p99 0.412 s vs baseline 0.105 s (+292%, limit +20%)``."""
         return (
             f"{self.name} {self.canary_s:.3f} s vs baseline {self.baseline_s:.3f} s "
-            f"(x{self.ratio:.2f}, limit x{self.max_ratio:.2f})"
+            f"({self.regression_pct:+.0f}%, limit +{self.max_regression_pct:g}%)"
         )
 
 
@@ -177,11 +184,11 @@ def judge(canary: Snapshot, baseline: Snapshot, limits: GateLimits) -> Verdict:
     if min(num_canary, num_baseline) < limits.min_requests:
         return Verdict(False, num_canary, num_baseline)
     figures = []
-    for name, q, label, increase in (
-        (TTFT, 0.99, "TTFT p99", limits.max_ttft_p99_increase),
-        (TPOT, 0.5, "TPOT p50", limits.max_tpot_p50_increase),
+    for name, q, label, limit_pct in (
+        (TTFT, 0.99, "TTFT p99", limits.max_ttft_p99_regression_pct),
+        (TPOT, 0.5, "TPOT p50", limits.max_tpot_p50_regression_pct),
     ):
         canary_s, baseline_s = quantile(q, canary[name]), quantile(q, baseline[name])
         assert canary_s is not None and baseline_s is not None  # counted above
-        figures.append(Figure(label, canary_s, baseline_s, 1.0 + increase))
+        figures.append(Figure(label, canary_s, baseline_s, limit_pct))
     return Verdict(True, num_canary, num_baseline, tuple(figures))

@@ -77,7 +77,9 @@ class Step:
 
 
 def limits_of(spec: RolloutSpec) -> gate.GateLimits:
-    return gate.GateLimits(spec.maxTTFTP99Increase, spec.maxTPOTP50Increase, spec.minRequests)
+    return gate.GateLimits(
+        spec.maxTtftP99RegressionPct, spec.maxTpotP50RegressionPct, spec.minRequests
+    )
 
 
 def timestamp(now_s: float) -> str:
@@ -271,12 +273,12 @@ async def _start(
         step.outcome = "unchecked"
         return step
     ordered = sorted(pods, key=lambda p: p.name)
-    canaries = ordered[: min(spec.canaryReplicas, len(ordered) - 1)]
+    canaries = ordered[: min(spec.canaryPods, len(ordered) - 1)]
     snapshots = await scrape(ordered)
     names = ", ".join(p.name for p in canaries)
     message = (
         f"settings version {desired.version} on canary pod(s) {names} for "
-        f"{spec.bakeTime:g} s; the other pods stay on version {stable.version}"
+        f"{spec.bakeSeconds} s; the other pods stay on version {stable.version}"
     )
     record.update(
         phase=BAKING,
@@ -335,17 +337,17 @@ async def _bake(
     if verdict.enough and not verdict.within:
         message = f"beyond the gate after {elapsed_s:.0f} s: {verdict.text()}"
         return _rolled_back(desired, stable, new, pods, message)
-    if verdict.enough and elapsed_s >= spec.bakeTime:
+    if verdict.enough and elapsed_s >= spec.bakeSeconds:
         message = f"settings version {desired.version} promoted: {verdict.text()}"
         new = _ended(record, phase=PROMOTED, message=message)
         step = Step([Push(pods, desired)], desired, new, ("True", PROMOTED, message))
         step.events.append(("Normal", "RolloutPromoted", message))
         step.outcome = "promoted"
         return step
-    reason = "WaitingForTraffic" if elapsed_s >= spec.bakeTime else BAKING
+    reason = "WaitingForTraffic" if elapsed_s >= spec.bakeSeconds else BAKING
     message = (
         f"settings version {desired.version} on {', '.join(p.name for p in canaries)} "
-        f"for {elapsed_s:.0f} of {spec.bakeTime:g} s: {verdict.text()}"
+        f"for {elapsed_s:.0f} of {spec.bakeSeconds} s: {verdict.text()}"
     )
     new["message"] = message
     step = Step([Push(canaries, desired), Push(rest, stable)], stable, new)

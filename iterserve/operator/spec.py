@@ -356,43 +356,6 @@ class SlaTier(_Model):
     )
 
 
-# A duration as Kubernetes users write one (Go's time.ParseDuration units h, m, s, in that
-# order, each at most once: "90s", "5m", "1m30s", "1.5s"), or whole seconds.
-# Without lookarounds (the API server's patterns are RE2): one alternative per leading unit.
-_SECONDS = r"[0-9]+(\.[0-9]+)?s"
-DURATION_PATTERN = rf"^([0-9]+h([0-9]+m)?({_SECONDS})?|[0-9]+m({_SECONDS})?|{_SECONDS})$"
-_DURATION_PARTS = r"(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9.]+)s)?"
-
-
-def _duration_s(value: object) -> object:
-    """A duration (``"5m"``, ``"1m30s"``, ``"90s"``) or a number of seconds, in seconds."""
-    # Whole seconds or a string: the CRD's int-or-string (a structural schema has no other
-    # union), so the API server and the operator accept the same values.
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"a duration is whole seconds or a string such as '5m', got {value!r}")
-    if isinstance(value, int):
-        return float(value)
-    match = re.fullmatch(_DURATION_PARTS, value)
-    if not re.fullmatch(DURATION_PATTERN, value) or match is None:
-        raise ValueError(f"not a duration (such as 300, '90s', '5m' or '1m30s'): {value!r}")
-    hours, minutes, seconds = (part or "0" for part in match.groups())
-    return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
-
-
-DurationS = Annotated[
-    float,
-    BeforeValidator(_duration_s),
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "integer", "minimum": 0, "maximum": 86400},
-                {"type": "string", "pattern": DURATION_PATTERN},
-            ]
-        }
-    ),
-]
-
-
 class RolloutSpec(_Model):
     """How a change of spec.scheduler or spec.slaTiers reaches the running pods (no
     restart): all at once, or first to canary pods that bake under live traffic while a
@@ -403,43 +366,45 @@ class RolloutSpec(_Model):
     strategy: Literal["all", "canary"] = Field(
         "all",
         description="all: every ready pod gets a settings change at once; canary: first "
-        "canaryReplicas pods, promoted after bakeTime within the gate. Default all.",
+        "canaryPods pods, promoted after bakeSeconds within the gate. Default all.",
     )
-    canaryReplicas: int = Field(
+    canaryPods: int = Field(
         1,
         ge=1,
         le=1000,
         description="Ready pods that get the change first (the first by name), 1 to 1000; at "
         "least one pod always stays on the old settings as the baseline. Default 1.",
     )
-    bakeTime: DurationS = Field(
+    bakeSeconds: int = Field(
         300,
-        ge=0,
+        ge=1,
         le=86400,
-        description="How long the canaries run the change before the gate decides: whole "
-        "seconds (300) or a duration ('5m', '90s', '1m30s'), at most a day. A change beyond "
-        "the gate is rolled back as soon as minRequests show it. Default 300 (5 minutes).",
+        description="How long the canaries run the change before the gate decides, in whole "
+        "seconds, 1 to 86400 (a day). A change beyond the gate is rolled back as soon as "
+        "minRequests show it. Default 300 (5 minutes).",
     )
-    maxTTFTP99Increase: float = Field(
-        0.2,
+    maxTtftP99RegressionPct: float = Field(
+        20,
         ge=0,
-        le=100,
+        le=10000,
         description="Most the canaries' p99 time to first token may exceed the baseline's "
-        "over the bake, as a fraction (0.2: +20%). Default 0.2.",
+        "over the bake, in percent of the baseline's (20: up to 1.2 times), 0 to 10000. "
+        "Default 20.",
     )
-    maxTPOTP50Increase: float = Field(
-        0.15,
+    maxTpotP50RegressionPct: float = Field(
+        15,
         ge=0,
-        le=100,
+        le=10000,
         description="Most the canaries' median time per output token may exceed the "
-        "baseline's over the bake, as a fraction (0.15: +15%). Default 0.15.",
+        "baseline's over the bake, in percent of the baseline's (15: up to 1.15 times), 0 to "
+        "10000. Default 15.",
     )
     minRequests: int = Field(
         100,
         ge=1,
         le=1_000_000,
         description="Requests each group (canaries, baseline) must have served in the bake "
-        "window before the gate decides; with fewer when bakeTime ends, the bake goes on "
+        "window before the gate decides; with fewer when bakeSeconds ends, the bake goes on "
         "(Rollout condition: WaitingForTraffic). Default 100: below it a p99 is the "
         "slowest request, and one late first token would roll a harmless change back.",
     )

@@ -257,7 +257,6 @@ def test_schema_is_structural() -> None:
     assert int_or_string == [
         ".spec.resources.cpu",
         ".spec.resources.memory",
-        ".spec.rollout.bakeTime",
     ]
     for path, node in nodes:
         if node.get("x-kubernetes-int-or-string"):  # no type; the one anyOf allowed
@@ -585,3 +584,59 @@ def test_quantities_unset_or_null() -> None:
         assert admit(resource)[1] == []
         resources = parse_spec(resource["spec"]).resources
         assert (resources.cpu, resources.memory) == (None, None)
+
+
+# -- spec.rollout: DESIGN.md's field names -------------------------------------------------
+
+ROLLOUT_DEFAULTS = {
+    "strategy": "all",
+    "canaryPods": 1,
+    "bakeSeconds": 300,
+    "maxTtftP99RegressionPct": 20,
+    "maxTpotP50RegressionPct": 15,
+    "minRequests": 100,
+}
+ROLLOUT_OK = [
+    ("canaryPods", 1000),
+    ("bakeSeconds", 1),
+    ("bakeSeconds", 86400),
+    ("maxTtftP99RegressionPct", 0),
+    ("maxTpotP50RegressionPct", 12.5),
+]
+ROLLOUT_BAD = [
+    ("canaryPods", 0),
+    ("bakeSeconds", 0),  # no bake: nothing measured before a promotion
+    ("bakeSeconds", 86401),
+    ("bakeSeconds", -60),
+    ("bakeSeconds", "5m"),  # whole seconds only
+    ("bakeSeconds", 1.5),
+    ("maxTtftP99RegressionPct", -1),
+    ("maxTpotP50RegressionPct", 10001),
+    ("maxTpotP50RegressionPct", "15%"),
+    # v1alpha1's first names: unknown fields like any other (no compatibility shim).
+    ("canaryReplicas", 1),
+    ("bakeTime", 300),
+    ("maxTTFTP99Increase", 0.2),
+    ("maxTPOTP50Increase", 0.15),
+]
+
+
+def test_rollout_defaults_are_designs() -> None:
+    assert admit(MINIMAL)[0]["spec"]["rollout"] == ROLLOUT_DEFAULTS
+    assert parse_spec(MINIMAL["spec"]).rollout.model_dump() == ROLLOUT_DEFAULTS
+
+
+@pytest.mark.parametrize(("field", "value"), ROLLOUT_OK)
+def test_rollout_fields_accepted(field: str, value: Any) -> None:
+    resource = patched(EXAMPLE, {f"rollout.{field}": value})
+    assert admit(resource)[1] == []
+    assert getattr(parse_spec(resource["spec"]).rollout, field) == value
+
+
+@pytest.mark.parametrize(("field", "value"), ROLLOUT_BAD)
+def test_rollout_fields_out_of_range_or_unknown_refused(field: str, value: Any) -> None:
+    resource = patched(EXAMPLE, {f"rollout.{field}": value})
+    with pytest.raises(jsonschema.ValidationError):
+        VALIDATOR.validate(resource)
+    with pytest.raises(SpecError, match=rf"spec\.rollout\.{field}: "):
+        parse_spec(resource["spec"])

@@ -91,7 +91,9 @@ def test_a_garbage_histogram_is_not_the_text_format(bucket: str) -> None:
 
 
 def test_the_gate_compares_p99_ttft_and_median_tpot() -> None:
-    limits = gate.GateLimits(max_ttft_p99_increase=0.2, max_tpot_p50_increase=0.15, min_requests=4)
+    limits = gate.GateLimits(
+        max_ttft_p99_regression_pct=20, max_tpot_p50_regression_pct=15, min_requests=4
+    )
     same = {gate.TTFT: buckets(0.05, 0.05, 0.15, 0.15), gate.TPOT: buckets(0.05, 0.05, 0.05, 0.05)}
     verdict = gate.judge(same, same, limits)
     assert verdict.enough and verdict.within
@@ -105,15 +107,28 @@ def test_the_gate_compares_p99_ttft_and_median_tpot() -> None:
     assert (ttft.canary_s, ttft.baseline_s) == (pytest.approx(0.784), pytest.approx(0.198))
     assert ttft.ratio == pytest.approx(0.784 / 0.198) and not ttft.within and tpot.within
     assert verdict.text() == (
-        "TTFT p99 0.784 s vs baseline 0.198 s (x3.96, limit x1.20); "
-        "TPOT p50 0.050 s vs baseline 0.050 s (x1.00, limit x1.15)"
+        "TTFT p99 0.784 s vs baseline 0.198 s (+296%, limit +20%); "
+        "TPOT p50 0.050 s vs baseline 0.050 s (+0%, limit +15%)"
     )
     few = gate.judge({gate.TTFT: buckets(0.1), gate.TPOT: buckets(0.1)}, same, limits)
     assert (few.enough, few.within, few.canary_requests, few.baseline_requests) == (
         False, False, 1, 4,
     )  # fmt: skip
     assert few.text() == "not enough traffic: canaries 1, baseline 4 requests"
-    assert gate.Figure("x", 0.1, 0.0, 1.2).ratio == math.inf
+    assert gate.Figure("x", 0.1, 0.0, 20).ratio == math.inf
+
+
+def test_the_limits_are_percent_of_the_baseline() -> None:
+    # spec.rollout's maxTtftP99RegressionPct / maxTpotP50RegressionPct (DESIGN.md): 20 allows
+    # up to 1.2 times the baseline's quantile, the limit itself included; 0 allows no slowdown.
+    at_limit, beyond = gate.Figure("x", 0.3, 0.25, 20), gate.Figure("x", 0.31, 0.25, 20)
+    assert (at_limit.within, beyond.within) == (True, False)
+    assert at_limit.regression_pct == pytest.approx(20)
+    assert at_limit.text() == "x 0.300 s vs baseline 0.250 s (+20%, limit +20%)"
+    faster = gate.Figure("x", 0.2, 0.25, 0)
+    assert faster.within and faster.text() == "x 0.200 s vs baseline 0.250 s (-20%, limit +0%)"
+    assert not gate.Figure("x", 0.2501, 0.25, 0).within
+    assert gate.Figure("x", 0.1, 0.0, 12.5).text().endswith("(+inf%, limit +12.5%)")
 
 
 def test_a_pod_that_failed_its_first_scrape_is_left_out() -> None:
@@ -130,7 +145,7 @@ def test_a_pod_that_failed_its_first_scrape_is_left_out() -> None:
 
 OLD = Settings({"max_num_seqs": 8, "max_waiting_per_tenant": None}, "old-hash", 1)  # every key
 NEW = Settings({"max_num_seqs": 1}, "new-hash", 2)
-CANARY = RolloutSpec(strategy="canary", bakeTime="10s", minRequests=2)
+CANARY = RolloutSpec(strategy="canary", bakeSeconds=10, minRequests=2)
 T0 = 1_800_000_000.0
 
 
@@ -161,7 +176,7 @@ def _groups(step: Step) -> dict[str, list[str]]:
 def test_a_change_goes_to_the_first_pods_by_name_and_the_configmap_keeps_the_old() -> None:
     pods = Pods("pod-c", "pod-a", "pod-b")
     pods.ttft["pod-a"] = [0.05]  # traffic before the rollout: not in the window
-    step = pods.step({}, T0, RolloutSpec(strategy="canary", canaryReplicas=5))
+    step = pods.step({}, T0, RolloutSpec(strategy="canary", canaryPods=5))
     assert _groups(step) == {"new-hash": ["pod-a", "pod-b"], "old-hash": ["pod-c"]}  # 1 stays
     assert step.config_map == OLD
     assert step.record is not None and step.record["phase"] == BAKING
@@ -213,7 +228,7 @@ def test_beyond_the_gate_it_is_rolled_back_early_and_never_retried() -> None:
     ((kind, reason, message),) = step.events
     assert (kind, reason) == ("Warning", "RolloutRolledBack")
     # rank 1.98 of 2: canary 0.4 + 0.4 * 0.99, baseline 0.1 * 0.99.
-    assert "after 3 s: TTFT p99 0.796 s vs baseline 0.099 s (x8.04, limit x1.20)" in message
+    assert "after 3 s: TTFT p99 0.796 s vs baseline 0.099 s (+704%, limit +20%)" in message
     assert step.applied == step.condition and step.condition is not None
     assert step.condition[:2] == ("False", ROLLED_BACK)
     for later in (T0 + 20, T0 + 3600):  # the same spec: the old settings stay, no new rollout
@@ -230,6 +245,22 @@ def test_one_pod_has_nothing_to_compare_with() -> None:
     assert _groups(step) == {"new-hash": ["a"]} and step.config_map == NEW
     assert step.record is not None and step.record["phase"] == UNCHECKED
     assert step.outcome == "unchecked" and step.events[0][1] == "RolloutUnchecked"
+
+
+def test_the_specs_percent_limits_reach_the_gate() -> None:
+    # The canary of the test above (x8.04 the baseline's TTFT p99) within +800%: promoted.
+    loose = RolloutSpec(
+        strategy="canary", bakeSeconds=10, minRequests=2, maxTtftP99RegressionPct=800
+    )
+    pods = Pods("a", "b")
+    record = pods.step({}, T0, loose).record
+    pods.ttft["a"] += [0.7, 0.7]
+    pods.ttft["b"] += [0.05, 0.05]
+    step = pods.step(dict(record or {}), T0 + 3, loose)
+    assert step.condition is not None and step.condition[1] == BAKING
+    assert "(+704%, limit +800%)" in step.condition[2] and "of 10 s:" in step.condition[2]
+    step = pods.step(dict(step.record or {}), T0 + 10, loose)
+    assert step.record is not None and step.record["phase"] == PROMOTED
 
 
 def test_canaries_gone_start_the_rollout_again_and_a_revert_supersedes_it() -> None:
