@@ -376,12 +376,12 @@ class RolloutSpec(_Model):
         "least one pod always stays on the old settings as the baseline. Default 1.",
     )
     bakeSeconds: int = Field(
-        300,
+        60,
         ge=1,
         le=86400,
         description="How long the canaries run the change before the gate decides, in whole "
         "seconds, 1 to 86400 (a day). A change beyond the gate is rolled back as soon as "
-        "minRequests show it. Default 300 (5 minutes).",
+        "minRequests show it (with fewer requests the bake goes on). Default 60.",
     )
     maxTtftP99RegressionPct: float = Field(
         20,

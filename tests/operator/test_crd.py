@@ -591,7 +591,7 @@ def test_quantities_unset_or_null() -> None:
 ROLLOUT_DEFAULTS = {
     "strategy": "all",
     "canaryPods": 1,
-    "bakeSeconds": 300,
+    "bakeSeconds": 60,
     "maxTtftP99RegressionPct": 20,
     "maxTpotP50RegressionPct": 15,
     "minRequests": 100,
