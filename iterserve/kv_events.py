@@ -425,7 +425,9 @@ class KVEventPublisher:
             self._ctx.term()
             raise KVEventsBindError(
                 f"cannot publish KV events on {address}: {e} (--kv-events-port: choose "
-                "another port, or 0 for no events)"
+                "another port, or 0 for no events; an iterserve router subscribes to one "
+                "port on every replica's host, so replicas on one machine each take their "
+                "own --host: 127.0.0.2, 127.0.0.3, ...)"
             ) from e
         endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://0.0.0.0:5557
         self.port = int(endpoint.rsplit(":", 1)[1])

@@ -75,6 +75,14 @@ def _default_model_tokenizer() -> Tokenizer:
             f"the default model's was not found under {models} (an `iterserve serve` of the "
             f"default model puts it there)"
         )
+    # Said at start: simulated replicas without a tokenizer file cut prompts ~4 characters
+    # per token, so this tokenizer would match none of their blocks (hash placement only).
+    logger.info(
+        "KV events: prompts tokenized with the default model's tokenizer (%s); replicas of "
+        "another model, or simulated ones without a tokenizer file, need --tokenizer "
+        "(PATH, or char[:VOCAB])",
+        found[-1].parent,
+    )
     return FileTokenizer(found[-1].parent)
 
 
