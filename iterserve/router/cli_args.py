@@ -66,8 +66,18 @@ def add_router_subcommands(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--fail-open", action="store_true", help="go on without a pick when the picker is down"
     )
-    e.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
-    e.add_argument("--hold-timeout-s", type=float, default=60.0, help="the picker's")
+    e.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="Envoy buffers the body for the picker up to this (the picker's own limit)",
+    )
+    e.add_argument(
+        "--hold-timeout-s",
+        type=float,
+        default=60.0,
+        help="the picker's: Envoy waits this long plus a margin for a held request's pick",
+    )
 
 
 def _unwrap_optional(tp: Any) -> Any:

@@ -160,17 +160,24 @@ def _local_replies(s: GatewaySettings) -> dict[str, Any]:
     Decision: a CEL filter on the response's details tells the picker's ImmediateResponses
     (:data:`PICKER_DETAILS_PREFIX`) from Envoy's; a status filter alone would rewrite the
     picker's 503s and 413s too (their codes and messages lost)."""
-    not_picker = {
-        "name": "envoy.access_loggers.extension_filters.cel",
-        "typed_config": {
-            "@type": _TYPES + "access_loggers.filters.cel.v3.ExpressionFilter",
-            "expression": f"!response.code_details.startsWith('{PICKER_DETAILS_PREFIX}')",
-        },
-    }
 
-    def mapper(status: int | None, message: str, kind: str) -> dict[str, Any]:
+    def details(expression: str) -> dict[str, Any]:
+        return {
+            "extension_filter": {
+                "name": "envoy.access_loggers.extension_filters.cel",
+                "typed_config": {
+                    "@type": _TYPES + "access_loggers.filters.cel.v3.ExpressionFilter",
+                    "expression": expression,
+                },
+            }
+        }
+
+    not_picker = details(f"!response.code_details.startsWith('{PICKER_DETAILS_PREFIX}')")
+
+    def mapper(
+        status: int | None, message: str, kind: str, match: dict[str, Any] = not_picker
+    ) -> dict[str, Any]:
         error = {"message": message, "type": kind, "param": None, "code": None}
-        match: dict[str, Any] = {"extension_filter": not_picker}
         if status is not None:
             code = {"op": "EQ", "value": {"default_value": status, "runtime_key": "unused"}}
             status_filter = {"status_code_filter": {"comparison": code}}
@@ -191,6 +198,12 @@ def _local_replies(s: GatewaySettings) -> dict[str, Any]:
                 413,
                 f"the request body is over {s.max_request_body_bytes} bytes",
                 "invalid_request_error",
+            ),
+            mapper(  # FailClose: the picker down, or not answering in time
+                503,
+                f"the endpoint picker did not answer ({why}); retry later",
+                "service_unavailable_error",
+                details("response.code_details.startsWith('ext_proc_error')"),
             ),
             mapper(
                 503,
