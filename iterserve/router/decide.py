@@ -197,8 +197,12 @@ class Decider:
         try:
             async with asyncio.timeout(config.hold_timeout_s):
                 while not self.candidates(subset=subset):
-                    if not await _first(self.pool.turned_ready(), gone):
-                        return False
+                    # A replica that was ejected (down) may be the one starting now.
+                    self.pool.probe_soon()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self.pool.backoff_s):
+                            if not await _first(self.pool.turned_ready(), gone):
+                                return False
         except TimeoutError:
             raise no_ready_replica() from None
         finally:

@@ -325,6 +325,15 @@ class ReplicaPool:
         b.poll_failures = 0
         b.state.ready = True
 
+    def probe_soon(self) -> None:
+        """Probe every ejected replica within ``backoff_s``, its doubled backoff cut short:
+        while requests wait for a replica (scale from zero), the one coming up must not sit
+        out a backoff of up to ``max_backoff_s`` first. The backoff itself is kept."""
+        due = self.clock() + self.backoff_s
+        for b in self.backends.values():
+            if b.ejected and b.next_probe_at > due:
+                b.next_probe_at = due
+
     # ----------------------------------------------------------------- aggregates
 
     def aggregated_load(self) -> dict[str, Any]:

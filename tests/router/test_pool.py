@@ -191,3 +191,21 @@ def test_auto_detection_keeps_iterserve_on_load() -> None:
     assert b.kind == "iterserve" and b.state.report is not None
     assert b.state.report.num_waiting == 2
     assert asked == ["/load"]
+
+
+def test_probe_soon_cuts_an_ejected_replicas_backoff_short() -> None:
+    """While requests are held (scale from zero) a replica that was down is probed within
+    ``backoff_s``, not after its doubled backoff (up to 30 s): it may be the one starting."""
+    now = [100.0]
+    pool = ReplicaPool(backend_type="iterserve", clock=lambda: now[0])
+    pool.set_urls([URL, "http://ok:1"])
+    down, ok = pool.backends[URL], pool.backends["http://ok:1"]
+    for _ in range(pool.eject_after + 5):
+        pool.record_failure(down, "connection refused")
+    assert down.ejected and down.backoff_s == 16.0 and down.next_probe_at == 116.0
+    pool.probe_soon()
+    assert down.next_probe_at == 100.0 + pool.backoff_s and down.backoff_s == 16.0
+    assert ok.next_probe_at == 0.0  # not ejected: polled as ever
+    down.next_probe_at = 100.1  # due sooner already: left alone
+    pool.probe_soon()
+    assert down.next_probe_at == 100.1
