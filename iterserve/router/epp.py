@@ -29,6 +29,7 @@ Generated code: ``xds-protos`` (Envoy's protos as published), never hand-written
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -175,7 +176,13 @@ class PickerStream:
                 wait = duration_pb2.Duration(seconds=int(decider.config.hold_timeout_s))
                 wait.seconds += HOLD_MARGIN_S
                 yield pb.ProcessingResponse(override_message_timeout=wait)
-            await decider.hold(self.subset)
+            try:
+                await decider.hold(self.subset)
+            except asyncio.CancelledError:
+                # The gateway closed the stream (its client left, or its message timeout,
+                # below the hold, ran out: a 504 there that the picker would not see else).
+                logger.info("a held request's stream closed by the gateway before a replica")
+                raise
             decision = await decider.with_prompt_tokens(decision)
             ranking = decider.rank(decision, subset=self.subset)
             if ranking is None:  # turned unready meanwhile, or no such endpoint in the subset
