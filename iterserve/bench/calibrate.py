@@ -1,12 +1,14 @@
 """``iterserve bench calibrate``: measure the real engine and fit a latency profile.
 
 The real engine (scheduler, block manager, detokenizer) runs on this machine's model runner,
-wrapped in a proxy that times every ``execute_model`` (the forward) and notes the batch's
+built as ``iterserve serve``'s engine process builds it (:func:`iterserve.executor.build.build`:
+the same platform, kernels, weight packing, dtype and torch threads), wrapped in a proxy that
+times every ``execute_model`` (the forward) and notes the batch's
 :class:`~iterserve.sim.profile.BatchShape`; the engine's whole ``step_deltas()`` call is
 timed around it, and ``overhead = total - forward`` (scheduling, bookkeeping,
-detokenization: what a virtual-time replay adds per iteration). Two grids of cells, each on
-a fresh engine over the one loaded runner, prefix caching off (distinct random prompts, so no
-KV is shared):
+detokenization: what a virtual-time replay adds per iteration). Two grids of cells, each run
+on a fresh engine over the one loaded runner, prefix caching off (distinct random prompts, so
+no KV is shared):
 
 - decode cells, batch x context: ``batch`` prompts of ``context`` tokens, prefilled in
   chunks of :data:`DECODE_BUDGET` tokens (the early finishers decode alongside: mixed
@@ -16,38 +18,73 @@ KV is shared):
   a chunk per iteration (``max_num_batched_tokens`` = chunk), so chunks start at offsets
   0, chunk, 2 * chunk, ... up to the reach.
 
-Every iteration is a point; a warm-up cell's are discarded.
-:mod:`iterserve.bench.calibrate_output` fits and writes the profile JSON (``--out``, default
-``<dir>/profile.json``), ``points.json`` (every point, its prediction, its split) and
-``fit.png`` (predicted vs measured).
+Measuring what it thinks it measures (docs/simulator.md, "Calibrating a profile"):
+
+- **Warm-up per shape.** Each cell first runs once with the same prompts (a decode cell with
+  :data:`WARMUP_DECODE_STEPS` whole-batch decodes: every token count of the cell, prefill
+  chunks and drain included), discarded: oneDNN creates (JIT-compiles) a primitive per matmul
+  shape on its first use, and the allocator and caches settle; a single warm-up cell at the
+  start left every later cell's first iterations cold.
+- **Repeats.** Then the cell runs ``--repeats`` times with the same prompts; the scheduler is
+  deterministic, so every shape is measured ``repeats`` times.
+- **Outliers and noise.** Per shape, repeats beyond median +- 3 scaled MADs are rejected, and
+  the repeats' spread is the machine's noise (:func:`iterserve.sim.fit.reject_outliers`).
+- **Cells that do not fit.** After the fit, a cell whose median error exceeds the bound is
+  measured again, once (warm-up and repeats), and the fit redone. A cell still over it is
+  dropped when its own repeats spread by more than half the bound (the machine was too noisy
+  to measure it), kept otherwise (the model cannot fit it: the held-out check judges it); a
+  note in the profile says which.
+- **The bound.** A profile whose held-out median error, or any cell's error, exceeds
+  ``--max-held-out-error-pct`` is refused: not written, exit code 1, the reasons printed
+  (cells, errors, noise); ``--force`` writes it with the reasons as a warning in its notes.
+  ``points.json`` and ``fit.png`` are written either way.
+
+:mod:`iterserve.bench.calibrate_output` fits and writes; :func:`calibrate` is the in-process
+entry point (a :class:`Calibrated`: the profile or the refusal), :func:`main` the command's.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import platform
 import random
 import statistics
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from iterserve.bench.calibrate_output import (
+    Fit,
     Measurement,
     Point,
-    build_profile,
+    fit_profile,
     plot,
+    refusal,
     report,
     save_points,
 )
 from iterserve.bench.common import output_dir, warn_if_loaded
-from iterserve.config import EngineConfig
+from iterserve.config import DEFAULT_MODEL_NAME, EngineConfig
 from iterserve.engine.factory import build_engine
 from iterserve.engine.messages import AddRequest
 from iterserve.engine.outputs import ModelRunner, ModelRunnerOutput, SchedulerOutput
 from iterserve.engine.sampling_params import SamplingParams
-from iterserve.sim.profile import BatchShape
+from iterserve.sim.profile import (
+    BatchShape,
+    EngineOverhead,
+    IterationModel,
+    KVCacheSpec,
+    LatencyProfile,
+    ModelSpec,
+    ProfileSource,
+    SwapSpec,
+)
 
-DECODE_STEPS = 16  # iterations in which a decode cell's whole batch decodes
+DECODE_STEPS = 8  # iterations in which a decode cell's whole batch decodes (per repeat)
+WARMUP_DECODE_STEPS = 2  # the same in a decode cell's warm-up run
 DECODE_BUDGET = 512  # max_num_batched_tokens of the decode cells (their prefill chunks)
 PREFILL_REACH = 2048  # the prefill cells' chunks start at offsets up to this (tokens)
 SWAP_SPACE_GIB = 0.05  # host pool for timing KV swaps (all of it is copied out and back)
@@ -72,13 +109,27 @@ class TimingRunner:
         return output
 
 
+@dataclass
+class Cell:
+    """One cell of the grid: its prompts, how far each runs (measured and warm-up runs), and
+    the engine limits it runs under."""
+
+    name: str
+    prompts: list[list[int]]
+    max_tokens: int
+    warmup_max_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
 class Calibration:
-    """The loaded model and the cells run on it; ``run_cell`` returns a cell's points."""
+    """The loaded model and the cells run on it; :meth:`measure_cell` returns a cell's points."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         from iterserve.executor.build import build  # torch
 
         # The KV pool the default budget gives; "recompute": build need not time preemption.
+        # Everything else (platform, kernels, weight packing, threads) is what `serve` builds.
         config = EngineConfig.from_kwargs(
             model=args.model,
             dtype=args.dtype,
@@ -90,6 +141,8 @@ class Calibration:
         self.rng = random.Random(args.seed)
         self.model = args.model
         self.dtype = args.dtype
+        self.repeats = args.repeats
+        self.cells: dict[str, Cell] = {}
         self.skipped: list[str] = []
 
     def swap_bytes_per_s(self, repeats: int = 5) -> float:
@@ -110,50 +163,90 @@ class Calibration:
             times.append(time.perf_counter() - start)
         return 2 * len(pairs) * kv.block_size * kv.bytes_per_token / statistics.median(times)
 
-    def decode_cell(self, batch: int, context: int, steps: int = DECODE_STEPS) -> list[Point]:
+    def base_profile(self, swap_bytes_per_s: float) -> LatencyProfile:
+        """The profile's model side (spec, KV pool, swap, hardware); the fit fills the rest."""
+        loaded, hf = self.loaded, self.loaded.hf_config
+        dtype = str(loaded.driver.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        model_name = DEFAULT_MODEL_NAME if self.model == "default" else loaded.model_dir.name
+        device = loaded.runner.device.type
+        assert loaded.config.model.max_model_len is not None  # build() resolves it
+        return LatencyProfile(
+            name=f"{device}-{model_name.lower()}",
+            model=ModelSpec(
+                name=model_name,
+                max_model_len=loaded.config.model.max_model_len,
+                vocab_size=int(hf.vocab_size),
+                eos_token_ids=sorted(loaded.eos_token_ids),
+                num_layers=int(hf.num_hidden_layers),
+                dtype=dtype,
+            ),
+            iteration=IterationModel(
+                fixed_s=0,
+                per_decode_token_s=0,
+                per_prefill_token_s=0,
+                per_context_token_s=0,
+                per_attention_pair_s=0,
+            ),
+            engine_overhead=EngineOverhead(),
+            kv_cache=KVCacheSpec(
+                block_size=loaded.config.cache.block_size,
+                num_blocks=loaded.num_kv_blocks,
+                kv_bytes_per_token=loaded.driver.kv_cache.bytes_per_token,
+            ),
+            swap=SwapSpec(bytes_per_s=swap_bytes_per_s),
+            source=ProfileSource(hardware=_hardware(device), date="", method=""),
+        )
+
+    def decode_cell(self, batch: int, context: int, steps: int = DECODE_STEPS) -> Cell | None:
         """``batch`` prompts of ``context`` tokens; each decodes until the last one's prefill is
         done, then ``steps`` more (so the whole batch decodes together), then the batch drains
-        one finisher at a time. Skipped (empty) when its KV does not fit the pool."""
+        one finisher at a time. None (and noted as skipped) when its KV does not fit the
+        pool."""
         budget = max(DECODE_BUDGET, 2 * batch)
         num_prefill_iterations = -(-batch * context // (budget - batch))
         max_tokens = steps + num_prefill_iterations + 1
         block_size = self.loaded.config.cache.block_size
         blocks = batch * -(-(context + max_tokens) // block_size)
+        name = f"decode b{batch} c{context}"
         if blocks > 0.98 * self.loaded.num_kv_blocks:  # the watermark keeps 1% free
-            self.skipped.append(f"decode b{batch} c{context}: {blocks} KV blocks > pool")
-            return []
+            self.skipped.append(f"{name}: {blocks} KV blocks > pool")
+            return None
         prompts = [self._prompt(context) for _ in range(batch)]
-        return self.run_cell(f"decode b{batch} c{context}", prompts, max_tokens, batch, budget)
+        warmup = min(max_tokens, WARMUP_DECODE_STEPS + num_prefill_iterations + 1)
+        return Cell(name, prompts, max_tokens, warmup, batch, budget)
 
-    def prefill_cell(self, chunk: int, reach: int = PREFILL_REACH) -> list[Point]:
-        return self.run_cell(f"prefill p{chunk}", [self._prompt(reach + chunk)], 1, 1, chunk)
+    def prefill_cell(self, chunk: int, reach: int = PREFILL_REACH) -> Cell:
+        return Cell(f"prefill p{chunk}", [self._prompt(reach + chunk)], 1, 1, 1, chunk)
 
-    def run_cell(
-        self,
-        cell: str,
-        prompts: list[list[int]],
-        max_tokens: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-    ) -> list[Point]:
-        """Run ``prompts`` to ``max_tokens`` each on a fresh engine (own scheduler and block
-        manager, the shared runner); one point per iteration with tokens."""
+    def measure_cell(self, cell: Cell) -> list[Point]:
+        """A warm-up run of ``cell`` (discarded), then :attr:`repeats` measured runs."""
+        self.cells[cell.name] = cell
+        self.run(cell, cell.warmup_max_tokens, repeat=-1)
+        return [p for r in range(self.repeats) for p in self.run(cell, cell.max_tokens, r)]
+
+    def remeasure(self, name: str) -> list[Point]:
+        """Measure the cell called ``name`` again (warm-up and repeats)."""
+        return self.measure_cell(self.cells[name])
+
+    def run(self, cell: Cell, max_tokens: int, repeat: int) -> list[Point]:
+        """Run the cell's prompts to ``max_tokens`` each on a fresh engine (own scheduler and
+        block manager, the shared runner); one point per iteration with tokens."""
         loaded = self.loaded
         config = EngineConfig.from_kwargs(
             model=self.model,
             dtype=self.dtype,
             max_model_len=loaded.config.model.max_model_len,
             enable_prefix_caching=False,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            long_prefill_token_threshold=max_num_batched_tokens,
+            max_num_seqs=cell.max_num_seqs,
+            max_num_batched_tokens=cell.max_num_batched_tokens,
+            long_prefill_token_threshold=cell.max_num_batched_tokens,
         )
         # No host pool: a cell never swaps.
         info = dataclasses.replace(loaded.info, num_host_blocks=0, model_dir=None)
         engine = build_engine(config, self.timer, loaded.tokenizer, info)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            request_id = f"{cell}-{i}"
+        for i, prompt in enumerate(cell.prompts):
+            request_id = f"{cell.name}-{repeat}-{i}"
             engine.validate(prompt, params)
             priority = engine.resolve_priority(None)
             engine.add(AddRequest(request_id, prompt, params, priority, time.monotonic()))
@@ -164,7 +257,8 @@ class Calibration:
             engine.step_deltas()
             total = time.perf_counter() - start
             if self.timer.last is not None and self.timer.last[0].num_seqs > 0:
-                points.append(Point(cell, self.timer.last[0], self.timer.last[1], total))
+                shape, forward = self.timer.last
+                points.append(Point(cell.name, shape, forward, total, repeat))
         loaded.runner.states.clear()
         return points
 
@@ -173,61 +267,179 @@ class Calibration:
         return [self.rng.randrange(100, vocab) for _ in range(num_tokens)]  # past specials
 
 
+def _hardware(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
 def measure(args: argparse.Namespace) -> Measurement:
-    """Load the model, time swaps, warm up, and run every cell (prints progress)."""
+    """Load the model, time swaps, and run every cell (warm-up and repeats; prints progress)."""
     cal = Calibration(args)
     swap_bytes_per_s = cal.swap_bytes_per_s()
-    cal.decode_cell(2, 64, steps=4)  # warm-up: discarded
     reach = SMOKE_REACH if args.smoke else PREFILL_REACH
+    cells = [cal.decode_cell(b, c) for b in _ints(args.batch_sizes) for c in _ints(args.contexts)]
+    cells += [cal.prefill_cell(chunk, reach) for chunk in _ints(args.chunk_sizes)]
     points: list[Point] = []
-    cells = [(b, c) for b in _ints(args.batch_sizes) for c in _ints(args.contexts)]
-    for batch, context in cells:
+    for cell in cells:
+        if cell is None:
+            continue
         start = time.perf_counter()
-        new = cal.decode_cell(batch, context)
-        print(f"  decode b{batch} c{context}: {len(new)} points, {_since(start)}", flush=True)
-        points += new
-    for chunk in _ints(args.chunk_sizes):
-        start = time.perf_counter()
-        new = cal.prefill_cell(chunk, reach)
-        print(f"  prefill p{chunk}: {len(new)} points, {_since(start)}", flush=True)
+        new = cal.measure_cell(cell)
+        print(f"  {cell.name}: {len(new)} points, {_since(start)}", flush=True)
         points += new
     grid = (
         f"decode cells batch {args.batch_sizes} x context {args.contexts} "
         f"({DECODE_STEPS} whole-batch decodes each), prefill cells chunk {args.chunk_sizes} "
         f"at offsets up to {reach}"
     )
-    return Measurement(cal.loaded, args.model, points, swap_bytes_per_s, grid, cal.skipped)
+    return Measurement(
+        cal.base_profile(swap_bytes_per_s), points, grid, args.repeats, cal.skipped, cal.remeasure
+    )
 
 
 def _since(start: float) -> str:
     return f"{time.perf_counter() - start:.1f} s"
 
 
-def main(args: argparse.Namespace) -> int:
+@dataclass
+class Calibrated:
+    """What :func:`calibrate` produced.
+
+    Attributes:
+        fit: the last fit (its ``profile`` is the profile, written or not).
+        refused: why the profile does not meet the bound (empty: it does).
+        profile_path: where the profile was written; None when refused without ``--force``.
+        directory: where ``points.json`` and ``fit.png`` were written (always).
+        notes: what was re-measured, dropped or kept (also in the profile's notes).
+    """
+
+    fit: Fit
+    refused: list[str]
+    profile_path: Path | None
+    directory: Path
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def profile(self) -> LatencyProfile:
+        return self.fit.profile
+
+
+def refit_bad_cells(
+    m: Measurement, name: str, seed: int, bound_pct: float
+) -> tuple[Fit, list[str]]:
+    """Fit ``m``; cells whose median error exceeds ``bound_pct`` are re-measured once (when
+    ``m.remeasure`` can) and the fit redone; a cell still over it is dropped when its repeats
+    spread more than ``bound_pct / 2`` (too noisy to measure), kept otherwise (the model's
+    limit); then the final fit. Returns it and the notes saying what was done (``m.points``
+    is updated in place).
+
+    Raises:
+        ValueError: too few shapes to fit and hold some out.
+    """
+    notes: list[str] = []
+    fit = fit_profile(m, name, seed)
+    bad = [c for c in fit.cells if c.median_pct > bound_pct]
+    if not bad:
+        return fit, notes
+    if m.remeasure is not None:
+        for c in bad:
+            print(f"  re-measuring {c.cell}: error {c.median_pct:.1f}% > {bound_pct:g}%")
+            new = m.remeasure(c.cell)
+            m.points = [p for p in m.points if p.cell != c.cell] + new
+        notes.append(
+            f"re-measured once (error > {bound_pct:g}%): " + ", ".join(c.cell for c in bad)
+        )
+        fit = fit_profile(m, name, seed, notes)
+    still = [c for c in fit.cells if c.median_pct > bound_pct]
+    noisy = [c for c in still if c.noise_pct > bound_pct / 2]
+    if noisy and len(noisy) == len(fit.cells):
+        notes.append("every cell is over the bound and noisy: none dropped")
+        noisy = []
+    notes += [
+        f"dropped cell {c.cell}: error {c.median_pct:.1f}%, its repeats spread "
+        f"{c.noise_pct:.1f}% (> {bound_pct / 2:g}%: too noisy to measure)"
+        for c in noisy
+    ]
+    notes += [
+        f"kept cell {c.cell}: error {c.median_pct:.1f}% with its repeats within "
+        f"{c.noise_pct:.1f}% (the model's limit, not the machine's noise)"
+        for c in still
+        if c not in noisy
+    ]
+    dropped = {c.cell for c in noisy}
+    m.points = [p for p in m.points if p.cell not in dropped]
+    m.skipped += [f"{cell}: dropped (too noisy)" for cell in sorted(dropped)]
+    return fit_profile(m, name, seed, notes), notes
+
+
+def calibrate(args: argparse.Namespace, measured: Measurement | None = None) -> Calibrated:
+    """Measure (unless ``measured`` is given), fit, check the bound, write the files.
+
+    The in-process entry point (``bench fidelity`` may call it): ``args`` as parsed by
+    ``iterserve bench calibrate`` (``build_parser().parse_args(["bench", "calibrate", ...])``).
+    The profile is written to ``--out`` (default ``<dir>/profile.json``) unless refused
+    without ``--force``; ``points.json`` and ``fit.png`` always.
+
+    Raises:
+        ValueError: too few shapes to fit (a grid of one tiny cell).
+    """
     if args.smoke:
         for key, value in SMOKE_GRID.items():
             setattr(args, key, value)
     warn_if_loaded()
     start = time.perf_counter()
-    measured = measure(args)
-    name = args.name or (Path(args.out).stem if args.out is not None else None)
-    profile, held_out, errors = build_profile(measured, name, args.seed)
-    points = measured.points
-    print(report(profile, points, held_out, errors))
-    for skipped in measured.skipped:
+    m = measured if measured is not None else measure(args)
+    bound = args.max_held_out_error_pct
+    name = args.name or (Path(args.out).stem if args.out is not None else m.base.name)
+    fit, notes = refit_bad_cells(m, name, args.seed, bound)
+    refused = refusal(fit, bound)
+    print(report(fit))
+    for skipped in m.skipped:
         print(f"skipped {skipped}")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    directory = args.output_dir or output_dir(args) / f"calibrate-{stamp}"
+    for note in notes:
+        print(note)
+    directory = args.output_dir or output_dir(args) / f"calibrate-{time.strftime('%Y%m%d-%H%M%S')}"
     directory.mkdir(parents=True, exist_ok=True)
+    save_points(fit, directory / "points.json", refused)
+    plot(fit, directory / "fit.png")
+    print(f"{len(m.points)} points in {_since(start)}; wrote {directory / 'points.json'}, "
+          f"{directory / 'fit.png'}")  # fmt: skip
+    load = f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
+    if refused and not args.force:
+        print(
+            f"profile refused, not written (--max-held-out-error-pct {bound:g}; --force "
+            f"writes it anyway); {load}:\n  " + "\n  ".join(refused),
+            file=sys.stderr,
+        )
+        return Calibrated(fit, refused, None, directory, notes)
+    if refused:
+        warning = "WARNING: written with --force although over the bound: " + "; ".join(refused)
+        print(warning, file=sys.stderr)
+        source = fit.profile.source
+        fit.profile = fit.profile.model_copy(
+            update={"source": source.model_copy(update={"notes": [warning, *source.notes]})}
+        )
     profile_path = Path(args.out) if args.out is not None else directory / "profile.json"
     profile_path.parent.mkdir(parents=True, exist_ok=True)
-    profile_path.write_text(profile.to_json())
-    save_points(profile, points, held_out, directory / "points.json")
-    plot(profile, points, held_out, directory / "fit.png")
-    print(f"{len(points)} points in {_since(start)}")
-    print(f"wrote {profile_path}, {directory / 'points.json'} and {directory / 'fit.png'}")
-    return 0
+    profile_path.write_text(fit.profile.to_json())
+    print(f"wrote {profile_path}")
+    return Calibrated(fit, refused, profile_path, directory, notes)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``iterserve bench calibrate``: 0 when the profile was written, 1 when refused."""
+    result = calibrate(args)
+    return 0 if result.profile_path is not None else 1

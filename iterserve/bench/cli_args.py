@@ -119,8 +119,35 @@ def _add_calibrate(sub: Any) -> None:
         default=None,
         help="points, plot (and profile); default: bench-results[/smoke]/calibrate-<time>",
     )
+    p.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        help="measured runs of each cell (after a warm-up)",
+    )
+    p.add_argument(
+        "--max-held-out-error-pct",
+        type=_positive_float,
+        default=15.0,
+        help="refuse (exit 1, profile not written) above this held-out median or cell error",
+    )
+    p.add_argument("--force", action="store_true", help="write a refused profile (with a warning)")
     p.add_argument("--smoke", action="store_true", help="tiny grid, well under a minute (tests)")
     p.set_defaults(func=_main_of("calibrate"))
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
 
 
 def _add_fidelity(sub: Any) -> None:

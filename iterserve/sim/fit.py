@@ -23,13 +23,27 @@ the best one; or exactly the ``floors`` given. Points the first fit misses by mo
 ``outlier_pct`` (a 2-core machine shared with other work has the odd iteration 3x slower
 than its neighbours) are dropped and the fit done again, once.
 
+Before the fit, calibration measures every shape several times (repeats) and
+:func:`reject_outliers` drops, per shape, the repeats far from that shape's median: a value
+``x`` of a group with median ``m`` is an outlier when ``|x - m| > k * s``, with the scale
+``s = max(1.4826 * MAD, MIN_SCALE_REL * m)`` (MAD: the median absolute deviation from ``m``;
+1.4826 makes it a standard deviation for normal data) and ``k = 3``, the "very conservative"
+threshold of Leys et al., "Detecting outliers: Do not use standard deviation around the mean,
+use absolute deviation around the median", J. Exp. Soc. Psychol. 49(4), 2013. The median and
+MAD are not moved by the outliers themselves (a 20x slower repeat moves a mean and a standard
+deviation as much as it is off), which is the point. The floor ``MIN_SCALE_REL`` keeps three
+repeats that agree to within timer jitter from rejecting a fourth 3% off. The same robust
+spread, ``1.4826 * MAD / m`` over the repeats of one shape, is the machine's noise
+(:class:`Noise`): what the profile's error cannot be expected to beat.
+
 numpy and scipy are imported here; only the calibration command and tests import this module
 (the simulator proper stays numpy-free).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import nnls  # type: ignore[import-untyped]
@@ -42,6 +56,101 @@ MAX_FLOOR_ITERATIONS = 50
 FLOOR_GRID_STEPS = 8
 REFINE_LEVELS = 2
 OUTLIER_ABS_PCT = 50.0
+MAD_TO_SIGMA = 1.4826  # MAD x this = the standard deviation, for normally distributed data
+OUTLIER_MADS = 3.0  # k of median +- k * MAD (Leys et al. 2013: 3 "very conservative")
+MIN_SCALE_REL = 0.02  # the scale is at least 2% of the median (timer jitter is not an outlier)
+
+
+@dataclass(frozen=True)
+class Noise:
+    """The spread of repeated measurements of the same shape (the machine's noise).
+
+    Attributes:
+        median_pct: median over the shapes of ``100 * 1.4826 * MAD / median`` (a robust
+            coefficient of variation, %); 0 when no shape was measured twice.
+        p90_pct: the 90th percentile of the same (%).
+        num_shapes: shapes measured at least twice (those the figures are over).
+        num_points: every measurement.
+        num_rejected: measurements :func:`reject_outliers` dropped.
+    """
+
+    median_pct: float
+    p90_pct: float
+    num_shapes: int
+    num_points: int
+    num_rejected: int
+
+    def describe(self) -> str:
+        """One line for the report and the profile's notes."""
+        return (
+            f"noise (spread of repeats of one shape, 1.4826 x MAD / median): median "
+            f"{self.median_pct:.1f}%, p90 {self.p90_pct:.1f}% over {self.num_shapes} shapes; "
+            f"{self.num_rejected} of {self.num_points} measurements rejected as outliers "
+            f"(median +- {OUTLIER_MADS:g} x scaled MAD per shape)"
+        )
+
+
+def robust_spread(values: Sequence[float]) -> tuple[float, float]:
+    """(median, ``1.4826 * MAD``) of ``values`` (the same unit).
+
+    Raises:
+        ValueError: no values.
+    """
+    if not values:
+        raise ValueError("robust_spread needs at least one value")
+    median = float(np.median(values))
+    return median, MAD_TO_SIGMA * float(np.median(np.abs(np.asarray(values) - median)))
+
+
+def outliers(
+    values: Sequence[float], k: float = OUTLIER_MADS, min_scale_rel: float = MIN_SCALE_REL
+) -> list[bool]:
+    """Which of ``values`` (repeats of one shape) are outliers: ``|x - median| > k * scale``,
+    ``scale = max(1.4826 * MAD, min_scale_rel * |median|)`` (module docstring). Fewer than
+    three values: none (two repeats cannot say which one is off).
+
+    Raises:
+        ValueError: ``k`` or ``min_scale_rel`` is not positive.
+    """
+    if k <= 0 or min_scale_rel <= 0:
+        raise ValueError(f"k and min_scale_rel must be > 0, got {k}, {min_scale_rel}")
+    if len(values) < 3:
+        return [False] * len(values)
+    median, scale = robust_spread(values)
+    scale = max(scale, min_scale_rel * abs(median))
+    return [abs(v - median) > k * scale for v in values]
+
+
+def reject_outliers(
+    groups: Sequence[Sequence[float]], k: float = OUTLIER_MADS
+) -> tuple[list[list[bool]], Noise]:
+    """Per group (the repeats of one shape, seconds > 0): which values are outliers
+    (:func:`outliers`), and the :class:`Noise` over the groups of two or more values.
+
+    Raises:
+        ValueError: a value is not positive, or ``k`` is not.
+    """
+    if any(v <= 0 for g in groups for v in g):
+        raise ValueError("every measured time must be > 0 seconds")
+    rejected = [outliers(g, k) for g in groups]
+    spreads = []
+    for g in groups:
+        if len(g) >= 2:
+            median, scale = robust_spread(g)
+            spreads.append(100 * scale / median)
+    median_pct, p90_pct = (
+        (float(np.percentile(spreads, 50)), float(np.percentile(spreads, 90)))
+        if spreads
+        else (0.0, 0.0)
+    )
+    noise = Noise(
+        median_pct=median_pct,
+        p90_pct=p90_pct,
+        num_shapes=len(spreads),
+        num_points=sum(len(g) for g in groups),
+        num_rejected=sum(sum(r) for r in rejected),
+    )
+    return rejected, noise
 
 
 def fit_iteration_model(
@@ -104,6 +213,24 @@ def fit_engine_overhead(num_seqs: Sequence[int], seconds: Sequence[float]) -> En
     x = np.column_stack([np.ones(len(num_seqs)), np.asarray(num_seqs, dtype=float)])
     coef = _nnls_scaled(x, np.asarray(seconds, dtype=float))
     return EngineOverhead(fixed_s=float(coef[0]), per_seq_s=float(coef[1]))
+
+
+def split_groups_held_out(
+    groups: Sequence[Hashable], fraction: float = 0.2, seed: int = 0
+) -> tuple[list[int], list[int]]:
+    """Indices of ``groups`` (one label per point: its shape) split into (train, held-out)
+    by label: every point of a held-out shape is held out, so a held-out point has no repeat
+    of itself in the train set. :func:`split_held_out` over the distinct labels (in order of
+    first appearance).
+
+    Raises:
+        ValueError: ``fraction`` outside ``[0, 1)``.
+    """
+    labels = list(dict.fromkeys(groups))
+    _, held_labels = split_held_out(len(labels), fraction, seed)
+    held = {labels[i] for i in held_labels}
+    train = [i for i, g in enumerate(groups) if g not in held]
+    return train, [i for i, g in enumerate(groups) if g in held]
 
 
 def split_held_out(n: int, fraction: float = 0.2, seed: int = 0) -> tuple[list[int], list[int]]:
