@@ -439,7 +439,8 @@ def calibrate(args: argparse.Namespace, measured: Measurement | None = None) -> 
     return Calibrated(fit, refused, profile_path, directory, notes)
 
 
-def main(args: argparse.Namespace) -> int:
-    """``iterserve bench calibrate``: 0 when the profile was written, 1 when refused."""
-    result = calibrate(args)
+def main(args: argparse.Namespace, measured: Measurement | None = None) -> int:
+    """``iterserve bench calibrate``: 0 when the profile was written, 1 when refused
+    (``measured``: as for :func:`calibrate`)."""
+    result = calibrate(args, measured)
     return 0 if result.profile_path is not None else 1

@@ -1,4 +1,5 @@
-"""The fit recovers known coefficients from synthetic iterations (no model, milliseconds)."""
+"""The fit recovers known coefficients from synthetic iterations, and repeats of one shape give
+its outliers and the noise (no model, milliseconds)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ import numpy as np
 import pytest
 
 from iterserve.sim.fit import (
+    Noise,
     fit_engine_overhead,
     fit_iteration_model,
+    outliers,
     predict_forward_seconds,
+    reject_outliers,
+    robust_spread,
+    split_groups_held_out,
     split_held_out,
 )
 from iterserve.sim.profile import BatchShape, IterationModel
@@ -163,3 +169,74 @@ def test_prediction_matches_the_formula() -> None:
     linear = max(m.linear_floor_s, 3 * m.per_decode_token_s + 40 * m.per_prefill_token_s)
     want = m.fixed_s + linear + 900 * m.per_context_token_s + 1000 * m.per_attention_pair_s
     assert math.isclose(got, want)
+
+
+# ------------------------------------------------- repeats: outliers and the machine's noise
+
+
+def test_a_slow_repeat_is_an_outlier_and_jitter_is_not() -> None:
+    # One repeat 20x slower (another process took the cores): rejected, the others kept.
+    assert outliers([0.024, 0.025, 0.500]) == [False, False, True]
+    assert outliers([0.024, 0.025, 0.026, 0.300, 0.025]) == [False, False, False, True, False]
+    # Three repeats agreeing to 0.1%: a fourth 3% off is timer jitter (the 2% floor x 3).
+    assert outliers([0.0250, 0.02502, 0.02498, 0.02575]) == [False] * 4
+    # ... but 10% off is not.
+    assert outliers([0.0250, 0.02502, 0.02498, 0.0275]) == [False, False, False, True]
+    # Two repeats cannot say which one is off.
+    assert outliers([0.025, 0.5]) == [False, False]
+    assert outliers([0.025]) == [False]
+
+
+def test_outlier_threshold_is_median_plus_k_scaled_mads() -> None:
+    values = [10.0, 11.0, 12.0, 13.0, 14.0]  # median 12, MAD 1, scale 1.4826
+    median, scale = robust_spread(values)
+    assert median == 12.0 and scale == pytest.approx(1.4826)
+    # With a sixth value x > 14: median 12.5, MAD 1.5 (x does not move it, however large),
+    # so the threshold is 12.5 + 3 x 1.4826 x 1.5 = 19.17: 19.1 stays, 19.2 goes.
+    assert outliers([*values, 19.1]) == [False] * 6
+    assert outliers([*values, 19.2]) == [False] * 5 + [True]
+    assert outliers([*values, 1e6]) == [False] * 5 + [True]
+    assert outliers([*values, 19.2], k=4) == [False] * 6
+
+
+def test_noise_is_the_spread_of_repeats_of_one_shape() -> None:
+    rng = np.random.default_rng(3)
+    groups = [list(0.02 * (1 + i / 10) * rng.lognormal(0, 0.05, 5)) for i in range(40)]
+    groups[3][1] *= 20  # two hiccups
+    groups[7][4] *= 5
+    groups.append([0.03])  # measured once: in no spread
+    flags, noise = reject_outliers(groups)
+    assert sum(map(sum, flags)) == noise.num_rejected >= 2
+    assert flags[3][1] and flags[7][4]
+    assert noise.num_shapes == 40 and noise.num_points == 201
+    # Lognormal sigma 5% -> a robust CV near 5% (the hiccups do not inflate it).
+    assert 3 < noise.median_pct < 7 and noise.median_pct <= noise.p90_pct < 12
+    assert "median" in noise.describe() and "rejected" in noise.describe()
+
+
+def test_noise_of_a_quiet_and_of_a_loaded_machine() -> None:
+    quiet = [[0.020, 0.0201, 0.0199]] * 10
+    # Another process on the cores: every repeat a different multiple of the quiet time.
+    loaded = [[0.020, 0.060, 0.200]] * 10
+    assert reject_outliers(quiet)[1].median_pct < 1
+    assert reject_outliers(loaded)[1].median_pct > 90  # 1.4826 x 0.04 / 0.06
+
+
+def test_repeats_checks_its_inputs() -> None:
+    with pytest.raises(ValueError, match="> 0 seconds"):
+        reject_outliers([[0.02, 0.0]])
+    with pytest.raises(ValueError, match="k and min_scale_rel"):
+        outliers([1.0, 2.0, 3.0], k=0)
+    with pytest.raises(ValueError, match="at least one"):
+        robust_spread([])
+    assert reject_outliers([])[1] == Noise(0.0, 0.0, 0, 0, 0)
+
+
+def test_held_out_split_by_shape_keeps_repeats_together() -> None:
+    labels = [i % 10 for i in range(30)]  # 10 shapes, 3 repeats each, interleaved
+    train, held = split_groups_held_out(labels, 0.2, seed=1)
+    assert sorted(train + held) == list(range(30))
+    held_labels = {labels[i] for i in held}
+    assert len(held_labels) == 2 and len(held) == 6
+    assert not held_labels & {labels[i] for i in train}
+    assert split_groups_held_out(labels, 0.2, seed=1) == (train, held)
