@@ -34,8 +34,8 @@ Measuring what it thinks it measures (docs/simulator.md, "Calibrating a profile"
   dropped when its own repeats spread by more than half the bound (the machine was too noisy
   to measure it), kept otherwise (the model cannot fit it: the held-out check judges it); a
   note in the profile says which.
-- **The bound.** A profile whose held-out median error, or any cell's error, exceeds
-  ``--max-held-out-error-pct`` is refused: not written, exit code 1, the reasons printed
+- **The bound.** A profile whose held-out median error exceeds ``--max-held-out-error-pct``,
+  or any cell's error twice that, is refused: not written, exit code 1, the reasons printed
   (cells, errors, noise); ``--force`` writes it with the reasons as a warning in its notes.
   ``points.json`` and ``fit.png`` are written either way.
 

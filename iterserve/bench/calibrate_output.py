@@ -35,6 +35,11 @@ from iterserve.sim.profile import (
 )
 
 HELD_OUT_FRACTION = 0.2
+# A cell may miss by up to this many times the bound before the profile is refused: the
+# linear model averages over the grid (it misses small prefill chunks and mid-size decode
+# batches by 15-20% on an idle machine, repeats within 1-2%), while a cell spoiled by
+# another process is off by 50-100% or more.
+CELL_BOUND_FACTOR = 2.0
 
 
 @dataclass
@@ -184,7 +189,8 @@ def fit_profile(m: Measurement, name: str, seed: int, notes: Sequence[str] = ())
 
 def refusal(fit: Fit, max_held_out_error_pct: float) -> list[str]:
     """Why ``fit`` is not good enough to write (empty: it is): the held-out median error
-    over the bound, and each cell whose error (held-out, else over all its points) is."""
+    over the bound, and each cell whose error (held-out, else over all its points) is over
+    :data:`CELL_BOUND_FACTOR` times the bound."""
     reasons = []
     held_median = fit.errors["held-out"][0]
     if held_median > max_held_out_error_pct:
@@ -192,11 +198,12 @@ def refusal(fit: Fit, max_held_out_error_pct: float) -> list[str]:
             f"held-out median error {held_median:.1f}% > {max_held_out_error_pct:g}% "
             f"(p90 {fit.errors['held-out'][1]:.1f}%)"
         )
+    cell_bound = CELL_BOUND_FACTOR * max_held_out_error_pct
     reasons += [
-        f"cell {c.cell}: error {c.judged_pct:.1f}% > {max_held_out_error_pct:g}% "
+        f"cell {c.cell}: error {c.judged_pct:.1f}% > {cell_bound:g}% "
         f"(forward {c.forward_ms:.1f} ms, its repeats spread {c.noise_pct:.1f}%)"
         for c in fit.cells
-        if c.judged_pct > max_held_out_error_pct
+        if c.judged_pct > cell_bound
     ]
     if reasons:
         reasons.append(fit.noise.describe())

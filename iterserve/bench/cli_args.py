@@ -129,7 +129,7 @@ def _add_calibrate(sub: Any) -> None:
         "--max-held-out-error-pct",
         type=_positive_float,
         default=15.0,
-        help="refuse (exit 1, profile not written) above this held-out median or cell error",
+        help="refuse the profile (exit 1) over this held-out median error, or a cell over twice it",
     )
     p.add_argument("--force", action="store_true", help="write a refused profile (with a warning)")
     p.add_argument("--smoke", action="store_true", help="tiny grid, well under a minute (tests)")
