@@ -441,6 +441,10 @@ def calibrate(args: argparse.Namespace, measured: Measurement | None = None) -> 
 
 def main(args: argparse.Namespace, measured: Measurement | None = None) -> int:
     """``iterserve bench calibrate``: 0 when the profile was written, 1 when refused
-    (``measured``: as for :func:`calibrate`)."""
-    result = calibrate(args, measured)
+    (``measured``: as for :func:`calibrate`), or when the points are too few to fit."""
+    try:
+        result = calibrate(args, measured)
+    except ValueError as e:  # too few shapes (a grid of one tiny cell, or cells dropped)
+        print(f"calibrate: cannot fit a profile: {e}", file=sys.stderr)
+        return 1
     return 0 if result.profile_path is not None else 1

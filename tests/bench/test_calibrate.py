@@ -230,3 +230,14 @@ def test_a_cell_over_the_bound_but_within_twice_it_is_kept_not_refused(tmp_path:
     assert kept and not any(n.startswith("dropped") for n in result.notes)
     assert all(c.judged_pct <= 30 for c in result.fit.cells)
     assert max(c.median_pct for c in result.fit.cells) > 15
+
+
+def test_too_few_shapes_to_fit_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shape = _cells()["decode b1 c128"][0]
+    m = Measurement(TRUE, _total(_points("decode b1 c128", [shape], 0)), "one shape", 3)
+    assert main(_args(tmp_path), m) == 1
+    assert "cannot fit a profile: 1 distinct shapes: too few to hold some out" in (
+        capsys.readouterr().err
+    )
