@@ -34,7 +34,7 @@ which the in-sample ones cannot. Usage::
     .venv/bin/python scripts/derive_a100_profile.py [--out PATH]
     .venv/bin/python scripts/derive_a100_profile.py --check [--out PATH]
 
-``--check`` writes nothing: it prints the per-point table (published, in-sample, held-out) in
+``--check`` writes nothing: it prints the per-point tables (table total, in-sample, held out) in
 the Markdown docs/simulator.md shows, and exits 1 if the profile at ``--out`` (default: the
 built-in) differs from what the script would write.
 """
@@ -428,10 +428,12 @@ def check(out: Path, profile: LatencyProfile, columns: dict[str, Fidelity]) -> i
     print("\n".join(markdown_rows(columns["NVSwitch"])))
     print()
     print("\n".join(markdown_summary(columns)))
-    if not out.is_file():
-        print(f"{out}: no such file", file=sys.stderr)
+    try:
+        written = out.read_text()
+    except OSError as exc:
+        print(f"cannot read {out}: {exc}", file=sys.stderr)
         return 1
-    if out.read_text() != profile.to_json():
+    if written != profile.to_json():
         print(f"{out} differs from what the script derives: rerun without --check", file=sys.stderr)
         return 1
     print(f"{out} matches the derivation")
@@ -463,7 +465,11 @@ def main(argv: list[str] | None = None) -> int:
             f"held out median {lo_med:.2f}%, p90 {lo_p90:.2f}%"
         )
     print(profile.iteration)
-    args.out.write_text(profile.to_json())
+    try:
+        args.out.write_text(profile.to_json())
+    except OSError as exc:
+        print(f"cannot write {args.out}: {exc}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out}")
     return 0
 

@@ -155,6 +155,9 @@ def test_check_refuses_a_profile_that_differs(
     assert script.main(["--check", "--out", str(out)]) == 1
     assert "differs from what the script derives" in capsys.readouterr().err
     assert script.main(["--check", "--out", str(tmp_path / "missing.json")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+    assert script.main(["--out", str(tmp_path / "no-dir" / "a.json")]) == 1
+    assert "cannot write" in capsys.readouterr().err
 
 
 def test_decode_at_128_is_above_the_physical_floor(profile: LatencyProfile) -> None:
