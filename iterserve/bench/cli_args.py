@@ -154,6 +154,13 @@ def _add_fidelity(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="real server's port (0: a free one)")
     p.add_argument(
+        "--server-args",
+        default="",
+        help="extra `iterserve serve` flags of the real server, e.g. '--simulate cpu-smollm2' "
+        "(the simulator does not see them: settings that change serving make the comparison "
+        "unfair)",
+    )
+    p.add_argument(
         "--production", action="store_true", help="also the A100 production table (simulated)"
     )
     p.add_argument("--production-only", action="store_true", help="only the A100 table")

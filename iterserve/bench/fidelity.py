@@ -145,6 +145,11 @@ def real_server(port: int, flags: list[str], log: Path) -> Iterator[tuple[str, i
             proc.wait()
 
 
+def _calibrate_command() -> list[str]:
+    """``iterserve bench calibrate`` in this interpreter (tests put a fast stand-in here)."""
+    return [sys.executable, "-m", "iterserve.cli", "bench", "calibrate"]
+
+
 def calibrate(out_dir: Path, extra_args: list[str]) -> Path:
     """Run ``iterserve bench calibrate`` (its output echoed as it comes); the profile's path.
 
@@ -152,7 +157,7 @@ def calibrate(out_dir: Path, extra_args: list[str]) -> Path:
         FidelityError: it exited non-zero (a refused profile): the reason is its last lines.
     """
     path = out_dir / "profile.json"
-    cmd = [sys.executable, "-m", "iterserve.cli", "bench", "calibrate", "--out", str(path)]
+    cmd = [*_calibrate_command(), "--out", str(path)]
     cmd += ["--output-dir", str(out_dir / "calibrate"), *extra_args]
     lines: list[str] = []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
@@ -252,6 +257,7 @@ def shape_run(
     shape = trace.shape
     save_trace(trace.requests, out_dir / f"trace-{shape.name}.jsonl")
     flags = ["--tiers", str(out_dir / "tiers.yaml")] if shape.tiers else []
+    flags += shlex.split(args.server_args)
     real = [
         real_replay(trace, flags, args, out_dir / f"server-{shape.name}-{i}.log")
         for i in range(args.repeat_real)
@@ -458,6 +464,11 @@ def _check_args(args: argparse.Namespace) -> None:
     """Raises ValueError for flags out of range (``--shapes`` is parsed here too)."""
     if isinstance(args.shapes, str):
         args.shapes = parse_shapes(args.shapes)
+    for flag in ("server_args", "calibrate_args"):
+        try:
+            shlex.split(getattr(args, flag))
+        except ValueError as e:
+            raise ValueError(f"--{flag.replace('_', '-')}: {e}") from e
     if args.repeat_real < 1:
         raise ValueError(f"--repeat-real must be >= 1, got {args.repeat_real}")
     if args.num_requests < 1:
