@@ -149,7 +149,7 @@ def _add_fidelity(sub: Any) -> None:
         "--calibrate-args", default="", help="extra `bench calibrate` flags, e.g. '--smoke'"
     )
     p.add_argument("--profile", default=None, help="with --no-calibrate: profile name or JSON")
-    p.add_argument("--num-requests", type=int, default=40, help="requests per trace")
+    p.add_argument("--num-requests", type=int, default=48, help="requests per trace")
     p.add_argument("--max-output-len", type=int, default=256, help="clip output lengths")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="real server's port (0: a free one)")
