@@ -216,8 +216,8 @@ def real_replay(
     summary["queue_ms"] = queue_ms(before, after)
     by_tier = summarize_by_tier(records, wall, slo)
     for tier, tier_summary in by_tier.items():
-        # Requests sent without a tier are labelled "default" by the client and by the
-        # server's default tier: with one tier in the run, all of the server's series.
+        # The client labels requests sent without a tier "default", the server by the tier it
+        # serves them in ("standard"): with one tier in the run, all of the server's series.
         only = len(by_tier) == 1
         tier_summary["queue_ms"] = queue_ms(before, after, None if only else [tier])
     num_iterations = it_after[1] - it_before[1]

@@ -34,6 +34,7 @@ from iterserve.models.loader import resolve_model_dir
 from iterserve.sim.profile import load_profile
 from iterserve.sim.tokenizer import FileTokenizer
 from iterserve.workload.stats import RequestRecord
+from iterserve.workload.workloads import load_trace
 
 
 def _summary(tok_s: float, tpot: float, ttft: float, queue: float) -> dict[str, Any]:
@@ -278,3 +279,28 @@ def test_bad_flags(
     assert main(args) == 2
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing written for a refused command line
+
+
+@pytest.mark.model
+def test_smoke_on_the_real_model(tmp_path: Path) -> None:
+    """The flow on the default model at tiny sizes: one shape replayed twice through the real
+    server and once simulated (the built-in profile: a smoke calibration alone takes 7-90 s
+    here depending on the load; the calibration step is the stand-in test's)."""
+    status, result = _run(
+        tmp_path, "--shapes", "poisson-high", "--num-requests", "4", "--max-output-len", "8",
+        "--no-calibrate", "--profile", "cpu-smollm2",
+    )  # fmt: skip
+    assert status == 0, result.get("error")
+    run_dir = next(tmp_path.glob("fidelity-*"))
+    assert result["profile"] == "cpu-smollm2" and "calibration" not in result
+    (run,) = result["runs"]
+    assert [row["metric"] for row in run["comparison"]] == [name for name, _, _ in METRICS]
+    trace = load_trace(run_dir / "trace-poisson-high.jsonl")
+    expected_tokens = sum(r.output_len for r in trace)
+    for replay in run["measured"]:
+        summary = replay["summary"]
+        # Every request whole: ignore_eos with min_tokens = max_tokens, as the trace says.
+        assert summary["num_ok"] == 4 and summary["output_tokens"] == expected_tokens
+        assert replay["server_cpu_cores"]["engine"] > 0  # the model ran in its own process
+    assert run["simulated"]["summary"]["output_tokens"] == expected_tokens
+    assert all(len(row["measured_runs"]) == 2 for row in run["comparison"])
