@@ -15,7 +15,8 @@ per second of that burst's replay), so the same shape loads a slow and a fast ma
     tiers          mixed           Poisson at 1.5x capacity          FIDELITY_TIERS: queue-wait
                    (premium 20%, standard 50%, best-effort 30%)       limits, so some 429s
 
-Each shape's seed differs (``seed + 100 * index``), so no two shapes share prompts.
+Each shape's seed is ``--seed`` + 100 x its row above (:func:`shape_seed`): no two shapes
+share prompts, and a shape's trace is the same whichever others ``--shapes`` selects.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ SHAPES: dict[str, Shape] = {
         Shape("tiers", "mixed", 1.5, tiers=True),
     )
 }
+
+
+def shape_seed(shape: Shape, seed: int) -> int:
+    """The seed of ``shape``'s trace for the run's ``seed``."""
+    return seed + 100 * list(SHAPES).index(shape.name)
 
 
 def parse_shapes(text: str) -> list[Shape]:

@@ -28,7 +28,7 @@ from iterserve.bench.fidelity_compare import (
     spread,
     verdict,
 )
-from iterserve.bench.fidelity_shapes import SHAPES, build_trace, parse_shapes
+from iterserve.bench.fidelity_shapes import SHAPES, build_trace, parse_shapes, shape_seed
 from iterserve.cli import build_parser
 from iterserve.models.loader import resolve_model_dir
 from iterserve.sim.profile import load_profile
@@ -143,6 +143,9 @@ def test_rejections_and_formatting() -> None:
 
 def test_parse_shapes() -> None:
     assert [s.name for s in parse_shapes("all")] == list(SHAPES)
+    # A shape's seed does not depend on which others are selected.
+    assert shape_seed(parse_shapes("tiers")[0], 7) == shape_seed(SHAPES["tiers"], 7) == 507
+    assert len({shape_seed(s, 0) for s in SHAPES.values()}) == len(SHAPES)
     assert [s.name for s in parse_shapes("tiers, bursty")] == ["tiers", "bursty"]
     for bad, message in (
         ("poisson", "unknown shape"),
