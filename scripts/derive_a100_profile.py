@@ -21,15 +21,29 @@ Fit, in three steps (all in milliseconds, converted to seconds at the end):
 
 Then the LM head (not in the tables, caveat 4: ~0.35 ms per step) is added to ``fixed_s``, and
 the engine's CPU overhead is the line through Vidur's CPU profile (1.2 ms at batch 8, 5.8 ms at
-batch 128). Usage::
+batch 128).
+
+Held-out check (leave-one-out): each of the 14 points is predicted by the same three steps
+refitted on the other 13 (both attention slopes included), rounded as the profile is. Its
+median / p90 absolute error is the profile's ``fit_error`` (``num_train`` 13 per fold,
+``num_held_out`` 14: every point held out once); the shipped coefficients are the fit on all
+14. The points are few and each row is one shape, so a held-out prefill at 512 or 4,096 tokens
+is an extrapolation: the held-out figures say how far the model form carries beyond its points,
+which the in-sample ones cannot. Usage::
 
     .venv/bin/python scripts/derive_a100_profile.py [--out PATH]
+    .venv/bin/python scripts/derive_a100_profile.py --check [--out PATH]
+
+``--check`` writes nothing: it prints the per-point tables (table total, in-sample, held out) in
+the Markdown docs/simulator.md shows, and exits 1 if the profile at ``--out`` (default: the
+built-in) differs from what the script would write.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,10 +204,57 @@ def engine_overhead() -> EngineOverhead:
     )
 
 
-def errors(model: IterationModel, points: list[Point], totals: list[float]) -> list[float]:
-    """Absolute % error per point of ``model`` against ``totals`` + the LM head."""
-    predicted = [forward_ms(model, p.shape) for p in points]
-    return abs_pct_errors(predicted, [t + LM_HEAD_MS for t in totals])
+def held_out_ms(points: list[Point], totals: list[float]) -> list[float]:
+    """Leave-one-out: point ``i`` predicted (ms, LM head included) by the fit without it.
+
+    Every step of :func:`fit_ms` is redone on the other points (the attention slopes too), and
+    the coefficients are rounded as the profile rounds them.
+    """
+    predicted = []
+    for i, point in enumerate(points):
+        others = [j for j in range(len(points)) if j != i]
+        ms = fit_ms([points[j] for j in others], [totals[j] for j in others])
+        predicted.append(forward_ms(iteration_model(ms, LM_HEAD_MS), point.shape))
+    return predicted
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """One column of the tables (NVSwitch or pairwise) against the model, per point (ms)."""
+
+    points: list[Point]
+    published_ms: list[float]  # the table's total + the LM head
+    in_sample_ms: list[float]  # the model fitted on all the points
+    held_out_ms: list[float]  # each point's prediction by the fit without it
+
+    def abs_pct(self, held_out: bool, kind: str = "all") -> list[float]:
+        """Absolute % errors of the points of ``kind`` (``all``, ``decode`` or ``prefill``)."""
+        predicted = self.held_out_ms if held_out else self.in_sample_ms
+        rows = [
+            (pred, pub)
+            for point, pred, pub in zip(self.points, predicted, self.published_ms, strict=True)
+            if kind == "all" or point_kind(point) == kind
+        ]
+        return abs_pct_errors([r[0] for r in rows], [r[1] for r in rows])
+
+    def summary(self, held_out: bool, kind: str = "all") -> tuple[float, float]:
+        """Median and p90 (linear interpolation) absolute % error of the points of ``kind``."""
+        return median_and_p90(self.abs_pct(held_out, kind))
+
+
+def point_kind(point: Point) -> str:
+    return "decode" if point.shape.num_decode_tokens else "prefill"
+
+
+def fidelity(points: list[Point], totals: list[float]) -> tuple[IterationModel, Fidelity]:
+    """The profile's model fitted to ``totals`` (ms) and its per-point in-sample / held-out."""
+    model = iteration_model(fit_ms(points, totals), LM_HEAD_MS)
+    return model, Fidelity(
+        points=points,
+        published_ms=[t + LM_HEAD_MS for t in totals],
+        in_sample_ms=[forward_ms(model, p.shape) for p in points],
+        held_out_ms=held_out_ms(points, totals),
+    )
 
 
 def forward_ms(model: IterationModel, shape: BatchShape) -> float:
@@ -240,8 +301,10 @@ METHOD = (
     "through the origin of the attention terms; fixed, floor, per-decode-token and "
     "per-prefill-token coefficients are non-negative least squares (relative error) of the "
     "rest over the 14 table points, then 0.35 ms of LM head is added to fixed_s. fit_error "
-    "is in-sample over those 14 points (no held-out split: num_held_out 0). Reproduce with "
-    "scripts/derive_a100_profile.py."
+    "is leave-one-out: each of the 14 points predicted by the same fit redone on the other 13 "
+    "(num_train 13 per fold, num_held_out 14, each point held out once); the in-sample error "
+    "and the decode / prefill split are in the notes. Reproduce with "
+    "scripts/derive_a100_profile.py (--check prints every point)."
 )
 REFERENCES = [
     "microsoft/vidur @ 7d47513 (main, 2024-11-19): "
@@ -261,10 +324,11 @@ REFERENCES = [
 
 
 def notes(
-    model: IterationModel, pairwise: IterationModel, pairwise_fit: tuple[float, float]
+    model: IterationModel, nvs: Fidelity, pairwise: IterationModel, pw: Fidelity
 ) -> list[str]:
     knee = model.linear_floor_s / model.per_decode_token_s
     return [
+        held_out_note(nvs, pw),
         "Topology: the main profile uses the NVSwitch all-reduce column (4 GPUs inside a DGX "
         "A100). On 4 A100s with NVLink only in pairs (Vidur's default 'a100_pairwise_nvlink'), "
         "all-reduce crosses PCIe and prefill is ~1.6x slower; fitted the same way that "
@@ -273,7 +337,9 @@ def notes(
         f"per_prefill_token_s={pairwise.per_prefill_token_s}, "
         f"per_context_token_s={pairwise.per_context_token_s}, "
         f"per_attention_pair_s={pairwise.per_attention_pair_s} (median/p90 abs error "
-        f"{pairwise_fit[0]:.1f}%/{pairwise_fit[1]:.1f}%).",
+        "{:.1f}%/{:.1f}% in-sample, {:.1f}%/{:.1f}% held out).".format(
+            *pw.summary(held_out=False), *pw.summary(held_out=True)
+        ),
         "Physical floor: the design's '~16 ms per iteration at 128 decodes' is not reachable. "
         "141 GB of bf16 weights over 4 x 2.04 TB/s is ~17 ms before any KV is read; 128 "
         "sequences x 2,048 tokens x 320 KB of KV is 86 GB, ~10 ms more. The Vidur-derived "
@@ -296,39 +362,117 @@ def notes(
     ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT, help=f"(default: {OUT})")
-    out: Path = parser.parse_args().out
+def held_out_note(nvs: Fidelity, pw: Fidelity) -> str:
+    def pct(fid: Fidelity, held_out: bool, kind: str) -> str:
+        return "{:.1f}%/{:.1f}%".format(*fid.summary(held_out, kind))
 
+    return (
+        "Fit error, median/p90 abs % on the NVSwitch column (leave-one-out: each point "
+        "predicted by the fit on the other 13; checked 2026-12-03): held out "
+        f"{pct(nvs, True, 'all')} over all 14, {pct(nvs, True, 'decode')} over the 10 decode "
+        f"rows, {pct(nvs, True, 'prefill')} over the 4 prefill rows (512 and 4,096 held out are "
+        f"extrapolations); in-sample {pct(nvs, False, 'all')}, {pct(nvs, False, 'decode')}, "
+        f"{pct(nvs, False, 'prefill')}. Against Vidur's tables only: no end-to-end measurement "
+        "(throughput, TTFT, TPOT) of this setup is published among these references."
+    )
+
+
+def markdown_rows(fid: Fidelity) -> list[str]:
+    """The per-point table of docs/simulator.md (signed errors, predicted vs published)."""
+    rows = [
+        "| point | table ms | in-sample ms | error | held-out ms | error |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for i, point in enumerate(fid.points):
+        pub, ins, out = fid.published_ms[i], fid.in_sample_ms[i], fid.held_out_ms[i]
+        rows.append(
+            f"| {point.label} | {pub:.2f} | {ins:.2f} | {(ins - pub) / pub * 100:+.1f}% "
+            f"| {out:.2f} | {(out - pub) / pub * 100:+.1f}% |"
+        )
+    return rows
+
+
+def markdown_summary(columns: dict[str, Fidelity]) -> list[str]:
+    """Median / p90 absolute error per column and kind, in-sample and held out."""
+    rows = [
+        "| column | rows | in-sample median / p90 | held-out median / p90 |",
+        "| --- | --- | ---: | ---: |",
+    ]
+    for name, fid in columns.items():
+        for kind in ("all", "decode", "prefill"):
+            num = len(fid.abs_pct(False, kind))
+            ins = "{:.2f}% / {:.2f}%".format(*fid.summary(False, kind))
+            out = "{:.2f}% / {:.2f}%".format(*fid.summary(True, kind))
+            rows.append(f"| {name} | {kind} ({num}) | {ins} | {out} |")
+    return rows
+
+
+def derive() -> tuple[LatencyProfile, dict[str, Fidelity]]:
+    """The profile the script writes and the fidelity of both columns."""
     points = table_points()
-    nvs = [p.nvswitch_ms for p in points]
-    pw = [p.pairwise_ms for p in points]
-    model = iteration_model(fit_ms(points, nvs), LM_HEAD_MS)
-    pairwise = iteration_model(fit_ms(points, pw), LM_HEAD_MS)
-    nvs_err = errors(model, points, nvs)
-    pw_err = errors(pairwise, points, pw)
-
-    print(f"{'point':<22}{'facts ms':>10}{'+LM head':>10}{'model ms':>10}{'error %':>9}")
-    for point, err in zip(points, nvs_err, strict=True):
-        pred = forward_ms(model, point.shape)
-        row = f"{point.nvswitch_ms:>10.1f}{point.nvswitch_ms + LM_HEAD_MS:>10.2f}"
-        print(f"{point.label:<22}{row}{pred:>10.2f}{err:>9.2f}")
-    med, p90 = median_and_p90(nvs_err)
-    pw_med, pw_p90 = median_and_p90(pw_err)
-    print(f"NVSwitch: median {med:.2f}%, p90 {p90:.2f}%  {model}")
-    print(f"pairwise: median {pw_med:.2f}%, p90 {pw_p90:.2f}%  {pairwise}")
-
+    model, nvs = fidelity(points, [p.nvswitch_ms for p in points])
+    pairwise, pw = fidelity(points, [p.pairwise_ms for p in points])
+    med, p90 = nvs.summary(held_out=True)
     fit = FitError(
         median_abs_pct=round(med, 2),
         p90_abs_pct=round(p90, 2),
-        num_train=len(points),
-        num_held_out=0,
+        num_train=len(points) - 1,
+        num_held_out=len(points),
     )
-    profile = build_profile(model, fit, notes(model, pairwise, (pw_med, pw_p90)))
-    out.write_text(profile.to_json())
-    print(f"wrote {out}")
+    profile = build_profile(model, fit, notes(model, nvs, pairwise, pw))
+    return profile, {"NVSwitch": nvs, "pairwise": pw}
+
+
+def check(out: Path, profile: LatencyProfile, columns: dict[str, Fidelity]) -> int:
+    """Print the docs tables; 0 if ``out`` holds ``profile`` exactly, else 1 (with why)."""
+    print("\n".join(markdown_rows(columns["NVSwitch"])))
+    print()
+    print("\n".join(markdown_summary(columns)))
+    try:
+        written = out.read_text()
+    except OSError as exc:
+        print(f"cannot read {out}: {exc}", file=sys.stderr)
+        return 1
+    if written != profile.to_json():
+        print(f"{out} differs from what the script derives: rerun without --check", file=sys.stderr)
+        return 1
+    print(f"{out} matches the derivation")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=OUT, help=f"(default: {OUT})")
+    parser.add_argument(
+        "--check", action="store_true", help="print the tables, compare --out, write nothing"
+    )
+    args = parser.parse_args(argv)
+    profile, columns = derive()
+    if args.check:
+        return check(args.out, profile, columns)
+
+    nvs = columns["NVSwitch"]
+    print(f"{'point':<22}{'facts ms':>10}{'+LM head':>10}{'model ms':>10}{'error %':>9}")
+    for i, point in enumerate(nvs.points):
+        err = nvs.abs_pct(held_out=False)[i]
+        row = f"{point.nvswitch_ms:>10.1f}{nvs.published_ms[i]:>10.2f}"
+        print(f"{point.label:<22}{row}{nvs.in_sample_ms[i]:>10.2f}{err:>9.2f}")
+    for name, fid in columns.items():
+        med, p90 = fid.summary(held_out=False)
+        lo_med, lo_p90 = fid.summary(held_out=True)
+        print(
+            f"{name}: in-sample median {med:.2f}%, p90 {p90:.2f}%; "
+            f"held out median {lo_med:.2f}%, p90 {lo_p90:.2f}%"
+        )
+    print(profile.iteration)
+    try:
+        args.out.write_text(profile.to_json())
+    except OSError as exc:
+        print(f"cannot write {args.out}: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

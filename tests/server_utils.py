@@ -190,3 +190,26 @@ def simulated_replicas(profile_file: Path, n: int, *flags: str) -> Iterator[list
             stack.enter_context(run_server("--simulate", str(profile_file), *flags))
             for _ in range(n)
         ]
+
+
+def assert_kv_events_port_in_use_fails(serve: list[str], timeout_s: float = 60) -> None:
+    """``serve`` (a command line up to its flags) given a KV-events port another socket holds
+    exits 2 with one line naming it, no traceback."""
+    import zmq
+
+    busy = zmq.Context.instance().socket(zmq.PUB)
+    busy.setsockopt(zmq.LINGER, 0)
+    port = busy.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        cmd = [*serve, "--host", "127.0.0.1", "--port", str(free_port())]
+        cmd += ["--kv-events-port", str(port)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    finally:
+        busy.close()
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"iterserve serve: error: cannot publish KV events on tcp://127.0.0.1:{port}: "
+        "Address already in use"
+    ), last
+    assert "Traceback" not in proc.stderr, proc.stderr

@@ -151,13 +151,42 @@ def _positive_float(text: str) -> float:
 
 
 def _add_fidelity(sub: Any) -> None:
-    p = sub.add_parser("fidelity", help="the simulator vs the real server on the same traces (sim)")
-    p.add_argument("--profile", default="cpu-smollm2", help="profile calibrated on this machine")
-    p.add_argument("--workloads", default="mixed,long-prompt", help="comma-separated")
+    p = sub.add_parser(
+        "fidelity", help="the simulator vs the real server on traces it was not fitted on (sim)"
+    )
+    p.add_argument(
+        "--shapes",
+        default="all",
+        help="comma-separated trace shapes: poisson-low, poisson-high, bursty, long-prompt, "
+        "shared-prefix, tiers (default all)",
+    )
+    p.add_argument(
+        "--repeat-real",
+        type=int,
+        default=2,
+        help="real-server replays of each trace (a fresh server each): their spread",
+    )
+    p.add_argument(
+        "--calibrate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="calibrate a profile first, in the same run (--no-calibrate: use --profile)",
+    )
+    p.add_argument(
+        "--calibrate-args", default="", help="extra `bench calibrate` flags, e.g. '--smoke'"
+    )
+    p.add_argument("--profile", default=None, help="with --no-calibrate: profile name or JSON")
     p.add_argument("--num-requests", type=int, default=48, help="requests per trace")
     p.add_argument("--max-output-len", type=int, default=256, help="clip output lengths")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port", type=int, default=8600, help="port of the real server it starts")
+    p.add_argument("--port", type=int, default=0, help="real server's port (0: a free one)")
+    p.add_argument(
+        "--server-args",
+        default="",
+        help="extra `iterserve serve` flags of the real server, e.g. '--simulate cpu-smollm2' "
+        "(the simulator does not see them: settings that change serving make the comparison "
+        "unfair)",
+    )
     p.add_argument(
         "--production", action="store_true", help="also the A100 production table (simulated)"
     )

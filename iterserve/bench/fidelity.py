@@ -1,11 +1,25 @@
-"""``iterserve bench fidelity``: the simulator against the real server, on the same traces.
+"""``iterserve bench fidelity``: the simulator against the real server, on traces the profile
+was not fitted on.
 
-For each workload (``mixed``, ``long-prompt``) and two loads, one trace (Poisson arrivals at a
-fraction of the capacity the simulator predicts for a burst of the same requests: 0.6x under,
-1.5x over) is replayed through the real server on the default model (``bench serve``'s
-client) and through :func:`~iterserve.sim.replay.replay` with the profile calibrated on this
-machine, in one run. Reported: output tokens/s and p50 TPOT (target within 15%), p50 and
-p99 TTFT (within 30%), as simulated / measured.
+One sitting (the machine's speed drifts over an hour, so calibration and replays belong
+together)::
+
+    1. calibrate   ``iterserve bench calibrate --out DIR/profile.json`` as a subprocess
+                   (``--no-calibrate``: ``--profile`` instead); a refused profile (non-zero
+                   exit) stops the run with its reason
+    2. per shape   build the trace (:mod:`iterserve.bench.fidelity_shapes`: rates relative to
+                   the simulated capacity on that profile); replay it ``--repeat-real`` times
+                   through a real ``iterserve serve`` on the default model (``bench serve``'s
+                   client), a fresh server each time; once through
+                   :func:`~iterserve.sim.replay.replay`
+    3. compare     every metric, simulated / measured, beside the real replays' own spread
+                   (:mod:`iterserve.bench.fidelity_compare`); per shape and per tier
+
+Decision: each real replay gets a fresh server, rather than one server reset between
+replays. The server has no endpoint that empties its prefix cache, and a restart also empties
+what a reset would miss (queues, the admission's wait estimates, the metrics): each replay
+starts where the simulator starts. A one-token warm-up request (too short to fill a cached
+block) runs before the trace, so the first forward's one-off cost is not in the figures.
 
 ``--production`` adds the design's production table on the A100 profile (no real server):
 static batching vs continuous batching vs continuous + chunked prefill at 128 concurrent
@@ -15,220 +29,157 @@ requests of the ``mixed`` shape, with the weight-and-KV read floor.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import dataclasses
 import json
 import math
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
+import yaml
 
 from iterserve.bench.common import warn_if_loaded
-from iterserve.bench.serve import arrival_times, run_load
-from iterserve.sim.profile import load_profile
+from iterserve.bench.fidelity_compare import (
+    compare,
+    compare_by_tier,
+    format_rejections,
+    format_rows,
+    rejections_by_tier,
+)
+from iterserve.bench.fidelity_real import FidelityError, real_replay
+from iterserve.bench.fidelity_shapes import (
+    FIDELITY_TIERS,
+    ShapeTrace,
+    build_trace,
+    parse_shapes,
+    shape_seed,
+)
+from iterserve.sim.profile import LatencyProfile, load_profile
 from iterserve.sim.replay import replay
 from iterserve.sim.tokenizer import FileTokenizer
-from iterserve.workload.stats import SLO, summarize
+from iterserve.workload.stats import SLO
 from iterserve.workload.workloads import BenchRequest, make_workload, save_trace
 
-LOAD_FACTORS = (0.6, 1.5)
-# (metric, key, tolerance) compared as simulated / measured.
-TARGETS = (
-    ("output tok/s", ("output_tokens_per_s",), 0.15),
-    ("TPOT p50", ("tpot_ms", "p50"), 0.15),
-    ("TTFT p50", ("ttft_ms", "p50"), 0.30),
-    ("TTFT p99", ("ttft_ms", "p99"), 0.30),
-)
+
+def _calibrate_command() -> list[str]:
+    """``iterserve bench calibrate`` in this interpreter (tests put a fast stand-in here)."""
+    return [sys.executable, "-m", "iterserve.cli", "bench", "calibrate"]
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def calibrate(out_dir: Path, extra_args: list[str]) -> Path:
+    """Run ``iterserve bench calibrate`` (its output echoed as it comes); the profile's path.
+
+    Raises:
+        FidelityError: it exited non-zero (a refused profile): the reason is its last lines.
+    """
+    path = out_dir / "profile.json"
+    cmd = [*_calibrate_command(), "--out", str(path)]
+    cmd += ["--output-dir", str(out_dir / "calibrate"), *extra_args]
+    lines: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            lines.append(line.rstrip())
+    if proc.returncode != 0:
+        reason = "\n".join(lines[-10:]) or "(no output)"
+        raise FidelityError(f"bench calibrate exited with {proc.returncode}:\n{reason}")
+    if not path.is_file():
+        raise FidelityError(f"bench calibrate exited 0 but wrote no profile at {path}")
+    return path
 
 
-def _server_pids(pid: int) -> dict[str, int]:
-    """The HTTP process and its engine child (``ProcessEngine`` spawns it)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    engine = [int(c) for c in children if "spawn_main" in _cmdline(int(c))]
-    return {"http": pid, "engine": engine[0]} if engine else {"http": pid}
+def shape_run(
+    trace: ShapeTrace,
+    profile: LatencyProfile,
+    tokenizer: FileTokenizer,
+    engine_kwargs: dict[str, Any],
+    args: argparse.Namespace,
+    out_dir: Path,
+) -> dict[str, Any]:
+    """One shape: ``--repeat-real`` real replays, one simulated, and their comparisons."""
+    shape = trace.shape
+    save_trace(trace.requests, out_dir / f"trace-{shape.name}.jsonl")
+    flags = ["--tiers", str(out_dir / "tiers.yaml")] if shape.tiers else []
+    flags += shlex.split(args.server_args)
+    real = [
+        real_replay(trace, flags, args, out_dir / f"server-{shape.name}-{i}.log")
+        for i in range(args.repeat_real)
+    ]
+    kwargs = shape.engine_kwargs(engine_kwargs)
+    sim = replay(trace.requests, profile, kwargs, tokenizer, seed=trace.seed)
+    simulated = sim.report(shape.name, SLO())
+    return {
+        "shape": shape.name,
+        "workload": shape.workload,
+        "arrivals": f"bursts of {shape.burst}" if shape.burst else "poisson",
+        "load_factor": shape.load_factor,
+        "rate": trace.rate,
+        "simulated_capacity_rps": trace.simulated_capacity_rps,
+        "num_requests": len(trace.requests),
+        "measured": real,
+        "simulated": {
+            "summary": simulated["summary"],
+            "by_tier": simulated["by_tier"],
+            "rejected_429": rejections_by_tier(sim.records),
+            "num_preemptions": simulated["num_preemptions"],
+            "iterations": simulated["num_iterations"],
+            "mean_iteration_ms": simulated["mean_iteration_ms"],
+        },
+        "comparison": compare(simulated["summary"], [r["summary"] for r in real]),
+        "comparison_by_tier": compare_by_tier(simulated["by_tier"], [r["by_tier"] for r in real]),
+    }
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text()
-    except OSError:
-        return ""
-
-
-@contextmanager
-def real_server(port: int, flags: list[str]) -> Iterator[tuple[str, int]]:
-    """``iterserve serve`` on the default model, ready; (its URL, its pid); stopped on exit."""
-    cmd = [sys.executable, "-m", "iterserve.cli", "serve", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
-            try:
-                if httpx.get(url + "/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server was not ready in 300 s")
-            time.sleep(0.5)
-        yield url, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _value(summary: dict[str, Any], key: tuple[str, ...]) -> float:
-    value: Any = summary
-    for k in key:
-        value = value[k]
-    return float(value)
-
-
-def compare(sim: dict[str, Any], real: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = []
-    for name, key, tolerance in TARGETS:
-        s, r = _value(sim, key), _value(real, key)
-        ratio = s / r if r > 0 else math.nan
-        rows.append(
-            {
-                "metric": name,
-                "simulated": s,
-                "measured": r,
-                "ratio": ratio,
-                "tolerance": tolerance,
-                "within": abs(ratio - 1) <= tolerance,
-            }
-        )
-    return rows
-
-
-def _client_args(args: argparse.Namespace) -> argparse.Namespace:
-    return argparse.Namespace(
-        api_key=None,
-        timeout_s=1800.0,
-        burst=None,
-        burst_interval_s=0.0,
-        seed=args.seed,
-        concurrency=None,
-        no_progress=True,
-        endpoint="completions",
-        plain=False,
-    )
-
-
-def fidelity_runs(args: argparse.Namespace, out_dir: Path) -> list[dict[str, Any]]:
+def fidelity_runs(
+    args: argparse.Namespace, profile_path: str | Path, out_dir: Path
+) -> list[dict[str, Any]]:
+    """Every shape of ``--shapes``, printed as it ends."""
     from iterserve.models.loader import resolve_model_dir
 
     model_dir = resolve_model_dir("default")
     tokenizer = FileTokenizer(model_dir)
-    profile = load_profile(args.profile)
-    slo = SLO()
-    engine_kwargs = {"model": str(model_dir)}
+    profile = load_profile(profile_path)
+    engine_kwargs: dict[str, Any] = {"model": str(model_dir)}
+    (out_dir / "tiers.yaml").write_text(yaml.safe_dump(FIDELITY_TIERS, sort_keys=False))
     runs = []
-    with real_server(args.port, []) as (url, pid):
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        pids = _server_pids(pid)
-        for w, workload in enumerate(args.workloads.split(",")):
-            for f, factor in enumerate(LOAD_FACTORS):
-                # Fresh prompts per run: the real server's prefix cache keeps earlier runs'.
-                seed = args.seed + 100 * w + f
-                requests = make_workload(
-                    workload, tokenizer, args.num_requests, seed, args.max_output_len
-                )
-                burst = replay(requests, profile, engine_kwargs, tokenizer, seed=seed)
-                capacity = len(requests) / burst.duration_s
-                rate = factor * capacity
-                offsets = arrival_times(len(requests), rate, None, 0.0, seed)
-                trace = [
-                    dataclasses.replace(r, arrival_s=o)
-                    for r, o in zip(requests, offsets, strict=True)
-                ]
-                save_trace(trace, out_dir / f"trace-{workload}-{factor}x.jsonl")
-                before = _iteration_totals(url)
-                cpu_before = {name: _cpu_seconds(p) for name, p in pids.items()}
-                records, wall, cpu = asyncio.run(
-                    run_load(url, trace, model, _client_args(args), rate)
-                )
-                after = _iteration_totals(url)
-                server_cpu = {
-                    name: (_cpu_seconds(p) - cpu_before[name]) / max(wall, 1e-9)
-                    for name, p in pids.items()
-                }
-                num_iterations = after[1] - before[1]
-                real = summarize(records, wall, slo)
-                sim = replay(trace, profile, engine_kwargs, tokenizer, seed=seed)
-                simulated = sim.report(f"{workload} {factor}x", slo)
-                run = {
-                    "workload": workload,
-                    "load_factor": factor,
-                    "rate": rate,
-                    "simulated_capacity_rps": capacity,
-                    "measured": real,
-                    "simulated": simulated["summary"],
-                    "client_cpu_fraction": cpu / max(wall, 1e-9),
-                    # Cores busy on average: the HTTP process, the engine process.
-                    "server_cpu_cores": server_cpu,
-                    "simulated_preemptions": simulated["num_preemptions"],
-                    "iterations": {
-                        "measured": num_iterations,
-                        "simulated": simulated["num_iterations"],
-                        "measured_mean_ms": (after[0] - before[0]) / max(1, num_iterations) * 1e3,
-                        "simulated_mean_ms": simulated["mean_iteration_ms"],
-                    },
-                    "comparison": compare(simulated["summary"], real),
-                }
-                runs.append(run)
-                print(format_run(run), flush=True)
+    for shape in args.shapes:
+        seed = shape_seed(shape, args.seed)
+        trace = build_trace(
+            shape, tokenizer, profile, engine_kwargs, args.num_requests, seed, args.max_output_len
+        )
+        run = shape_run(trace, profile, tokenizer, engine_kwargs, args, out_dir)
+        runs.append(run)
+        print(format_run(run), flush=True)
     return runs
 
 
-def _iteration_totals(url: str) -> tuple[float, float]:
-    """The server's ``iterserve_iteration_latency_seconds`` sum and count so far."""
-    values = {"sum": 0.0, "count": 0.0}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        for name in values:
-            if line.startswith(f"iterserve_iteration_latency_seconds_{name} "):
-                values[name] = float(line.split()[1])
-    return values["sum"], values["count"]
-
-
 def format_run(run: dict[str, Any]) -> str:
-    it = run["iterations"]
+    """A shape's block: what was sent, iterations and cores, the comparison, per tier when
+    there are several, and the 429s."""
+    real = run["measured"]
+    sim = run["simulated"]
     lines = [
-        f"{run['workload']} at {run['load_factor']}x the simulated capacity "
-        f"({run['rate']:.2f} req/s; client CPU {run['client_cpu_fraction']:.0%} of a core)",
-        f"  iterations: measured {it['measured']:.0f} of {it['measured_mean_ms']:.1f} ms mean, "
-        f"simulated {it['simulated']} of {it['simulated_mean_ms']:.1f} ms mean; cores busy: "
-        + ", ".join(f"{k} {v:.2f}" for k, v in run["server_cpu_cores"].items()),
-        f"  {'metric':<14}{'measured':>10}{'simulated':>11}{'sim/real':>9}  target",
+        f"{run['shape']}: {run['num_requests']} {run['workload']} requests, {run['arrivals']} at "
+        f"{run['load_factor']}x the simulated capacity ({run['rate']:.2f} req/s); "
+        f"{len(real)} real replay(s)",
+        "  iterations: real "
+        + " / ".join(f"{r['iterations']:.0f} of {r['mean_iteration_ms']:.1f} ms" for r in real)
+        + f", simulated {sim['iterations']} of {sim['mean_iteration_ms']:.1f} ms; cores busy: "
+        + " / ".join(
+            ", ".join(f"{k} {v:.2f}" for k, v in r["server_cpu_cores"].items()) for r in real
+        ),
+        *format_rows(run["comparison"]),
     ]
-    for row in run["comparison"]:
-        mark = "ok" if row["within"] else "MISS"
-        lines.append(
-            f"  {row['metric']:<14}{row['measured']:>10.1f}{row['simulated']:>11.1f}"
-            f"{row['ratio']:>9.2f}  +-{row['tolerance']:.0%} {mark}"
-        )
+    if len(run["comparison_by_tier"]) > 1:
+        for tier, rows in run["comparison_by_tier"].items():
+            lines.append(f"  tier {tier}:")
+            lines.extend(format_rows(rows, indent="    "))
+    lines.append(format_rejections([r["rejected_429"] for r in real], sim["rejected_429"]))
     return "\n".join(lines)
 
 
@@ -324,42 +275,104 @@ def format_production(tables: dict[str, Any]) -> str:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> Path:
+    """Bars of simulated / measured per shape and metric (green within target, orange a miss
+    the real spread explains, red a miss, grey no target), with the range the real replays
+    span as error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(12, 4.5))
-    labels, ratios, colors = [], [], []
+    colors = {"ok": "tab:green", "noise": "tab:orange", "miss": "tab:red", "-": "tab:gray"}
+    fig, ax = plt.subplots(figsize=(max(8, 0.35 * 7 * len(runs)), 4.5))
+    labels, ratios, bar_colors, low, high = [], [], [], [], []
     for run in runs:
         for row in run["comparison"]:
-            labels.append(f"{run['workload']} {run['load_factor']}x\n{row['metric']}")
-            ratios.append(row["ratio"])
-            colors.append("tab:green" if row["within"] else "tab:red")
-    ax.bar(range(len(ratios)), ratios, color=colors)
+            labels.append(f"{run['shape']}\n{row['metric']}")
+            ratio = row["ratio"] if math.isfinite(row["ratio"]) else 0.0
+            ratios.append(ratio)
+            bar_colors.append(colors[row["verdict"]])
+            finite = [v for v in row["measured_runs"] if math.isfinite(v) and v > 0]
+            s = row["simulated"]
+            span = [s / v for v in finite] if finite and math.isfinite(s) else [ratio]
+            low.append(max(0.0, ratio - min(span)))
+            high.append(max(0.0, max(span) - ratio))
+    ax.bar(range(len(ratios)), ratios, color=bar_colors, yerr=[low, high], capsize=2)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(labels)), labels, fontsize=6, rotation=90)
     ax.set_ylabel("simulated / measured")
-    ax.set_title("simulator fidelity (green: within target)")
+    ax.set_title("simulator fidelity (green: within target; orange: within the real spread)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Raises ValueError for flags out of range (``--shapes`` is parsed here too)."""
+    if isinstance(args.shapes, str):
+        args.shapes = parse_shapes(args.shapes)
+    for flag in ("server_args", "calibrate_args"):
+        try:
+            shlex.split(getattr(args, flag))
+        except ValueError as e:
+            raise ValueError(f"--{flag.replace('_', '-')}: {e}") from e
+    if args.repeat_real < 1:
+        raise ValueError(f"--repeat-real must be >= 1, got {args.repeat_real}")
+    if args.num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+    if args.max_output_len < 1:
+        raise ValueError(f"--max-output-len must be >= 1, got {args.max_output_len}")
+    if not args.calibrate and args.profile is None:
+        raise ValueError("--no-calibrate needs --profile (a name or a profile JSON)")
+    if args.calibrate and args.profile is not None:
+        raise ValueError("--profile is for --no-calibrate (the run calibrates its own)")
+
+
 def main(args: argparse.Namespace) -> int:
+    """Calibrate (unless ``--no-calibrate``), replay every shape, print and write
+    ``fidelity.json`` and ``fidelity.png``. Returns 0; 2 for bad flags; 1 when the run
+    stopped (a refused calibration, a server that did not start): the reason is printed and
+    kept in the JSON as ``error``."""
+    try:
+        _check_args(args)
+    except ValueError as e:
+        print(f"iterserve bench fidelity: error: {e}", file=sys.stderr)
+        return 2
     out_dir = args.output_dir / f"fidelity-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"profile": args.profile, "cpu_count": os.cpu_count()}
+    result: dict[str, Any] = {"cpu_count": os.cpu_count(), "load_average": os.getloadavg()}
+    path = out_dir / "fidelity.json"
+    status = 0
     if not args.production_only:
-        warn_if_loaded()
-        result["runs"] = runs = fidelity_runs(args, out_dir)
-        print(f"wrote {plot(runs, out_dir / 'fidelity.png')}")
-    if args.production or args.production_only:
+        status = _fidelity(args, out_dir, result)
+    if status == 0 and (args.production or args.production_only):
         table = production_table(args.production_requests, args.seed)
         result["production"] = table
         print(format_production(table))
-    path = out_dir / "fidelity.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
+    return status
+
+
+def _fidelity(args: argparse.Namespace, out_dir: Path, result: dict[str, Any]) -> int:
+    """Steps 1-3 of the module docstring into ``result``; 0, or 1 with ``result['error']``."""
+    warn_if_loaded()
+    result["shapes"] = [s.name for s in args.shapes]
+    result["repeat_real"] = args.repeat_real
+    try:
+        if args.calibrate:
+            start = time.perf_counter()
+            profile = calibrate(out_dir, shlex.split(args.calibrate_args))
+            result["calibration"] = {"seconds": time.perf_counter() - start}
+        else:
+            profile = args.profile
+        result["profile"] = str(profile)
+        result["runs"] = runs = fidelity_runs(args, profile, out_dir)
+    except FidelityError as e:
+        print(f"iterserve bench fidelity: stopped: {e}", file=sys.stderr)
+        result["error"] = str(e)
+        return 1
+    result["load_average_end"] = os.getloadavg()
+    print(f"wrote {plot(runs, out_dir / 'fidelity.png')}")
     return 0

@@ -4,13 +4,10 @@ a KV-events port in use stops the start-up with a one-line error, before the mod
 
 from __future__ import annotations
 
-import subprocess
-
 import httpx
 import pytest
-import zmq
 from kv_events_utils import Collector
-from server_utils import API_KEY, ITERSERVE, Server, free_port
+from server_utils import API_KEY, ITERSERVE, Server, assert_kv_events_port_in_use_fails
 
 from iterserve.config import DEFAULT_MODEL_NAME
 from iterserve.kv_events import BlockStored, default_pod_name, prompt_block_hashes
@@ -56,22 +53,7 @@ def test_the_prompts_full_blocks_are_published_with_their_tokens(server: Server)
 
 
 def test_a_kv_events_port_in_use_fails_before_the_model_loads() -> None:
-    busy = zmq.Context.instance().socket(zmq.PUB)
-    busy.setsockopt(zmq.LINGER, 0)
-    port = busy.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        cmd = [*ITERSERVE, "serve", "--host", "127.0.0.1", "--port", str(free_port())]
-        cmd += ["--kv-events-port", str(port)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    finally:
-        busy.close()
-    assert proc.returncode == 2, proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(
-        f"iterserve serve: error: cannot publish KV events on tcp://127.0.0.1:{port}: "
-        "Address already in use"
-    ), last
-    assert "Traceback" not in proc.stderr, proc.stderr
+    assert_kv_events_port_in_use_fails([*ITERSERVE, "serve"], timeout_s=120)
 
 
 def test_the_dropped_batches_counter_follows_the_engines_total() -> None:

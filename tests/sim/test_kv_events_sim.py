@@ -4,15 +4,13 @@ KV pressure; and a port in use is a one-line start-up error."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import zmq
 from kv_events_utils import BlockRemovedV, BlockStoredV, Collector
-from server_utils import ITERSERVE, free_port, run_server
+from server_utils import ITERSERVE, assert_kv_events_port_in_use_fails, free_port, run_server
 from sim_profiles import make_profile, write_profile
 
 from iterserve.kv_events import BlockRemoved, BlockStored, prompt_block_hashes
@@ -105,19 +103,4 @@ def test_a_simulated_replica_publishes_stored_and_removed_blocks(
 
 
 def test_a_kv_events_port_in_use_is_a_one_line_error(profile_file: Path) -> None:
-    busy = zmq.Context.instance().socket(zmq.PUB)
-    busy.setsockopt(zmq.LINGER, 0)
-    port = busy.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        cmd = [*ITERSERVE, "serve", "--simulate", str(profile_file), "--host", "127.0.0.1"]
-        cmd += ["--port", str(free_port()), "--kv-events-port", str(port)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    finally:
-        busy.close()
-    assert proc.returncode == 2, proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(
-        f"iterserve serve: error: cannot publish KV events on tcp://127.0.0.1:{port}: "
-        "Address already in use"
-    ), last
-    assert "Traceback" not in proc.stderr
+    assert_kv_events_port_in_use_fails([*ITERSERVE, "serve", "--simulate", str(profile_file)])
