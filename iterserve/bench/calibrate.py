@@ -17,6 +17,11 @@ no KV is shared):
 - prefill cells, one per chunk size: one prompt of :data:`PREFILL_REACH` + chunk tokens fed
   a chunk per iteration (``max_num_batched_tokens`` = chunk), so chunks start at offsets
   0, chunk, 2 * chunk, ... up to the reach.
+- arrival cells, one per prompt length: :data:`ARRIVAL_PROMPTS` prompts of that length added
+  one per iteration, each decoding :data:`ARRIVAL_OUTPUT` tokens: every iteration prefills
+  one fresh prompt beside a growing batch of decodes, the iteration a server runs when a
+  request arrives while others stream (which the other cells, batches prefilled together
+  or one long prompt, never run).
 
 Measuring what it thinks it measures (docs/simulator.md, "Calibrating a profile"):
 
@@ -90,7 +95,14 @@ PREFILL_REACH = 2048  # the prefill cells' chunks start at offsets up to this (t
 SWAP_SPACE_GIB = 0.05  # host pool for timing KV swaps (all of it is copied out and back)
 # --smoke: a tiny grid (the test's), well under a minute; 4 x 160 prompt tokens exceed one
 # DECODE_BUDGET iteration, so that cell has mixed (decode + prefill) iterations too.
-SMOKE_GRID = {"batch_sizes": "1,4", "contexts": "32,160", "chunk_sizes": "32"}
+SMOKE_GRID = {
+    "batch_sizes": "1,4",
+    "contexts": "32,160",
+    "chunk_sizes": "32",
+    "arrival_lengths": "48",
+}
+ARRIVAL_PROMPTS = 8  # prompts of an arrival cell, added one per iteration
+ARRIVAL_OUTPUT = 10  # tokens each of them decodes
 SMOKE_REACH = 64
 
 
@@ -120,6 +132,7 @@ class Cell:
     warmup_max_tokens: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    arrival_gap: int = 0  # add a prompt every this many iterations (0: all at the start)
 
 
 class Calibration:
@@ -218,6 +231,15 @@ class Calibration:
     def prefill_cell(self, chunk: int, reach: int = PREFILL_REACH) -> Cell:
         return Cell(f"prefill p{chunk}", [self._prompt(reach + chunk)], 1, 1, 1, chunk)
 
+    def arrival_cell(self, length: int) -> Cell:
+        """:data:`ARRIVAL_PROMPTS` prompts of ``length`` tokens, one added per iteration."""
+        prompts = [self._prompt(length) for _ in range(ARRIVAL_PROMPTS)]
+        budget = max(DECODE_BUDGET, ARRIVAL_PROMPTS)
+        return Cell(
+            f"arrival l{length}", prompts, ARRIVAL_OUTPUT, ARRIVAL_OUTPUT, ARRIVAL_PROMPTS,
+            budget, arrival_gap=1,
+        )  # fmt: skip
+
     def measure_cell(self, cell: Cell) -> list[Point]:
         """A warm-up run of ``cell`` (discarded), then :attr:`repeats` measured runs."""
         self.cells[cell.name] = cell
@@ -245,13 +267,18 @@ class Calibration:
         info = dataclasses.replace(loaded.info, num_host_blocks=0, model_dir=None)
         engine = build_engine(config, self.timer, loaded.tokenizer, info)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        for i, prompt in enumerate(cell.prompts):
-            request_id = f"{cell.name}-{repeat}-{i}"
-            engine.validate(prompt, params)
-            priority = engine.resolve_priority(None)
-            engine.add(AddRequest(request_id, prompt, params, priority, time.monotonic()))
+        pending = list(enumerate(cell.prompts))
         points: list[Point] = []
-        while engine.has_unfinished_requests():
+        num_steps = 0
+        while pending or engine.has_unfinished_requests():
+            if cell.arrival_gap == 0 or num_steps % cell.arrival_gap == 0:
+                for i, prompt in pending[: 1 if cell.arrival_gap else len(pending)]:
+                    request_id = f"{cell.name}-{repeat}-{i}"
+                    engine.validate(prompt, params)
+                    priority = engine.resolve_priority(None)
+                    engine.add(AddRequest(request_id, prompt, params, priority, time.monotonic()))
+                pending = pending[1:] if cell.arrival_gap else []
+            num_steps += 1
             self.timer.last = None
             start = time.perf_counter()
             engine.step_deltas()
@@ -292,6 +319,7 @@ def measure(args: argparse.Namespace) -> Measurement:
     reach = SMOKE_REACH if args.smoke else PREFILL_REACH
     cells = [cal.decode_cell(b, c) for b in _ints(args.batch_sizes) for c in _ints(args.contexts)]
     cells += [cal.prefill_cell(chunk, reach) for chunk in _ints(args.chunk_sizes)]
+    cells += [cal.arrival_cell(length) for length in _ints(args.arrival_lengths)]
     points: list[Point] = []
     for cell in cells:
         if cell is None:
@@ -303,7 +331,8 @@ def measure(args: argparse.Namespace) -> Measurement:
     grid = (
         f"decode cells batch {args.batch_sizes} x context {args.contexts} "
         f"({DECODE_STEPS} whole-batch decodes each), prefill cells chunk {args.chunk_sizes} "
-        f"at offsets up to {reach}"
+        f"at offsets up to {reach}, arrival cells prompt {args.arrival_lengths} "
+        f"({ARRIVAL_PROMPTS} prompts added one per iteration)"
     )
     return Measurement(
         cal.base_profile(swap_bytes_per_s), points, grid, args.repeats, cal.skipped, cal.remeasure

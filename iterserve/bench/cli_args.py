@@ -110,6 +110,9 @@ def _add_calibrate(sub: Any) -> None:
     p.add_argument("--batch-sizes", default="1,4,16,64", help="decode cells: batch sizes")
     p.add_argument("--contexts", default="128,512,2048", help="decode cells: context tokens")
     p.add_argument("--chunk-sizes", default="32,128,512", help="prefill cells: chunk tokens")
+    p.add_argument(
+        "--arrival-lengths", default="64,256", help="arrival cells: prompt tokens (docs)"
+    )
     p.add_argument("--seed", type=int, default=0, help="prompts and the held-out split")
     p.add_argument("--out", type=Path, default=None, help="profile JSON (default: in the dir)")
     p.add_argument("--name", default=None, help="profile name (default: --out's stem)")

@@ -2,7 +2,7 @@
 
 The forward model (see :mod:`iterserve.sim.profile`) is::
 
-    forward_s = fixed_s + max(f, a_d * D + a_p * P) + a_c * C + a_A * A
+    forward_s = fixed_s + max(f, a_d * D + a_p * P) + a_c * C + a_A * A + a_s * S_p
 
 All coefficients are fitted by non-negative least squares (``scipy.optimize.nnls``: a cost
 cannot be negative, and a free least-squares fit on collinear features happily trades a
@@ -182,7 +182,7 @@ def fit_iteration_model(
         keep = np.abs(_predict(features, coef, floor) - y) / y * 100 <= outlier_pct
         if not keep.all() and keep.sum() > features.shape[1]:
             coef, floor = _fit(features[keep], y[keep], floors)
-    fixed, a_d, a_p, a_c, a_attn = (float(c) for c in coef)
+    fixed, a_d, a_p, a_c, a_attn, a_seq = (float(c) for c in coef)
     return IterationModel(
         fixed_s=fixed,
         linear_floor_s=float(floor),
@@ -190,6 +190,7 @@ def fit_iteration_model(
         per_prefill_token_s=a_p,
         per_context_token_s=a_c,
         per_attention_pair_s=a_attn,
+        per_prefill_seq_s=a_seq,
     )
 
 
@@ -261,9 +262,10 @@ def predict_forward_seconds(model: IterationModel, shapes: Sequence[BatchShape])
             model.per_prefill_token_s,
             model.per_context_token_s,
             model.per_attention_pair_s,
+            model.per_prefill_seq_s,
         ]
     )
-    features = np.array([s.features() for s in shapes], dtype=float).reshape(-1, 4)
+    features = np.array([s.features() for s in shapes], dtype=float).reshape(-1, 5)
     return [float(v) for v in _predict(features, coef, model.linear_floor_s)]
 
 
@@ -280,7 +282,7 @@ def _check_points(
     y = np.asarray(seconds, dtype=float)
     if not np.all(y > 0):
         raise ValueError("every measured time must be > 0 seconds")
-    features = np.array([s.features() for s in shapes], dtype=float)  # [n, (D, P, C, A)]
+    features = np.array([s.features() for s in shapes], dtype=float)  # [n, (D, P, C, A, S_p)]
     return features, y
 
 
@@ -320,7 +322,7 @@ def _nnls_scaled(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None
 def _fit_with_floor(
     features: np.ndarray, y: np.ndarray, floor: float
 ) -> tuple[np.ndarray, float, float]:
-    """(coefficients ``[fixed, a_d, a_p, a_c, a_A]``, floor, weighted residual) of the best
+    """(coefficients ``[fixed, a_d, a_p, a_c, a_A, a_s]``, floor, weighted residual) of the best
     fit for a fixed floor, alternating over the set of floored rows (module docstring)."""
     n = len(y)
     weights = 1.0 / y

@@ -10,6 +10,7 @@ per-feature coefficients so that one iteration is one dot product::
               + max(linear_floor_s, per_decode_token_s * D + per_prefill_token_s * P)
               + per_context_token_s * C
               + per_attention_pair_s * A
+              + per_prefill_seq_s * S_p
               + swapped_blocks * block_size * kv_bytes_per_token / swap.bytes_per_s
 
     D  decode tokens (requests scheduled for exactly one token)
@@ -17,6 +18,10 @@ per-feature coefficients so that one iteration is one dot product::
     C  context tokens read by the decodes (sum of their sequence lengths)
     A  query-key pairs of the prefill chunks: a chunk of p tokens after o computed ones
        attends to o + 1, o + 2, ..., o + p keys, so it adds p * o + p * (p + 1) / 2
+    S_p prefill chunks in the batch (requests scheduled for two tokens or more): what each
+       chunk costs whatever its length (its own attention call per layer, its gather of
+       prior KV, its logits row); measured on CPUs, a batch with one fresh 64-token prompt
+       took ~1.4x what the token terms alone predicted (docs/simulator.md, "Fidelity")
 
 ``linear_floor_s`` is the cost the token-proportional part never goes below: on a GPU the
 weights are read once per iteration whatever the batch (memory-bound small batches), on a
@@ -68,6 +73,7 @@ class IterationModel(_Strict):
     per_prefill_token_s: float = Field(ge=0, le=MAX_SECONDS)
     per_context_token_s: float = Field(ge=0, le=MAX_SECONDS)
     per_attention_pair_s: float = Field(ge=0, le=MAX_SECONDS)
+    per_prefill_seq_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
 
 
 class EngineOverhead(_Strict):
@@ -151,6 +157,7 @@ class LatencyProfile(_Strict):
         seconds = m.fixed_s + max(m.linear_floor_s, linear)
         seconds += m.per_context_token_s * shape.decode_context_tokens
         seconds += m.per_attention_pair_s * shape.prefill_attention_pairs
+        seconds += m.per_prefill_seq_s * shape.num_prefill_seqs
         return seconds + self.swap_seconds(shape.num_swapped_blocks)
 
     def overhead_seconds(self, shape: BatchShape) -> float:
@@ -181,12 +188,13 @@ class BatchShape:
     prefill_attention_pairs: float = 0.0
     num_seqs: int = 0
     num_swapped_blocks: int = 0
+    num_prefill_seqs: int = 0
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> BatchShape:
         """The shape of a scheduler's batch: a request scheduled for one token is a decode
         (reading ``seq_len`` tokens of context), more tokens make a prefill chunk."""
-        decode = prefill = context = 0
+        decode = prefill = context = num_prefill_seqs = 0
         pairs = 0.0
         for s in out.scheduled:
             n = s.num_scheduled_tokens
@@ -195,17 +203,19 @@ class BatchShape:
                 context += s.seq_len
             else:
                 prefill += n
+                num_prefill_seqs += 1
                 pairs += n * s.num_computed_tokens + n * (n + 1) / 2
         swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
-        return cls(decode, prefill, context, pairs, len(out.scheduled), swapped)
+        return cls(decode, prefill, context, pairs, len(out.scheduled), swapped, num_prefill_seqs)
 
-    def features(self) -> tuple[float, float, float, float]:
-        """(D, P, C, A), the fitted features in :class:`IterationModel`'s order."""
+    def features(self) -> tuple[float, float, float, float, float]:
+        """(D, P, C, A, S_p), the fitted features in :class:`IterationModel`'s order."""
         return (
             float(self.num_decode_tokens),
             float(self.num_prefill_tokens),
             float(self.decode_context_tokens),
             self.prefill_attention_pairs,
+            float(self.num_prefill_seqs),
         )
 
 

@@ -55,6 +55,10 @@ def test_smoke_calibration_writes_profile_points_and_plot(tmp_path: Path) -> Non
     # Decode-only, prefill-only and mixed iterations were all measured.
     kinds = {(p["num_decode_tokens"] > 0, p["num_prefill_tokens"] > 0) for p in points}
     assert kinds == {(True, False), (False, True), (True, True)}
+    # The arrival cell: one fresh prompt per iteration beside the earlier ones' decodes.
+    arrivals = [p for p in points if p["cell"] == "arrival l48"]
+    assert arrivals and all(p["num_prefill_seqs"] <= 1 for p in arrivals)
+    assert any(p["num_prefill_seqs"] == 1 and p["num_decode_tokens"] >= 2 for p in arrivals)
     assert all(p["total_s"] >= p["forward_s"] > 0 for p in points)
     assert document["noise"]["num_shapes"] > 0 and document["noise"]["num_points"] == len(points)
     assert (tmp_path / "fit.png").stat().st_size > 1000

@@ -36,6 +36,7 @@ GPU_LIKE = IterationModel(
     per_prefill_token_s=0.08e-3,
     per_context_token_s=20e-9,
     per_attention_pair_s=5e-9,
+    per_prefill_seq_s=0.5e-3,
 )
 NOISE = 0.01  # multiplicative, lognormal sigma
 
@@ -49,9 +50,16 @@ def _shapes() -> list[BatchShape]:
     for chunk in (16, 32, 64, 128, 256, 512, 1024):
         for offset in range(0, 2049, 256):
             pairs = chunk * offset + chunk * (chunk + 1) / 2
-            shapes.append(BatchShape(0, chunk, 0, pairs, 1))
+            shapes.append(BatchShape(0, chunk, 0, pairs, 1, num_prefill_seqs=1))
     for batch, chunk in ((4, 64), (16, 256), (64, 512)):
-        shapes.append(BatchShape(batch, chunk, batch * 300, chunk * 100.0, batch + 1))
+        shapes.append(BatchShape(batch, chunk, batch * 300, chunk * 100.0, batch + 1, 0, 1))
+    # Fresh prompts arriving beside decodes (calibration's arrival cells): 1 to 3 chunks.
+    for batch, chunk, num_chunks in ((2, 64, 1), (6, 64, 2), (3, 256, 1), (8, 128, 3)):
+        pairs = num_chunks * chunk * (chunk + 1) / 2
+        total = num_chunks * chunk
+        shapes.append(
+            BatchShape(batch, total, batch * 200, pairs, batch + num_chunks, 0, num_chunks)
+        )
     return shapes
 
 

@@ -31,7 +31,7 @@ def _scheduled(num_computed: int, num_tokens: int) -> ScheduledRequest:
 
 def test_batch_shape_counts_decodes_context_and_attention_pairs() -> None:
     # Two decodes (contexts 10 and 20 after this token), a first chunk of 4 and a chunk of 3
-    # after 8 computed tokens: pairs 4*5/2 = 10 and 3*8 + 3*4/2 = 30.
+    # after 8 computed tokens: pairs 4*5/2 = 10 and 3*8 + 3*4/2 = 30; two prefill chunks.
     out = SchedulerOutput(
         scheduled=[_scheduled(9, 1), _scheduled(19, 1), _scheduled(0, 4), _scheduled(8, 3)],
         blocks_to_swap_out=[(1, 2), (3, 4)],
@@ -44,14 +44,17 @@ def test_batch_shape_counts_decodes_context_and_attention_pairs() -> None:
         prefill_attention_pairs=40.0,
         num_seqs=4,
         num_swapped_blocks=2,
+        num_prefill_seqs=2,
     )
 
 
 def test_forward_seconds_is_the_documented_formula() -> None:
-    profile = make_profile(per_context_token_s=1e-5, per_attention_pair_s=1e-6)
-    shape = BatchShape(2, 7, 30, 40.0, 4, 2)
+    profile = make_profile(
+        per_context_token_s=1e-5, per_attention_pair_s=1e-6, per_prefill_seq_s=3e-3
+    )
+    shape = BatchShape(2, 7, 30, 40.0, 4, 2, num_prefill_seqs=2)
     swap = 2 * 16 * 1024 / 1e9
-    expected = 0.010 + (2 * 0.001 + 7 * 0.0001) + 30 * 1e-5 + 40 * 1e-6 + swap
+    expected = 0.010 + (2 * 0.001 + 7 * 0.0001) + 30 * 1e-5 + 40 * 1e-6 + 2 * 3e-3 + swap
     assert profile.forward_seconds(shape) == pytest.approx(expected)
     # The floor: a small batch costs at least linear_floor_s in its token-proportional part.
     floored = make_profile(linear_floor_s=0.020)
