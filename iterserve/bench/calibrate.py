@@ -446,6 +446,8 @@ def calibrate(args: argparse.Namespace, measured: Measurement | None = None) -> 
     plot(fit, directory / "fit.png")
     print(f"{len(m.points)} points in {_since(start)}; wrote {directory / 'points.json'}, "
           f"{directory / 'fit.png'}")  # fmt: skip
+    if not args.no_serve and not (refused and not args.force):
+        refused += _serve_stage(args, fit, notes, directory)
     load = f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
     if refused and not args.force:
         print(
@@ -466,6 +468,35 @@ def calibrate(args: argparse.Namespace, measured: Measurement | None = None) -> 
     profile_path.write_text(fit.profile.to_json())
     print(f"wrote {profile_path}")
     return Calibrated(fit, refused, profile_path, directory, notes)
+
+
+def _serve_stage(
+    args: argparse.Namespace, fit: Fit, notes: list[str], directory: Path
+) -> list[str]:
+    """Measure the serving side (:mod:`iterserve.bench.calibrate_serving`) into
+    ``fit.profile`` and ``notes``; the reason it could not (empty: it did)."""
+    from iterserve.bench.calibrate_serving import measure_serving
+    from iterserve.bench.fidelity_real import FidelityError
+
+    start = time.perf_counter()
+    print("serve stage: a real server, a sequential and a concurrent load", flush=True)
+    log = directory / "server.log"
+    try:
+        costs, found = measure_serving(fit.profile, args.model, args.dtype, args.smoke, log)
+    except (FidelityError, RuntimeError) as e:
+        return [f"serve stage failed ({e}); --no-serve skips it"]
+    source = fit.profile.source
+    fit.profile = fit.profile.model_copy(
+        update={
+            "serving": costs,
+            "source": source.model_copy(update={"notes": [*source.notes, *found]}),
+        }
+    )
+    notes += found
+    for line in found:
+        print(line)
+    print(f"serve stage: {_since(start)}; the server's log: {log}", flush=True)
+    return []
 
 
 def main(args: argparse.Namespace, measured: Measurement | None = None) -> int:

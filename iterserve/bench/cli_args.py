@@ -136,6 +136,11 @@ def _add_calibrate(sub: Any) -> None:
     )
     p.add_argument("--force", action="store_true", help="write a refused profile (with a warning)")
     p.add_argument("--smoke", action="store_true", help="tiny grid, well under a minute (tests)")
+    p.add_argument(
+        "--no-serve",
+        action="store_true",
+        help="skip the serve stage (a real server's HTTP side): the profile predicts the engine",
+    )
     p.set_defaults(func=_main_of("calibrate"))
 
 

@@ -34,7 +34,7 @@ class FidelityError(Exception):
     """The run cannot go on: a refused calibration, a server that did not start."""
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -123,7 +123,7 @@ def _client_args(args: argparse.Namespace) -> argparse.Namespace:
     )
 
 
-def _warm_up(url: str) -> str:
+def warm_up(url: str) -> str:
     """The served model's id, after one request of a one-word prompt and 2 tokens (the first
     forward's one-off costs).
 
@@ -148,15 +148,15 @@ def real_replay(
     server's own queue times), 429s per tier, CPU and iteration counts."""
     slo = SLO()
     with real_server(args.port, flags, log) as (url, pid):
-        model = _warm_up(url)
+        model = warm_up(url)
         pids = _server_pids(pid)
         before, it_before = _scrape(url)
-        cpu_before = {name: _cpu_seconds(p) for name, p in pids.items()}
+        cpu_before = {name: cpu_seconds(p) for name, p in pids.items()}
         records, wall, cpu = asyncio.run(
             run_load(url, trace.requests, model, _client_args(args), trace.rate)
         )
         server_cpu = {
-            name: (_cpu_seconds(p) - cpu_before[name]) / max(wall, 1e-9) for name, p in pids.items()
+            name: (cpu_seconds(p) - cpu_before[name]) / max(wall, 1e-9) for name, p in pids.items()
         }
         after, it_after = _scrape(url)
     summary = summarize(records, wall, slo)

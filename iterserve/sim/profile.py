@@ -84,6 +84,26 @@ class EngineOverhead(_Strict):
     per_seq_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
 
 
+class ServingCosts(_Strict):
+    """What serving adds beside the engine, measured by ``bench calibrate``'s serve stage
+    (:mod:`iterserve.bench.calibrate_serving`) and added by a virtual-time replay (a live
+    simulated replica's real HTTP front spends it itself).
+
+    Attributes:
+        cpu_per_token_s: CPU seconds the HTTP process (its SSE event) and a load generator on
+            the same machine spend per streamed token; on the engine's cores it lengthens the
+            iteration it overlaps by as much.
+        cpu_per_request_s: the same per request (parse, tokenize, admit, end the stream),
+            charged to the iteration that prefills its first chunk.
+        request_latency_s: the way from the HTTP request to the engine and of the first
+            token back, which no iteration covers (TTFT only).
+    """
+
+    cpu_per_token_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
+    cpu_per_request_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
+    request_latency_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
+
+
 class KVCacheSpec(_Strict):
     """The KV pool the profile's numbers were taken with (per replica, all ranks together)."""
 
@@ -144,6 +164,7 @@ class LatencyProfile(_Strict):
     model: ModelSpec
     iteration: IterationModel
     engine_overhead: EngineOverhead = Field(default_factory=EngineOverhead)
+    serving: ServingCosts = Field(default_factory=ServingCosts)
     kv_cache: KVCacheSpec
     swap: SwapSpec
     output_lengths: OutputLengths = Field(default_factory=OutputLengths)
@@ -164,6 +185,13 @@ class LatencyProfile(_Strict):
         """The engine's own time around the forward (seconds)."""
         o = self.engine_overhead
         return o.fixed_s + o.per_seq_s * shape.num_seqs
+
+    def serving_seconds(self, shape: BatchShape) -> float:
+        """The serving side's CPU on the engine's cores during an iteration of ``shape``
+        (seconds): its tokens' SSE events and its new requests (one per prefill chunk)."""
+        s = self.serving
+        num_tokens = shape.num_decode_tokens + shape.num_prefill_seqs
+        return s.cpu_per_token_s * num_tokens + s.cpu_per_request_s * shape.num_prefill_seqs
 
     def swap_seconds(self, num_blocks: int) -> float:
         """Time to copy ``num_blocks`` KV blocks one way (seconds)."""

@@ -15,10 +15,11 @@ handled by its own method::
                         starts at t if it has work
 
 Arrivals at the same instant as an iteration's end join the next iteration (the real engine
-applies commands at iteration boundaries). Tokens are timestamped when their iteration ends,
-as a client would see them if HTTP and SSE cost nothing (see docs/simulator.md for the
-limits). Requests are sent as ``bench serve`` sends them: ``ignore_eos`` with ``min_tokens =
-max_tokens`` unless the trace sets ``min_tokens``.
+applies commands at iteration boundaries). Tokens are timestamped when their iteration ends; what
+the HTTP side costs is the profile's ``serving`` (a request reaches the engine
+``request_latency_s`` after it was sent, and the serving CPU lengthens each iteration; see
+docs/simulator.md for the limits). Requests are sent as ``bench serve`` sends them:
+``ignore_eos`` with ``min_tokens = max_tokens`` unless the trace sets ``min_tokens``.
 """
 
 from __future__ import annotations
@@ -102,8 +103,12 @@ class EventKind(IntEnum):
 
 @dataclass(frozen=True)
 class Arrival:
+    """A request reaching the engine's side: ``sent_at`` plus the profile's
+    ``serving.request_latency_s`` (its TTFT counts from ``sent_at``)."""
+
     index: int  # position in the trace (the request id)
     request: BenchRequest
+    sent_at: float
 
 
 @dataclass(frozen=True)
@@ -175,13 +180,14 @@ class Replay:
         self.seq = itertools.count()
         self.pending = iter(enumerate(trace))
         self.end = 0.0  # virtual time of the last event handled
+        self.request_latency_s = profile.serving.request_latency_s
 
     def run(self) -> ReplayResult:
         """Handle events until none is left; the result of the whole trace."""
         wall0 = time.perf_counter()
         if self.concurrency is None:
             for index, req in self.pending:
-                self._push(req.arrival_s or 0.0, Arrival(index, req))
+                self._arrive(req.arrival_s or 0.0, index, req)
         else:
             for _ in range(self.concurrency):
                 self._send_next(0.0)
@@ -205,7 +211,10 @@ class Replay:
         """Closed loop: the next request of the trace arrives at ``t``, if one is left."""
         item = next(self.pending, None)
         if item is not None:
-            self._push(t, Arrival(*item))
+            self._arrive(t, *item)
+
+    def _arrive(self, sent_at: float, index: int, req: BenchRequest) -> None:
+        self._push(sent_at + self.request_latency_s, Arrival(index, req, sent_at))
 
     def _on_arrival(self, arrival: Arrival, t: float) -> None:
         """Route the request, then refuse it (400, 429) or queue it on its replica; an idle
@@ -221,7 +230,7 @@ class Replay:
         )  # fmt: skip
         if accepted:
             r.routed_since_report += 1
-            self.tracked[request_id] = _Tracked(record, t, r)
+            self.tracked[request_id] = _Tracked(record, arrival.sent_at, r)
             if not r.busy:
                 self._push(t, Wake(r))
         elif self.concurrency is not None:

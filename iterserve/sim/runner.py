@@ -73,8 +73,9 @@ class SimulatedModelRunner:
         ordinary_token_ids: ids to emit as text (non-empty).
         eos_token_id: the id emitted at a request's drawn output length.
         seed: makes outputs and output lengths reproducible.
-        include_engine_overhead: also wait the profile's engine overhead (a replay, whose
-            own scheduler costs no virtual time); a live replica's real scheduler spends it.
+        include_engine_overhead: also wait the profile's engine overhead and serving CPU (a
+            replay, whose own scheduler and front cost no virtual time); a live replica's
+            real scheduler and HTTP front spend them.
         output_lengths: overrides the profile's distribution.
     """
 
@@ -110,6 +111,7 @@ class SimulatedModelRunner:
             seconds = self.profile.forward_seconds(shape)
             if self.include_engine_overhead:
                 seconds += self.profile.overhead_seconds(shape)
+                seconds += self.profile.serving_seconds(shape)
             self.num_iterations += 1
         if seconds > 0:
             self.busy_s += seconds

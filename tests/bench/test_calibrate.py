@@ -10,14 +10,18 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from iterserve.bench import calibrate_serving
 from iterserve.bench.calibrate import calibrate, main
 from iterserve.bench.calibrate_output import Measurement, Point
+from iterserve.bench.calibrate_serving import Load, LoadResult, fit_cpu_costs
 from iterserve.cli import build_parser
-from iterserve.sim.profile import BatchShape, load_profile
+from iterserve.sim.profile import BatchShape, ServingCosts, load_profile
+from iterserve.workload.stats import RequestRecord
 
 
 @pytest.mark.model
@@ -25,7 +29,7 @@ def test_smoke_calibration_writes_profile_points_and_plot(tmp_path: Path) -> Non
     out = tmp_path / "cpu-test.json"
     # --force: on a machine shared with other work the smoke grid may miss the bound; the
     # profile is then written with the reasons as a warning (checked below).
-    args = _args(tmp_path, "--smoke", "--repeats", "2", "--out", str(out), "--force")
+    args = _args(tmp_path, "--smoke", "--repeats", "2", "--out", str(out), "--force", serve=True)
     result = calibrate(args)
     assert result.profile_path == out
 
@@ -62,6 +66,13 @@ def test_smoke_calibration_writes_profile_points_and_plot(tmp_path: Path) -> Non
     assert all(p["total_s"] >= p["forward_s"] > 0 for p in points)
     assert document["noise"]["num_shapes"] > 0 and document["noise"]["num_points"] == len(points)
     assert (tmp_path / "fit.png").stat().st_size > 1000
+    # The serve stage ran a real server: the HTTP side's costs, its notes and its log.
+    serving = profile.serving
+    assert serving.cpu_per_token_s + serving.cpu_per_request_s > 0
+    assert serving.request_latency_s >= 0
+    assert any(n.startswith("serve stage: ") for n in profile.source.notes)
+    assert any(n.startswith("serve stage check, 8 requests") for n in profile.source.notes)
+    assert (tmp_path / "server.log").stat().st_size > 0
 
 
 # ----------------------------------------------------------------- synthetic measurements
@@ -69,8 +80,11 @@ def test_smoke_calibration_writes_profile_points_and_plot(tmp_path: Path) -> Non
 TRUE = load_profile("cpu-smollm2")
 
 
-def _args(tmp_path: Path, *flags: str) -> argparse.Namespace:
-    return build_parser().parse_args(["bench", "calibrate", "--output-dir", str(tmp_path), *flags])
+def _args(tmp_path: Path, *flags: str, serve: bool = False) -> argparse.Namespace:
+    """``bench calibrate`` flags; synthetic points skip the serve stage unless ``serve``."""
+    serve_flags = [] if serve else ["--no-serve"]
+    argv = ["bench", "calibrate", "--output-dir", str(tmp_path), *serve_flags, *flags]
+    return build_parser().parse_args(argv)
 
 
 def _cells() -> dict[str, list[BatchShape]]:
@@ -245,3 +259,56 @@ def test_too_few_shapes_to_fit_is_a_clear_error(
     assert "cannot fit a profile: 1 distinct shapes: too few to hold some out" in (
         capsys.readouterr().err
     )
+
+
+def test_serve_stage_costs_go_into_the_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def measure_serving(profile: Any, model: str, dtype: str, smoke: bool, log: Path) -> Any:
+        calls.append((profile.iteration.fixed_s > 0, model, dtype, smoke, log))
+        costs = ServingCosts(cpu_per_token_s=4e-4, cpu_per_request_s=2e-3, request_latency_s=0.01)
+        return costs, ["serve stage: found"]
+
+    monkeypatch.setattr(calibrate_serving, "measure_serving", measure_serving)
+    out = tmp_path / "p.json"
+    result = calibrate(_args(tmp_path, "--out", str(out), serve=True), _measurement())
+    assert calls == [(True, "default", "auto", False, tmp_path / "server.log")]
+    profile = load_profile(out)
+    assert profile.serving.cpu_per_token_s == 4e-4 and profile.serving.request_latency_s == 0.01
+    assert profile.source.notes[-1] == "serve stage: found" and not result.refused
+
+
+def test_a_failed_serve_stage_refuses_the_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def measure_serving(*args: Any) -> Any:
+        raise RuntimeError("serve stage, concurrent load: 1 of 24 requests failed (500: boom)")
+
+    monkeypatch.setattr(calibrate_serving, "measure_serving", measure_serving)
+    out = tmp_path / "p.json"
+    assert main(_args(tmp_path, "--out", str(out), serve=True), _measurement()) == 1
+    assert not out.exists()
+    err = capsys.readouterr().err
+    assert "serve stage failed (serve stage, concurrent load: 1 of 24" in err
+    assert "--no-serve skips it" in err
+    forced = calibrate(_args(tmp_path, "--out", str(out), "--force", serve=True), _measurement())
+    assert forced.profile_path == out and forced.refused
+    assert load_profile(out).source.notes[0].startswith("WARNING: written with --force")
+
+
+def test_cpu_costs_are_fitted_over_the_loads() -> None:
+    def load(num_requests: int, tokens_each: int) -> LoadResult:
+        spec = Load("x", num_requests, 16, tokens_each, 1)
+        records = [RequestRecord(ok=True, output_tokens=tokens_each) for _ in range(num_requests)]
+        cpu = num_requests * (3e-3 + tokens_each * 5e-4)
+        return LoadResult(spec, [], records, cpu, num_requests * tokens_each)
+
+    per_token, per_request = fit_cpu_costs([load(8, 8), load(24, 48)])
+    assert per_token == pytest.approx(5e-4) and per_request == pytest.approx(3e-3)
+    # CPU that falls as the tokens grow: no negative cost per token, all of it per request.
+    few, many = load(8, 8), load(8, 48)
+    many.cpu_s = few.cpu_s / 2
+    per_token, per_request = fit_cpu_costs([few, many])
+    assert per_token == 0.0 and per_request > 0
