@@ -150,7 +150,7 @@ def real_replay(
     with real_server(args.port, flags, log) as (url, pid):
         model = warm_up(url)
         pids = _server_pids(pid)
-        before, it_before = _scrape(url)
+        before, it_before = scrape(url)
         cpu_before = {name: cpu_seconds(p) for name, p in pids.items()}
         records, wall, cpu = asyncio.run(
             run_load(url, trace.requests, model, _client_args(args), trace.rate)
@@ -158,7 +158,7 @@ def real_replay(
         server_cpu = {
             name: (cpu_seconds(p) - cpu_before[name]) / max(wall, 1e-9) for name, p in pids.items()
         }
-        after, it_after = _scrape(url)
+        after, it_after = scrape(url)
     summary = summarize(records, wall, slo)
     summary["queue_ms"] = queue_ms(before, after)
     by_tier = summarize_by_tier(records, wall, slo)
@@ -181,7 +181,7 @@ def real_replay(
     }
 
 
-def _scrape(url: str) -> tuple[dict[str, dict[float, float]], tuple[float, float]]:
+def scrape(url: str) -> tuple[dict[str, dict[float, float]], tuple[float, float]]:
     """The queue-time histogram and ``iterserve_iteration_latency_seconds`` (sum, count)."""
     text = httpx.get(url + "/metrics", timeout=30).text
     values = {"sum": 0.0, "count": 0.0}

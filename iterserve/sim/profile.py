@@ -90,15 +90,18 @@ class ServingCosts(_Strict):
     simulated replica's real HTTP front spends it itself).
 
     Attributes:
+        cpu_per_iteration_s: CPU seconds the HTTP process spends per engine iteration (its
+            step result received, unpacked, its metrics observed); on the engine's cores it
+            lengthens the iteration it overlaps by as much.
         cpu_per_token_s: CPU seconds the HTTP process (its SSE event) and a load generator on
-            the same machine spend per streamed token; on the engine's cores it lengthens the
-            iteration it overlaps by as much.
+            the same machine spend per streamed token.
         cpu_per_request_s: the same per request (parse, tokenize, admit, end the stream),
             charged to the iteration that prefills its first chunk.
         request_latency_s: the way from the HTTP request to the engine and of the first
             token back, which no iteration covers (TTFT only).
     """
 
+    cpu_per_iteration_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
     cpu_per_token_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
     cpu_per_request_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
     request_latency_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
@@ -188,10 +191,12 @@ class LatencyProfile(_Strict):
 
     def serving_seconds(self, shape: BatchShape) -> float:
         """The serving side's CPU on the engine's cores during an iteration of ``shape``
-        (seconds): its tokens' SSE events and its new requests (one per prefill chunk)."""
+        (seconds): the iteration's result, its tokens' SSE events and its new requests (one
+        per prefill chunk)."""
         s = self.serving
         num_tokens = shape.num_decode_tokens + shape.num_prefill_seqs
-        return s.cpu_per_token_s * num_tokens + s.cpu_per_request_s * shape.num_prefill_seqs
+        seconds = s.cpu_per_iteration_s + s.cpu_per_token_s * num_tokens
+        return seconds + s.cpu_per_request_s * shape.num_prefill_seqs
 
     def swap_seconds(self, num_blocks: int) -> float:
         """Time to copy ``num_blocks`` KV blocks one way (seconds)."""

@@ -68,7 +68,7 @@ def test_smoke_calibration_writes_profile_points_and_plot(tmp_path: Path) -> Non
     assert (tmp_path / "fit.png").stat().st_size > 1000
     # The serve stage ran a real server: the HTTP side's costs, its notes and its log.
     serving = profile.serving
-    assert serving.cpu_per_token_s + serving.cpu_per_request_s > 0
+    assert serving.cpu_per_iteration_s + serving.cpu_per_token_s + serving.cpu_per_request_s > 0
     assert serving.request_latency_s >= 0
     assert any(n.startswith("serve stage: ") for n in profile.source.notes)
     assert any(n.startswith("serve stage check, 8 requests") for n in profile.source.notes)
@@ -268,7 +268,12 @@ def test_serve_stage_costs_go_into_the_profile(
 
     def measure_serving(profile: Any, model: str, dtype: str, smoke: bool, log: Path) -> Any:
         calls.append((profile.iteration.fixed_s > 0, model, dtype, smoke, log))
-        costs = ServingCosts(cpu_per_token_s=4e-4, cpu_per_request_s=2e-3, request_latency_s=0.01)
+        costs = ServingCosts(
+            cpu_per_iteration_s=1e-3,
+            cpu_per_token_s=4e-4,
+            cpu_per_request_s=2e-3,
+            request_latency_s=0.01,
+        )
         return costs, ["serve stage: found"]
 
     monkeypatch.setattr(calibrate_serving, "measure_serving", measure_serving)
@@ -299,16 +304,19 @@ def test_a_failed_serve_stage_refuses_the_profile(
 
 
 def test_cpu_costs_are_fitted_over_the_loads() -> None:
-    def load(num_requests: int, tokens_each: int) -> LoadResult:
+    def load(num_requests: int, tokens_each: int, num_iterations: int) -> LoadResult:
         spec = Load("x", num_requests, 16, tokens_each, 1)
         records = [RequestRecord(ok=True, output_tokens=tokens_each) for _ in range(num_requests)]
-        cpu = num_requests * (3e-3 + tokens_each * 5e-4)
-        return LoadResult(spec, [], records, cpu, num_requests * tokens_each)
+        tokens = num_requests * tokens_each
+        cpu = num_iterations * 1e-3 + tokens * 3e-4 + num_requests * 4e-3
+        return LoadResult(spec, [], records, cpu, tokens, num_iterations)
 
-    per_token, per_request = fit_cpu_costs([load(8, 8), load(24, 48)])
-    assert per_token == pytest.approx(5e-4) and per_request == pytest.approx(3e-3)
-    # CPU that falls as the tokens grow: no negative cost per token, all of it per request.
-    few, many = load(8, 8), load(8, 48)
-    many.cpu_s = few.cpu_s / 2
-    per_token, per_request = fit_cpu_costs([few, many])
-    assert per_token == 0.0 and per_request > 0
+    loads = [load(8, 8, 72), load(24, 48, 150), load(16, 2, 3)]
+    per_iteration, per_token, per_request = fit_cpu_costs(loads)
+    assert per_iteration == pytest.approx(1e-3)
+    assert per_token == pytest.approx(3e-4) and per_request == pytest.approx(4e-3)
+    # CPU that falls as the tokens grow: no negative cost.
+    loads[1].cpu_s = loads[0].cpu_s / 2
+    assert all(c >= 0 for c in fit_cpu_costs(loads))
+    with pytest.raises(ValueError, match="three costs need three loads"):
+        fit_cpu_costs(loads[:2])

@@ -68,27 +68,28 @@ def test_engine_overhead_counts_in_virtual_time() -> None:
 
 def test_serving_costs_count_in_virtual_time() -> None:
     # The serving side (calibration's serve stage): a request reaches the engine 5 ms after
-    # it is sent, and each iteration carries 0.5 ms of CPU per token it streams plus 3 ms
-    # per request it prefills (its first chunk).
+    # it is sent, and each iteration carries 1 ms of CPU, 0.5 ms per token it streams and
+    # 2 ms per request it prefills (its first chunk).
     data = make_profile().model_dump()
     data["serving"] = {
+        "cpu_per_iteration_s": 0.001,
         "cpu_per_token_s": 0.0005,
-        "cpu_per_request_s": 0.003,
+        "cpu_per_request_s": 0.002,
         "request_latency_s": 0.005,
     }
     profile = LatencyProfile.model_validate(data)
-    #   t=0 sent, t=5 ms at the engine; prefill 10.8 ms + 0.5 + 3 ms -> 19.3 ms
-    #   decode 11 ms + 0.5 ms -> 30.8 ms
+    #   t=0 sent, t=5 ms at the engine; prefill 10.8 ms + 1 + 0.5 + 2 ms -> 19.3 ms
+    #   decode 11 ms + 1 + 0.5 ms -> 31.8 ms
     result = _run(_trace((0.0, 8, 2), (1.0, 8, 2)), profile=profile)
     first, second = result.records
     assert first.ttft_s == pytest.approx(0.005 + 0.0143)
-    assert first.itl_s == pytest.approx([0.0115])
-    assert first.e2e_s == pytest.approx(0.005 + 0.0143 + 0.0115)
+    assert first.itl_s == pytest.approx([0.0125])
+    assert first.e2e_s == pytest.approx(0.005 + 0.0143 + 0.0125)
     assert second.ttft_s == pytest.approx(first.ttft_s)  # from when it was sent, not reached
     # A closed loop sends the next request when one ends; it too arrives 5 ms later.
     looped = _run(_trace((0.0, 8, 2), (0.0, 8, 2)), profile=profile, concurrency=1)
-    assert result.duration_s - 1.0 == pytest.approx(0.0308)
-    assert looped.duration_s == pytest.approx(2 * 0.0308)
+    assert result.duration_s - 1.0 == pytest.approx(0.0318)
+    assert looped.duration_s == pytest.approx(2 * 0.0318)
     assert [r.ttft_s for r in looped.records] == pytest.approx([0.0193, 0.0193])
 
 
