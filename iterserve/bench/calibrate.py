@@ -479,7 +479,7 @@ def _serve_stage(
     from iterserve.bench.fidelity_real import FidelityError
 
     start = time.perf_counter()
-    print("serve stage: a real server, a sequential and a concurrent load", flush=True)
+    print("serve stage: a real server, three loads (sequential, concurrent, burst)", flush=True)
     log = directory / "server.log"
     try:
         costs, found = measure_serving(fit.profile, args.model, args.dtype, args.smoke, log)
