@@ -20,8 +20,9 @@ per-feature coefficients so that one iteration is one dot product::
        attends to o + 1, o + 2, ..., o + p keys, so it adds p * o + p * (p + 1) / 2
     S_p prefill chunks in the batch (requests scheduled for two tokens or more): what each
        chunk costs whatever its length (its own attention call per layer, its gather of
-       prior KV, its logits row); measured on CPUs, a batch with one fresh 64-token prompt
-       took ~1.4x what the token terms alone predicted (docs/simulator.md, "Fidelity")
+       prior KV, its logits row); on a CPU, iterations prefilling one fresh short prompt
+       beside a few decodes took 1.2-1.4x what the token terms alone predicted
+       (docs/simulator.md, "The serving side")
 
 ``linear_floor_s`` is the cost the token-proportional part never goes below: on a GPU the
 weights are read once per iteration whatever the batch (memory-bound small batches), on a
