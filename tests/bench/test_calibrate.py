@@ -46,7 +46,11 @@ def test_smoke_calibration_writes_profile_points_and_plot(tmp_path: Path) -> Non
     assert math.isfinite(err.median_abs_pct) and math.isfinite(err.p90_abs_pct)
     assert all(v >= 0 for v in profile.iteration.model_dump().values())
     assert all(v >= 0 for v in profile.engine_overhead.model_dump().values())
-    assert profile.iteration.fixed_s > 0 and profile.iteration.per_prefill_token_s > 0
+    it = profile.iteration
+    # Prefill costs something; which of its terms carries it is the fit's (on a tiny grid,
+    # with the noise of a shared machine, per token, per chunk or per attention pair).
+    assert it.fixed_s > 0
+    assert it.per_prefill_token_s + it.per_prefill_seq_s + it.per_attention_pair_s > 0
     assert any(n.startswith("noise (spread of repeats") for n in profile.source.notes)
     assert bool(result.refused) == profile.source.notes[0].startswith("WARNING")
 
