@@ -101,6 +101,7 @@ SMOKE_GRID = {
     "chunk_sizes": "32",
     "arrival_lengths": "48",
 }
+SERVE_CHECK_FACTOR = 2  # the serve stage's check may miss by this x the bound (TTFT: twice)
 ARRIVAL_PROMPTS = 8  # prompts of an arrival cell, added one per iteration
 ARRIVAL_OUTPUT = 10  # tokens each of them decodes
 SMOKE_REACH = 64
@@ -394,9 +395,10 @@ def refit_bad_cells(
         fit = fit_profile(m, name, seed, notes)
     still = [c for c in fit.cells if c.median_pct > bound_pct]
     noisy = [c for c in still if c.noise_pct > bound_pct / 2]
+    why_kept = "the model's limit, not the machine's noise"
     if noisy and len(noisy) == len(fit.cells):
         notes.append("every cell is over the bound and noisy: none dropped")
-        noisy = []
+        noisy, why_kept = [], "too noisy to tell: the machine was busy"
     notes += [
         f"dropped cell {c.cell}: error {c.median_pct:.1f}%, its repeats spread "
         f"{c.noise_pct:.1f}% (> {bound_pct / 2:g}%: too noisy to measure)"
@@ -404,7 +406,7 @@ def refit_bad_cells(
     ]
     notes += [
         f"kept cell {c.cell}: error {c.median_pct:.1f}% with its repeats within "
-        f"{c.noise_pct:.1f}% (the model's limit, not the machine's noise)"
+        f"{c.noise_pct:.1f}% ({why_kept})"
         for c in still
         if c not in noisy
     ]
@@ -434,7 +436,7 @@ def calibrate(args: argparse.Namespace, measured: Measurement | None = None) -> 
     bound = args.max_held_out_error_pct
     name = args.name or (Path(args.out).stem if args.out is not None else m.base.name)
     fit, notes = refit_bad_cells(m, name, args.seed, bound)
-    refused = refusal(fit, bound)
+    refused = refusal(fit, bound) + _too_few_kept(m, fit)
     print(report(fit))
     for skipped in m.skipped:
         print(f"skipped {skipped}")
@@ -451,13 +453,13 @@ def calibrate(args: argparse.Namespace, measured: Measurement | None = None) -> 
     load = f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
     if refused and not args.force:
         print(
-            f"profile refused, not written (--max-held-out-error-pct {bound:g}; --force "
-            f"writes it anyway); {load}:\n  " + "\n  ".join(refused),
+            f"profile refused, not written (--force writes it anyway); {load}:\n  "
+            + "\n  ".join(refused),
             file=sys.stderr,
         )
         return Calibrated(fit, refused, None, directory, notes)
     if refused:
-        warning = "WARNING: written with --force although over the bound: " + "; ".join(refused)
+        warning = "WARNING: written with --force although refused: " + "; ".join(refused)
         print(warning, file=sys.stderr)
         source = fit.profile.source
         fit.profile = fit.profile.model_copy(
@@ -470,11 +472,28 @@ def calibrate(args: argparse.Namespace, measured: Measurement | None = None) -> 
     return Calibrated(fit, refused, profile_path, directory, notes)
 
 
+def _too_few_kept(m: Measurement, fit: Fit) -> list[str]:
+    """A refusal when more cells were dropped as too noisy than kept: the profile would be
+    fitted on what the machine happened to leave quiet."""
+    dropped = [s for s in m.skipped if s.endswith("dropped (too noisy)")]
+    if len(dropped) <= len(fit.cells):
+        return []
+    return [
+        f"only {len(fit.cells)} of {len(fit.cells) + len(dropped)} cells kept (the others' "
+        f"repeats too noisy to measure): the machine was busy; run it on an idle one"
+    ]
+
+
 def _serve_stage(
     args: argparse.Namespace, fit: Fit, notes: list[str], directory: Path
 ) -> list[str]:
     """Measure the serving side (:mod:`iterserve.bench.calibrate_serving`) into
-    ``fit.profile`` and ``notes``; the reason it could not (empty: it did)."""
+    ``fit.profile`` and ``notes``; why the profile cannot be trusted (empty: it can): the
+    stage failed (the grid's profile is then written beside the points, so that it need not
+    be measured again), or its own check is off by more than :data:`SERVE_CHECK_FACTOR` x
+    the bound (TPOT p50; TTFT p50 twice that)."""
+    import httpx
+
     from iterserve.bench.calibrate_serving import measure_serving
     from iterserve.bench.fidelity_real import FidelityError
 
@@ -482,9 +501,14 @@ def _serve_stage(
     print("serve stage: a real server, three loads (sequential, concurrent, burst)", flush=True)
     log = directory / "server.log"
     try:
-        costs, found = measure_serving(fit.profile, args.model, args.dtype, args.smoke, log)
-    except (FidelityError, RuntimeError) as e:
-        return [f"serve stage failed ({e}); --no-serve skips it"]
+        costs, found, check = measure_serving(fit.profile, args.model, args.dtype, args.smoke, log)
+    except (FidelityError, RuntimeError, httpx.HTTPError, OSError) as e:
+        grid_only = directory / "profile-grid-only.json"
+        grid_only.write_text(fit.profile.to_json())
+        return [
+            f"serve stage failed ({type(e).__name__}: {e}); the grid's profile, without the "
+            f"serving side, is {grid_only} (--no-serve writes it in the first place)"
+        ]
     source = fit.profile.source
     fit.profile = fit.profile.model_copy(
         update={
@@ -496,7 +520,16 @@ def _serve_stage(
     for line in found:
         print(line)
     print(f"serve stage: {_since(start)}; the server's log: {log}", flush=True)
-    return []
+    bound = SERVE_CHECK_FACTOR * args.max_held_out_error_pct
+    return [
+        f"serve stage check: {name} p50 {sim * 1e3:.1f} ms simulated, {real * 1e3:.1f} ms "
+        f"measured ({(sim / real - 1) * 100:+.0f}% > +-{limit:g}%)"
+        for name, real, sim, limit in (
+            ("TPOT", check.tpot_measured_s, check.tpot_simulated_s, bound),
+            ("TTFT", check.ttft_measured_s, check.ttft_simulated_s, 2 * bound),
+        )
+        if real > 0 and abs(sim / real - 1) * 100 > limit
+    ]
 
 
 def main(args: argparse.Namespace, measured: Measurement | None = None) -> int:

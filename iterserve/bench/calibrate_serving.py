@@ -173,11 +173,21 @@ def _median_tpot(records: list[RequestRecord]) -> float:
     return statistics.median(tpots) if tpots else 0.0
 
 
+@dataclass(frozen=True)
+class ServeCheck:
+    """The concurrent load, measured and replayed on the finished profile (seconds)."""
+
+    tpot_measured_s: float
+    tpot_simulated_s: float
+    ttft_measured_s: float
+    ttft_simulated_s: float
+
+
 def measure_serving(
     profile: LatencyProfile, model: str, dtype: str, smoke: bool, log: Path
-) -> tuple[ServingCosts, list[str]]:
-    """Run the stage (module docstring) on a fresh server; the costs and a line per finding
-    for the report and the profile's notes.
+) -> tuple[ServingCosts, list[str], ServeCheck]:
+    """Run the stage (module docstring) on a fresh server; the costs, a line per finding for
+    the report and the profile's notes, and the check.
 
     Args:
         profile: the grid's fit (its ``serving`` is ignored and replaced).
@@ -188,6 +198,7 @@ def measure_serving(
     Raises:
         FidelityError: the server did not start (its log's tail).
         RuntimeError: a request of a load failed.
+        httpx.HTTPError: the server stopped answering (its metrics) mid-stage.
     """
     from iterserve.models.loader import resolve_model_dir
     from iterserve.sim.tokenizer import FileTokenizer
@@ -228,4 +239,10 @@ def measure_serving(
         f"{_median_ttft(concurrent.records) * 1e3:.1f} ms measured, "
         f"{_median_ttft(check.records) * 1e3:.1f} ms simulated",
     ]  # fmt: skip
-    return costs, notes
+    check_result = ServeCheck(
+        _median_tpot(concurrent.records),
+        _median_tpot(check.records),
+        _median_ttft(concurrent.records),
+        _median_ttft(check.records),
+    )
+    return costs, notes, check_result

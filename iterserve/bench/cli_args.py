@@ -107,11 +107,12 @@ def _add_calibrate(sub: Any) -> None:
         "calibrate", help="time the real engine's iterations and fit a latency profile (sim)"
     )
     add_model_flags(p)
-    p.add_argument("--batch-sizes", default="1,4,16,64", help="decode cells: batch sizes")
-    p.add_argument("--contexts", default="128,512,2048", help="decode cells: context tokens")
-    p.add_argument("--chunk-sizes", default="32,128,512", help="prefill cells: chunk tokens")
+    ints, tokens = _int_list(1), _int_list(2)  # a prefill needs two tokens or more
+    p.add_argument("--batch-sizes", type=ints, default="1,4,16,64", help="decode cells: batches")
+    p.add_argument("--contexts", type=ints, default="128,512,2048", help="decode cells: context")
+    p.add_argument("--chunk-sizes", type=tokens, default="32,128,512", help="prefill cells: chunks")
     p.add_argument(
-        "--arrival-lengths", default="64,256", help="arrival cells: prompt tokens (docs)"
+        "--arrival-lengths", type=tokens, default="64,256", help="arrival cells: prompt tokens"
     )
     p.add_argument("--seed", type=int, default=0, help="prompts and the held-out split")
     p.add_argument("--out", type=Path, default=None, help="profile JSON (default: in the dir)")
@@ -135,13 +136,33 @@ def _add_calibrate(sub: Any) -> None:
         help="refuse the profile (exit 1) over this held-out median error, or a cell over twice it",
     )
     p.add_argument("--force", action="store_true", help="write a refused profile (with a warning)")
-    p.add_argument("--smoke", action="store_true", help="tiny grid, well under a minute (tests)")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny grid and loads (tests; overrides the grid flags)"
+    )
     p.add_argument(
         "--no-serve",
         action="store_true",
         help="skip the serve stage (a real server's HTTP side): the profile predicts the engine",
     )
     p.set_defaults(func=_main_of("calibrate"))
+
+
+def _int_list(minimum: int) -> Any:
+    """An argparse type: comma-separated integers >= ``minimum`` (empty: none), kept as text."""
+
+    def parse(text: str) -> str:
+        for item in (v.strip() for v in text.split(",")):
+            if not item:
+                continue
+            try:
+                value = int(item)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"not an integer: {item!r}") from None
+            if value < minimum:
+                raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return text
+
+    return parse
 
 
 def _positive_int(text: str) -> int:

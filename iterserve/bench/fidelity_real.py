@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -81,9 +83,12 @@ def real_server(port: int, flags: list[str], log: Path) -> Iterator[tuple[str, i
     port = port or _free_port()
     cmd = [sys.executable, "-m", "iterserve.cli", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *flags]
+    # A private server on the loopback for our own client, which sends no key.
+    env = {k: v for k, v in os.environ.items() if k != "ITERSERVE_API_KEY"}
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
+    previous = _exit_on_sigterm()
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -107,6 +112,20 @@ def real_server(port: int, flags: list[str], log: Path) -> Iterator[tuple[str, i
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm() -> Any:
+    """Make SIGTERM raise ``SystemExit`` (so the server is stopped on the way out, as for
+    Ctrl-C) while a real server runs; the previous handler (None off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def _exit(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, _exit)
 
 
 def _client_args(args: argparse.Namespace) -> argparse.Namespace:

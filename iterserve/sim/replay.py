@@ -64,8 +64,9 @@ class _Replica:
 @dataclass
 class _Tracked:
     record: RequestRecord
-    arrival: float
+    arrival: float  # sent (TTFT and e2e count from here)
     replica: _Replica
+    reached: float  # at the engine's side (queue time counts from here)
     queue_s: float | None = None
     last_token_at: float | None = None
 
@@ -230,7 +231,7 @@ class Replay:
         )  # fmt: skip
         if accepted:
             r.routed_since_report += 1
-            self.tracked[request_id] = _Tracked(record, arrival.sent_at, r)
+            self.tracked[request_id] = _Tracked(record, arrival.sent_at, r, t)
             if not r.busy:
                 self._push(t, Wake(r))
         elif self.concurrency is not None:
@@ -277,7 +278,7 @@ class Replay:
         entry = self.tracked[delta.request_id]
         rec = entry.record
         if entry.queue_s is None and delta.first_scheduled_time is not None:
-            entry.queue_s = delta.first_scheduled_time - entry.arrival
+            entry.queue_s = delta.first_scheduled_time - entry.reached
             self.queue_s.append((rec.tier, entry.queue_s))
         num_new = sum(len(c.new_token_ids) for c in delta.completions)
         if num_new:

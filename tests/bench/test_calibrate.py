@@ -18,7 +18,7 @@ import pytest
 from iterserve.bench import calibrate_serving
 from iterserve.bench.calibrate import calibrate, main
 from iterserve.bench.calibrate_output import Measurement, Point
-from iterserve.bench.calibrate_serving import Load, LoadResult, fit_cpu_costs
+from iterserve.bench.calibrate_serving import Load, LoadResult, ServeCheck, fit_cpu_costs
 from iterserve.cli import build_parser
 from iterserve.sim.profile import BatchShape, ServingCosts, load_profile
 from iterserve.workload.stats import RequestRecord
@@ -228,10 +228,20 @@ def test_a_cell_still_noisy_after_remeasuring_is_dropped(tmp_path: Path) -> None
 
 
 def test_bad_flags_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
-    for flags in (["--repeats", "0"], ["--max-held-out-error-pct", "-1"]):
+    for flags, message in (
+        (["--repeats", "0"], "must be >= 1"),
+        (["--max-held-out-error-pct", "-1"], "must be a number > 0"),
+        (["--arrival-lengths", "64,abc"], "--arrival-lengths: not an integer: 'abc'"),
+        (["--arrival-lengths", "1"], "--arrival-lengths: must be >= 2, got 1"),
+        (["--chunk-sizes", "-5"], "--chunk-sizes: must be >= 2"),
+        (["--batch-sizes", "0"], "--batch-sizes: must be >= 1"),
+    ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["bench", "calibrate", *flags])
-        assert "must be" in capsys.readouterr().err
+        assert message in capsys.readouterr().err
+    # Empty lists are no cells of that kind.
+    args = build_parser().parse_args(["bench", "calibrate", "--arrival-lengths=", "--no-serve"])
+    assert args.arrival_lengths == "" and args.no_serve
 
 
 def test_a_cell_over_the_bound_but_within_twice_it_is_kept_not_refused(tmp_path: Path) -> None:
@@ -278,7 +288,8 @@ def test_serve_stage_costs_go_into_the_profile(
             cpu_per_request_s=2e-3,
             request_latency_s=0.01,
         )
-        return costs, ["serve stage: found"]
+        check = ServeCheck(0.030, 0.032, 0.200, 0.190)  # within 2x and 4x the bound
+        return costs, ["serve stage: found"], check
 
     monkeypatch.setattr(calibrate_serving, "measure_serving", measure_serving)
     out = tmp_path / "p.json"
@@ -300,8 +311,11 @@ def test_a_failed_serve_stage_refuses_the_profile(
     assert main(_args(tmp_path, "--out", str(out), serve=True), _measurement()) == 1
     assert not out.exists()
     err = capsys.readouterr().err
-    assert "serve stage failed (serve stage, concurrent load: 1 of 24" in err
-    assert "--no-serve skips it" in err
+    assert "serve stage failed (RuntimeError: serve stage, concurrent load: 1 of 24" in err
+    # The grid's fit is kept, so that a failed stage does not cost the grid again.
+    grid_only = load_profile(tmp_path / "profile-grid-only.json")
+    assert grid_only.serving == ServingCosts() and grid_only.iteration.fixed_s > 0
+    assert "--max-held-out-error-pct" not in err  # the bound is not the reason
     forced = calibrate(_args(tmp_path, "--out", str(out), "--force", serve=True), _measurement())
     assert forced.profile_path == out and forced.refused
     assert load_profile(out).source.notes[0].startswith("WARNING: written with --force")
@@ -324,3 +338,41 @@ def test_cpu_costs_are_fitted_over_the_loads() -> None:
     assert all(c >= 0 for c in fit_cpu_costs(loads))
     with pytest.raises(ValueError, match="three costs need three loads"):
         fit_cpu_costs(loads[:2])
+
+
+@pytest.mark.parametrize(
+    ("check", "reason"),
+    [
+        (ServeCheck(0.030, 0.045, 0.2, 0.2), "TPOT p50 45.0 ms simulated, 30.0 ms measured (+50%"),
+        (ServeCheck(0.030, 0.030, 0.2, 0.35), "TTFT p50 350.0 ms simulated, 200.0 ms measured"),
+    ],
+)
+def test_a_serve_stage_check_far_off_refuses_the_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, check: ServeCheck, reason: str
+) -> None:
+    monkeypatch.setattr(
+        calibrate_serving, "measure_serving", lambda *args: (ServingCosts(), [], check)
+    )
+    result = calibrate(
+        _args(tmp_path, "--out", str(tmp_path / "p.json"), serve=True), _measurement()
+    )
+    assert result.profile_path is None
+    assert any(r.startswith("serve stage check: ") and reason in r for r in result.refused)
+
+
+def test_a_grid_mostly_too_noisy_is_refused(tmp_path: Path) -> None:
+    """Every cell but one measured during contention (repeats spread 20-60%, errors far over
+    the bound): they are dropped, and a profile fitted on the one left is refused."""
+    rng = np.random.default_rng(7)
+    special = {}
+    for i, (cell, shapes) in enumerate(_cells().items()):
+        if cell == "decode b1 c128":
+            continue
+        points = _points(cell, shapes, seed=i, noise=0.01)
+        special[cell] = [
+            Point(p.cell, p.shape, p.forward_s * (1 + 3 * rng.random()), 0, p.repeat)
+            for p in points
+        ]
+    result = calibrate(_args(tmp_path, "--out", str(tmp_path / "p.json")), _measurement(special))
+    assert any(r.startswith("only ") and " cells kept" in r for r in result.refused), result.refused
+    assert result.profile_path is None

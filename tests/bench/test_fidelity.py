@@ -6,7 +6,11 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -307,3 +311,39 @@ def test_smoke_on_the_real_model(tmp_path: Path) -> None:
         assert replay["server_cpu_cores"]["engine"] > 0  # the model ran in its own process
     assert run["simulated"]["summary"]["output_tokens"] == expected_tokens
     assert all(len(row["measured_runs"]) == 2 for row in run["comparison"])
+
+
+SERVER_UNDER_SIGTERM = """
+import sys, time
+from pathlib import Path
+from iterserve.bench.fidelity_real import real_server, warm_up
+with real_server(0, ["--simulate", "cpu-smollm2"], Path(sys.argv[1])) as (url, pid):
+    warm_up(url)  # our client sends no key: the server must not expect one
+    print(pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_sigterm_stops_the_real_server_too(tmp_path: Path) -> None:
+    """A calibration or fidelity run ended by SIGTERM (a CI timeout, ``kill``) stops the
+    server it started, as Ctrl-C does (it was left running before); and a server started
+    under ``ITERSERVE_API_KEY`` serves the keyless client (it refused it before)."""
+    script = tmp_path / "hold.py"
+    script.write_text(SERVER_UNDER_SIGTERM)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "server.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "ITERSERVE_API_KEY": "a-key-our-client-does-not-send"},
+    )
+    assert proc.stdout is not None
+    server_pid = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{server_pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (
+        not Path(f"/proc/{server_pid}").exists()
+        or "Z" in Path(f"/proc/{server_pid}/stat").read_text().split(")")[1][:3]
+    )

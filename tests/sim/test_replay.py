@@ -86,6 +86,8 @@ def test_serving_costs_count_in_virtual_time() -> None:
     assert first.itl_s == pytest.approx([0.0125])
     assert first.e2e_s == pytest.approx(0.005 + 0.0143 + 0.0125)
     assert second.ttft_s == pytest.approx(first.ttft_s)  # from when it was sent, not reached
+    # Queue time counts at the engine's side, as the server's own does: none waited here.
+    assert [q for _, q in result.queue_s] == pytest.approx([0.0, 0.0])
     # A closed loop sends the next request when one ends; it too arrives 5 ms later.
     looped = _run(_trace((0.0, 8, 2), (0.0, 8, 2)), profile=profile, concurrency=1)
     assert result.duration_s - 1.0 == pytest.approx(0.0318)
