@@ -388,6 +388,7 @@ def refit_bad_cells(
         for c in bad:
             print(f"  re-measuring {c.cell}: error {c.median_pct:.1f}% > {bound_pct:g}%")
             new = m.remeasure(c.cell)
+            m.dropped += [p for p in m.points if p.cell == c.cell]
             m.points = [p for p in m.points if p.cell != c.cell] + new
         notes.append(
             f"re-measured once (error > {bound_pct:g}%): " + ", ".join(c.cell for c in bad)
@@ -411,6 +412,7 @@ def refit_bad_cells(
         if c not in noisy
     ]
     dropped = {c.cell for c in noisy}
+    m.dropped += [p for p in m.points if p.cell in dropped]
     m.points = [p for p in m.points if p.cell not in dropped]
     m.skipped += [f"{cell}: dropped (too noisy)" for cell in sorted(dropped)]
     return fit_profile(m, name, seed, notes), notes
@@ -444,10 +446,12 @@ def calibrate(args: argparse.Namespace, measured: Measurement | None = None) -> 
         print(note)
     directory = args.output_dir or output_dir(args) / f"calibrate-{time.strftime('%Y%m%d-%H%M%S')}"
     directory.mkdir(parents=True, exist_ok=True)
-    save_points(fit, directory / "points.json", refused)
+    save_points(fit, directory / "points.json", refused, m.dropped)
     plot(fit, directory / "fit.png")
-    print(f"{len(m.points)} points in {_since(start)}; wrote {directory / 'points.json'}, "
-          f"{directory / 'fit.png'}")  # fmt: skip
+    print(
+        f"{len(m.points)} points fitted ({len(m.dropped)} not: dropped or re-measured) in "
+        f"{_since(start)}; wrote {directory / 'points.json'}, {directory / 'fit.png'}"
+    )
     if not args.no_serve and not (refused and not args.force):
         refused += _serve_stage(args, fit, notes, directory)
     load = f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"

@@ -76,6 +76,8 @@ class Measurement:
         skipped: cells not run, with why.
         remeasure: runs a cell again (warm-up and repeats) and returns its new points; None:
             cells cannot be re-measured (synthetic points).
+        dropped: the points of cells dropped as too noisy, and those a re-measurement
+            replaced (not fitted; kept for ``points.json``).
     """
 
     base: LatencyProfile
@@ -84,6 +86,7 @@ class Measurement:
     repeats: int
     skipped: list[str] = field(default_factory=list)
     remeasure: Callable[[str], list[Point]] | None = None
+    dropped: list[Point] = field(default_factory=list)
 
 
 @dataclass
@@ -301,16 +304,21 @@ def report(fit: Fit) -> str:
     return "\n".join(lines)
 
 
-def save_points(fit: Fit, path: Path, refused: Sequence[str] = ()) -> None:
-    """Every point, its prediction, whether it was rejected or held out; the noise, the
-    per-cell errors and the reasons of a refusal (JSON)."""
+def save_points(
+    fit: Fit, path: Path, refused: Sequence[str] = (), dropped: Sequence[Point] = ()
+) -> None:
+    """Every point, its prediction, whether it was rejected or held out, and the points not
+    fitted (``dropped``: of cells dropped as too noisy, or replaced by a re-measurement;
+    flagged ``dropped``); the noise, the per-cell errors and the reasons of a refusal (JSON)."""
     held = set(fit.held_out)
+    fitted = [(p, i in held, fit.rejected[i], False) for i, p in enumerate(fit.points)]
     rows = [
         {"cell": p.cell, "repeat": p.repeat, **asdict(p.shape)}
         | {"forward_s": p.forward_s, "total_s": p.total_s}
-        | {"predicted_s": fit.profile.forward_seconds(p.shape), "held_out": i in held}
-        | {"rejected": fit.rejected[i]}
-        for i, p in enumerate(fit.points)
+        | {"predicted_s": fit.profile.forward_seconds(p.shape), "held_out": is_held}
+        | {"rejected": is_rejected, "dropped": is_dropped}
+        for p, is_held, is_rejected, is_dropped in fitted
+        + [(p, False, False, True) for p in dropped]
     ]
     document = {
         "profile": fit.profile.name,

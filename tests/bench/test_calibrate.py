@@ -225,6 +225,13 @@ def test_a_cell_still_noisy_after_remeasuring_is_dropped(tmp_path: Path) -> None
     assert "decode b1 c512" not in {c.cell for c in result.fit.cells}
     assert any(n.startswith("dropped cell decode b1 c512") for n in result.notes)
     assert "decode b1 c512: dropped (too noisy)" in m.skipped
+    # Its points, first measurement and re-measurement, stay in points.json for diagnosis.
+    rows = json.loads((tmp_path / "points.json").read_text())["points"]
+    dropped = [r for r in rows if r["dropped"]]
+    assert dropped and {r["cell"] for r in dropped} == {"decode b1 c512"}
+    # 6 shapes x 3 repeats, measured and re-measured; none of them fitted.
+    assert len(dropped) == 2 * 6 * 3
+    assert all(r["dropped"] for r in rows if r["cell"] == "decode b1 c512")
 
 
 def test_bad_flags_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
