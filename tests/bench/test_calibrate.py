@@ -56,7 +56,8 @@ def test_smoke_calibration_writes_profile_points_and_plot(tmp_path: Path) -> Non
 
     document = json.loads((tmp_path / "points.json").read_text())
     points = document["points"]
-    kept = [p for p in points if not p["rejected"]]
+    # Fitted: neither rejected as an outlier nor of a cell dropped or re-measured.
+    kept = [p for p in points if not p["rejected"] and not p["dropped"]]
     assert len(kept) == err.num_train + err.num_held_out
     assert sum(p["held_out"] for p in points) == err.num_held_out
     assert {p["repeat"] for p in points} == {0, 1}  # the warm-up (-1) is not a point
