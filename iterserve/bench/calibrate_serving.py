@@ -30,7 +30,6 @@ simulated, in the report and the notes).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import statistics
@@ -42,7 +41,13 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls  # type: ignore[import-untyped]
 
-from iterserve.bench.fidelity_real import cpu_seconds, real_server, scrape, warm_up
+from iterserve.bench.fidelity_real import (
+    client_args,
+    cpu_seconds,
+    real_server,
+    scrape,
+    warm_up,
+)
 from iterserve.bench.serve import run_load
 from iterserve.sim.profile import LatencyProfile, ServingCosts
 from iterserve.workload.stats import RequestRecord
@@ -86,13 +91,6 @@ class LoadResult:
     num_iterations: int  # the engine's, from the server's metrics
 
 
-def _client_args(concurrency: int) -> argparse.Namespace:
-    return argparse.Namespace(
-        api_key=None, timeout_s=600.0, burst=None, burst_interval_s=0.0, seed=0,
-        concurrency=concurrency, no_progress=True, endpoint="completions", plain=False,
-    )  # fmt: skip
-
-
 def _requests(load: Load, cutter: PromptCutter) -> list[BenchRequest]:
     return [
         BenchRequest(cutter.cut(load.prompt_len), load.prompt_len, load.output_len)
@@ -115,7 +113,7 @@ def _run(
     requests = _requests(load, cutter)
     http_before, iterations_before = cpu_seconds(http_pid), _iterations(url)
     records, wall, client_cpu = asyncio.run(
-        run_load(url, requests, model, _client_args(load.concurrency), float("inf"))
+        run_load(url, requests, model, client_args(0, load.concurrency), float("inf"))
     )
     http_cpu = cpu_seconds(http_pid) - http_before
     num_iterations = _iterations(url) - iterations_before

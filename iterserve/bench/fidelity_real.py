@@ -128,14 +128,16 @@ def _exit_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, _exit)
 
 
-def _client_args(args: argparse.Namespace) -> argparse.Namespace:
+def client_args(seed: int, concurrency: int | None = None) -> argparse.Namespace:
+    """``bench serve``'s client settings for a private real server: no key, no progress bar,
+    completions, open loop unless ``concurrency``."""
     return argparse.Namespace(
         api_key=None,
         timeout_s=1800.0,
         burst=None,
         burst_interval_s=0.0,
-        seed=args.seed,
-        concurrency=None,
+        seed=seed,
+        concurrency=concurrency,
         no_progress=True,
         endpoint="completions",
         plain=False,
@@ -172,7 +174,7 @@ def real_replay(
         before, it_before = scrape(url)
         cpu_before = {name: cpu_seconds(p) for name, p in pids.items()}
         records, wall, cpu = asyncio.run(
-            run_load(url, trace.requests, model, _client_args(args), trace.rate)
+            run_load(url, trace.requests, model, client_args(args.seed), trace.rate)
         )
         server_cpu = {
             name: (cpu_seconds(p) - cpu_before[name]) / max(wall, 1e-9) for name, p in pids.items()
