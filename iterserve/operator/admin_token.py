@@ -32,8 +32,12 @@ Event = tuple[str, str, str]  # (type, reason, message), as reconcile.Outcome's
 
 
 def new_token() -> str:
-    """A random token: 32 bytes, URL-safe base64 (43 characters)."""
-    return secrets.token_urlsafe(32)
+    """A random token: 32 bytes, URL-safe base64 (43 characters), never starting with ``-``
+    (one in 64 would, and a command line such as ``--admin-token TOKEN`` or
+    ``curl -H ...`` takes it for an option)."""
+    while (token := secrets.token_urlsafe(32)).startswith("-"):
+        pass
+    return token
 
 
 def parse_tokens(secret: Mapping[str, Any]) -> tuple[str, ...]:

@@ -14,7 +14,6 @@ import asyncio
 import base64
 import datetime
 import json
-import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from typing import Any
 import yaml
 from kubernetes.aio.client.exceptions import ApiException
 
-from iterserve.operator.admin_token import parse_tokens, rotate_if_asked
+from iterserve.operator.admin_token import new_token, parse_tokens, rotate_if_asked
 from iterserve.operator.builders import (
     CONFIG_FILE,
     DEFAULT_OPERATOR_LABELS,
@@ -143,7 +142,7 @@ async def ensure_secrets(kube: Kube, ctx: Context, body: Mapping[str, Any]) -> t
                     "labels": labels(ctx.name, "server"),
                 },
                 "type": "Opaque",
-                "data": {key: base64.b64encode(secrets.token_urlsafe(32).encode()).decode()},
+                "data": {key: base64.b64encode(new_token().encode()).decode()},
             }
             if live is None:
                 try:

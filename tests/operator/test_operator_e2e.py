@@ -153,7 +153,7 @@ def test_operator_applies_pushes_catches_up_and_refuses(tmp_path: Path) -> None:
             # server's defaults (as if it had missed every push).
             config = tmp_path / "scheduler.yaml"
             config.write_text(objects["ConfigMap"]["data"]["scheduler.yaml"])
-            common = ("--simulate", str(profile), "--admin-token", token, *REPLICA_FLAGS)
+            common = ("--simulate", str(profile), f"--admin-token={token}", *REPLICA_FLAGS)
             port_b = free_port()
 
             async def start(*flags: str, port: int | None = None) -> Server:
@@ -328,7 +328,7 @@ def test_many_odd_pods_and_owned_objects_changed_by_hand(tmp_path: Path) -> None
                 return await asyncio.to_thread(stack.enter_context, cm)
 
             replica, stranger = await asyncio.gather(
-                start("--admin-token", token), start("--admin-token", "not-the-operators")
+                start(f"--admin-token={token}"), start("--admin-token", "not-the-operators")
             )
             many = [f"chat-p{i}" for i in range(30)]
             for name in many:

@@ -17,6 +17,7 @@ from kube_fakes import MemoryKube
 from kubernetes.aio.client.exceptions import ApiException
 
 from iterserve.operator import handlers
+from iterserve.operator import admin_token
 from iterserve.operator.admin_token import ROTATE_ANNOTATION, ROTATED_STATUS
 from iterserve.operator.reconcile import OperatorSettings, reconcile, unschedulable
 from iterserve.operator.spec import SpecError
@@ -299,6 +300,15 @@ def test_the_rotation_annotation_rotates_once_per_value_keeping_the_previous_tok
     _reconcile(kube, body)
     third, previous = _tokens(kube)
     assert previous == second and third not in (first, second)
+
+
+def test_generated_tokens_never_start_with_a_dash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token starting with ``-`` breaks ``--admin-token TOKEN`` (argparse takes it for an
+    option: a CI run failed so); the generator draws again, for every Secret it creates."""
+    draws = iter(["-dash-first", "-again", "fine-token-1234", "-x", "ok-token-5678"])
+    monkeypatch.setattr(admin_token.secrets, "token_urlsafe", lambda _n: next(draws))
+    assert admin_token.new_token() == "fine-token-1234"
+    assert admin_token.new_token() == "ok-token-5678"
 
 
 def test_network_policies_switched_off_are_deleted() -> None:
