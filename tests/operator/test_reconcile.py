@@ -16,8 +16,7 @@ import pytest
 from kube_fakes import MemoryKube
 from kubernetes.aio.client.exceptions import ApiException
 
-from iterserve.operator import handlers
-from iterserve.operator import admin_token
+from iterserve.operator import admin_token, handlers
 from iterserve.operator.admin_token import ROTATE_ANNOTATION, ROTATED_STATUS
 from iterserve.operator.reconcile import OperatorSettings, reconcile, unschedulable
 from iterserve.operator.spec import SpecError
