@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
+Quantization = Literal["none", "int8", "q4"]
 PreemptionMode = Literal["auto", "recompute", "swap"]
 SchedulingPolicy = Literal["priority", "fcfs"]
 BatchingMode = Literal["continuous", "static"]
@@ -114,6 +115,14 @@ class ModelConfig:
     enforce_eager: bool = field(
         default=False,
         metadata={"help": "no CUDA graphs: run decode iterations eagerly (CUDA with triton only)"},
+    )
+    quantization: Quantization = field(
+        default="none",
+        metadata={
+            "help": "linear layers on CPUs: none (bfloat16), int8 (W8A8: int8 weights per "
+            "channel, activations per token) or q4 (a GGUF's own Q4_1 weights); each batch "
+            "size on the kernel measured fastest at start (docs/engine.md)"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -643,6 +652,12 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
         cel="{enable_chunked_prefill} || {long_prefill_token_threshold} == 0",
         message="{long_prefill_token_threshold} splits prompts, so it needs chunked prefill "
         "({enable_chunked_prefill}): without it a prompt is prefilled whole",
+    ),
+    Rule(
+        fields=("quantization", "dtype"),
+        check=lambda quantization, dtype: quantization == "none" or dtype in ("auto", "bfloat16"),
+        cel="{quantization} == 'none' || {dtype} == 'auto' || {dtype} == 'bfloat16'",
+        message="{quantization} computes in bfloat16: {dtype} must be auto or bfloat16",
     ),
     Rule(
         fields=("max_waiting_per_tenant", "max_waiting"),

@@ -24,6 +24,25 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
+def quantization_small_rows() -> int | None:
+    """``ITERSERVE_QUANTIZATION_SMALL_ROWS``, read when asked: the rows (tokens of an
+    iteration) up to which ``--quantization``'s small-batch kernel runs (``q4``: the int4
+    kernel; ``int8``: bfloat16), fixed instead of measured at start (replicas that must
+    compute alike, the quality benchmark). Unset: measured.
+
+    Raises:
+        ValueError: not a non-negative integer.
+    """
+    value = os.environ.get("ITERSERVE_QUANTIZATION_SMALL_ROWS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(
+            f"ITERSERVE_QUANTIZATION_SMALL_ROWS must be an integer >= 0, got {value!r}"
+        )
+    return int(value)
+
+
 def cache_dir() -> Path:
     """iterserve's cache directory: ``ITERSERVE_CACHE_DIR``, else the user cache dir (e.g.
     ``~/.cache/iterserve``). ``platformdirs`` is imported here, when a cache is used: the GPU

@@ -24,6 +24,7 @@ from iterserve.executor.device import DTYPES, bound_onednn_caches, rank_device, 
 from iterserve.executor.graph_capture import capture_decode_graphs, use_cuda_graphs
 from iterserve.executor.kv_sizing import build_kv_cache
 from iterserve.executor.model_runner import TorchModelRunner
+from iterserve.executor.quantization import check_quantization
 from iterserve.executor.tensor_parallel import (
     TensorParallelRunner,
     Workers,
@@ -120,9 +121,12 @@ def build_shard(config: EngineConfig, model_dir: Path | str, tp: TPGroup = SINGL
     except ValueError as e:  # a backend this device or dtype cannot run: a setting's error
         raise ConfigError(str(e)) from e
     assert config.model.max_model_len is not None
+    quantization = config.model.quantization
+    gguf = check_quantization(quantization, device, dtype, tp.size, config.model.model)
     model = load_model(
-        hf_config, model_dir, dtype, device, config.model.max_model_len, platform, tp
-    )
+        hf_config, model_dir, dtype, device, config.model.max_model_len, platform, tp,
+        quantization, gguf,
+    )  # fmt: skip
     graphs = use_cuda_graphs(config, device, platform) and tp.size == 1
     kv_cache = build_kv_cache(config, hf_config, model, dtype, device, graphs, tp)
     eos_ids = frozenset[int]()

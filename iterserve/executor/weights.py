@@ -62,13 +62,18 @@ def load_model(
     max_position: int,
     platform: Platform,
     tp: TPGroup = SINGLE,
+    quantization: str = "none",
+    gguf: Path | None = None,
 ) -> LlamaForCausalLM:
     """Instantiate our Llama forward (rank ``tp.rank``'s shard) on ``platform``, fill it from
     the directory's safetensors files, and pack its linear weights where the platform packs
-    them. Each tensor is opened as a lazy slice and only this rank's shard of it is read.
+    them, or put them on ``quantization``'s kernels (:mod:`~iterserve.executor.quantization`;
+    ``gguf``: the file whose Q4_1 weights ``q4`` serves). Each tensor is opened as a lazy
+    slice and only this rank's shard of it is read.
 
     Raises:
-        ConfigError: no safetensors files, or heads that do not divide by ``tp.size``.
+        ConfigError: no safetensors files, heads that do not divide by ``tp.size``, or a
+            ``q4`` file whose linear weights are not Q4_1.
     """
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -82,7 +87,12 @@ def load_model(
     model.load_weights(checkpoint_slices(files))
     # Rotary tables are computed in float32 and cast here, as Hugging Face casts cos/sin.
     model = model.to(dtype).eval()
-    model.pack_linear_weights()
+    if quantization == "none":
+        model.pack_linear_weights()
+    else:
+        from iterserve.executor.quantization import quantize_linears
+
+        model.quantization_plan = quantize_linears(model, quantization, model_dir, gguf, hf_config)
     return model
 
 

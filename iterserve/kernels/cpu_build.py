@@ -33,7 +33,7 @@ from iterserve import envs
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode_attention.c", "layer_ops.c")
+SOURCES = ("paged_decode_attention.c", "layer_ops.c", "quant_ops.c")
 HEADERS = ("common.h",)
 # No floating-point contraction: the layer ops round like their torch references (layer_ops.c).
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")

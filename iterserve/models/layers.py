@@ -74,9 +74,13 @@ class PackableLinear(nn.Module):
         """Repack the loaded weight where ``platform`` packs weights and free the plain one:
         load first, pack once (the layer cannot load weights afterwards)."""
         packed = platform.pack_linear_weight(self.weight)
-        if packed is None:
-            return
-        self.packed = packed
+        if packed is not None:
+            self.use_op(packed)
+
+    def use_op(self, op: LinearOp) -> None:
+        """Run ``op(x, bias)`` from now on (a packed or quantized copy of the weight) and free
+        the plain weight."""
+        self.packed = op
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 

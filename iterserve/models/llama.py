@@ -10,7 +10,7 @@ with.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -172,6 +172,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = build_rotary(config, self.head_dim, max_position)
         self.packed_lm_head: LinearOp | None = None
+        # What --quantization chose (iterserve.executor.quantization.QuantizationPlan).
+        self.quantization_plan: Any = None
         self._weight_bytes: int | None = None
 
     @property
@@ -217,6 +219,20 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, PackableLinear):
                 module.pack_weight(self.platform)
         self.packed_lm_head = packed_lm_head
+
+    def linear_layers(self) -> list[tuple[str, PackableLinear]]:
+        """The decoder's linear layers by name (``layers.{i}.qkv_proj``, ...), in forward order."""
+        return [(n, m) for n, m in self.named_modules() if isinstance(m, PackableLinear)]
+
+    def install_linear_ops(self, ops: Mapping[str, LinearOp], lm_head: LinearOp) -> None:
+        """Run each linear layer named in ``ops`` (:meth:`linear_layers`' names) and the LM head
+        by the given ops (quantized copies of their weights), freeing the plain weights; once,
+        after loading, instead of :meth:`pack_linear_weights`."""
+        self._weight_bytes = self.weight_bytes()
+        modules = dict(self.linear_layers())
+        for name, op in ops.items():
+            modules[name].use_op(op)
+        self.packed_lm_head = lm_head
 
     def weight_bytes(self) -> int:
         """Bytes of the model's weights as loaded (tied embeddings once; packing copies not

@@ -76,6 +76,15 @@ def resolve_model_dir(model: str) -> Path:
     )
 
 
+def source_gguf(model: str) -> Path | None:
+    """The GGUF file ``model`` names (``default``: the packaged one), or None for a directory
+    (``--quantization q4`` serves a GGUF's own 4-bit weights)."""
+    if model == "default":
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:

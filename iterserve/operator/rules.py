@@ -32,6 +32,8 @@ SETTING_PATHS: dict[str, str] = {
     "tiers": "slaTiers",
     "swap_space": "engine.swapSpace",
     "max_model_len": "engine.maxModelLen",
+    "quantization": "engine.quantization",
+    "dtype": "engine.dtype",
 }
 
 _SOURCES = ("model.source.pvc", "model.source.hostPath", "model.source.image", "model.source.uri")

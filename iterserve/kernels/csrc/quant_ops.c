@@ -1,0 +1,60 @@
+/*
+ * The per-token steps around an int8 GEMM (W8A8: int8 weights per output channel, int8
+ * activations per token, int32 accumulation), each one pass over its rows:
+ *
+ * - quantize_rows_int8_bf16: x [num_rows, k] bfloat16, times smooth [k] float32 when given
+ *   (SmoothQuant's 1 / s per input channel), -> q int8 and scale float32 per row, symmetric:
+ *   scale = max|x| / 127, q = round_half_even(x * (127 / max|x|)) in [-127, 127] (a row of
+ *   zeros: scale 0, q 0);
+ * - dequantize_rows_bf16: out [num_rows, n] bfloat16 = acc * row scale (+ bias), acc the GEMM's
+ *   float32 output with the weight scales already applied.
+ *
+ * Both round as their torch references in iterserve/kernels/quantized_linear.py do (compiled
+ * with -ffp-contract=off). Rows are parallel over torch's OpenMP pool.
+ */
+#include <stdlib.h>
+
+#include "common.h"
+
+#define SMOOTHED(xr, smooth, i) (smooth ? bf16_to_float((xr)[i]) * (smooth)[i] : bf16_to_float((xr)[i]))
+
+void quantize_rows_int8_bf16(int8_t *q, float *scale, const uint16_t *x, int64_t x_stride,
+                             const float *smooth, int64_t num_rows, int64_t k, int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) if (num_rows * k > 65536)")
+    for (int64_t r = 0; r < num_rows; r++) {
+        const uint16_t *xr = x + r * x_stride;
+        int8_t *qr = q + r * k;
+        float amax = 0.0f;
+        _Pragma("omp simd reduction(max : amax)")
+        for (int64_t i = 0; i < k; i++) {
+            const float v = fabsf(SMOOTHED(xr, smooth, i));
+            amax = v > amax ? v : amax;
+        }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        scale[r] = amax / 127.0f;
+        _Pragma("omp simd")
+        for (int64_t i = 0; i < k; i++) {
+            float v = __builtin_rintf(SMOOTHED(xr, smooth, i) * inv);
+            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+            qr[i] = (int8_t)v;
+        }
+    }
+}
+
+void dequantize_rows_bf16(uint16_t *out, const float *acc, const float *scale,
+                          const uint16_t *bias, int64_t num_rows, int64_t n, int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) if (num_rows * n > 65536)")
+    for (int64_t r = 0; r < num_rows; r++) {
+        const float *ar = acc + r * n;
+        uint16_t *o = out + r * n;
+        const float s = scale[r];
+        if (bias) {
+            _Pragma("omp simd")
+            for (int64_t i = 0; i < n; i++)
+                o[i] = float_to_bf16(round_bf16(ar[i] * s) + bf16_to_float(bias[i]));
+        } else {
+            _Pragma("omp simd")
+            for (int64_t i = 0; i < n; i++) o[i] = float_to_bf16(ar[i] * s);
+        }
+    }
+}

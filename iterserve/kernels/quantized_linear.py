@@ -1,0 +1,293 @@
+"""Quantized linear layers for CPUs: int8 compute (W8A8) and a GGUF's own 4-bit weights (Q4_1).
+
+- :class:`Int8Linear`: weights int8 per output channel and activations int8 per token,
+  quantized on the fly, both symmetric (scale = max |value| / 127), as in SmoothQuant's W8A8
+  scheme (Xiao et al., 2023) without its smoothing, and LLM.int8()'s vector-wise scales
+  (Dettmers et al., 2022) without its outliers. The int8 x int8 GEMM with int32 accumulation
+  is oneDNN's (``torch.ops.onednn.qlinear_pointwise`` on a weight prepacked once: AVX-512
+  VNNI, or AMX-INT8 where the CPU has it); the per-token steps around it are one C pass each
+  (``csrc/quant_ops.c``).
+- :class:`Int4Linear`: a GGUF's Q4_1 blocks (32 weights ``w = d * q + m``, ``q`` in 0..15) by
+  PyTorch's CPU int4 weight-only kernel (``_weight_int4pack_mm_for_cpu``: groups of 32 with a
+  scale and a zero, ``w = (q - 8) * scale + zero``; so ``scale = d``, ``zero = m + 8 d``),
+  bfloat16 activations. Nothing is de-quantized.
+- :class:`RowsDispatch`: two of these ops, chosen per call by the number of rows (the
+  iteration's tokens), at a crossover the executor measures at start
+  (:mod:`iterserve.executor.quantization`).
+
+Each op is a :data:`~iterserve.kernels.platform.LinearOp`: ``op(x, bias)`` with x
+``[num_tokens, in_features]`` bfloat16 -> ``[num_tokens, out_features]`` bfloat16.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from iterserve.kernels.cpu_build import load_cpu_kernels
+from iterserve.kernels.platform import LinearOp
+
+Q4_GROUP = 32  # weights per Q4_1 block (ggml's QK4_1), the int4 kernel's group size
+Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of two 4-bit values each
+
+_P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_ARGTYPES: dict[str, list[type]] = {
+    # q, scale, x, x_stride, smooth, num_rows, k, num_threads
+    "quantize_rows_int8_bf16": [_P, _P, _P, _I, _P, _I, _I, _N],
+    # out, acc, scale, bias, num_rows, n, num_threads
+    "dequantize_rows_bf16": [_P, _P, _P, _P, _I, _I, _N],
+}
+
+
+def int8_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :class:`Int8Linear` runs here: CPU, bfloat16 activations, torch's oneDNN int8
+    linear, and the C kernels built (see :func:`~iterserve.kernels.cpu_build.load_cpu_kernels`)."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.onednn, "qlinear_prepack")
+        and load_cpu_kernels() is not None
+    )
+
+
+def int4_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :class:`Int4Linear` runs here: CPU, bfloat16 activations, torch's CPU int4 kernel."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    )
+
+
+@functools.cache
+def _fn(name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    lib = load_cpu_kernels()
+    if lib is None:
+        raise RuntimeError("the CPU kernels could not be built on this machine (no C compiler?)")
+    fn = getattr(lib, name)
+    fn.argtypes = _ARGTYPES[name]
+    fn.restype = None
+    return fn
+
+
+def quantize_rows_int8_reference(
+    x: torch.Tensor, smooth: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 quantization, the torch definition of
+    :func:`quantize_rows_int8`: ``x' = x * smooth`` (when given), ``scale = max|x'| / 127``,
+    ``q = round(x' * (127 / max|x'|))`` (half to even) clamped to [-127, 127]; a row of zeros
+    gets scale 0 and q 0.
+
+    Args:
+        x: [num_rows, k], any float dtype.
+        smooth: [k] float32, a factor per column (SmoothQuant's 1 / s), or None.
+
+    Returns:
+        ``(q [num_rows, k] int8, scale [num_rows] float32)``.
+    """
+    xf = x.float() if smooth is None else x.float() * smooth
+    amax = xf.abs().amax(dim=1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, amax / 127.0
+
+
+def quantize_rows_int8(
+    x: torch.Tensor, smooth: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows_int8_reference` in one C pass.
+
+    Args:
+        x: [num_rows, k] bfloat16 CPU tensor, last dim contiguous (rows may be strided).
+        smooth: [k] float32 contiguous, or None.
+
+    Returns:
+        ``(q [num_rows, k] int8, scale [num_rows] float32)``, both contiguous.
+
+    Raises:
+        ValueError: another dtype, device or layout.
+    """
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("x must be a 2-d bfloat16 CPU tensor with a contiguous last dim")
+    num_rows, k = x.shape
+    if smooth is not None and (
+        smooth.shape != (k,) or smooth.dtype != torch.float32 or not smooth.is_contiguous()
+    ):
+        raise ValueError(f"smooth must be contiguous float32 [{k}]")
+    q = torch.empty(num_rows, k, dtype=torch.int8)
+    scale = torch.empty(num_rows, dtype=torch.float32)
+    _fn("quantize_rows_int8_bf16")(
+        q.data_ptr(), scale.data_ptr(), x.data_ptr(), x.stride(0),
+        smooth.data_ptr() if smooth is not None else None, num_rows, k, torch.get_num_threads(),
+    )  # fmt: skip
+    return q, scale
+
+
+def dequantize_rows(
+    acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(acc * scale[:, None]).bfloat16() (+ bias)`` in one C pass (the sum rounded as torch's
+    bfloat16 add rounds it).
+
+    Args:
+        acc: [num_rows, n] float32 contiguous: the GEMM's output, weight scales applied.
+        scale: [num_rows] float32 contiguous, each row's activation scale.
+        bias: [n] bfloat16 contiguous, or None.
+
+    Returns:
+        [num_rows, n] bfloat16.
+    """
+    num_rows, n = acc.shape
+    if acc.dtype != torch.float32 or not acc.is_contiguous() or scale.shape != (num_rows,):
+        raise ValueError("acc must be contiguous float32 [num_rows, n], scale [num_rows]")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != torch.bfloat16):
+        raise ValueError(f"bias must be bfloat16 [{n}]")
+    out = torch.empty(num_rows, n, dtype=torch.bfloat16)
+    _fn("dequantize_rows_bf16")(
+        out.data_ptr(), acc.data_ptr(), scale.data_ptr(),
+        bias.contiguous().data_ptr() if bias is not None else None, num_rows, n,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 weights: ``weight [out, in]`` -> ``(q [out, in] int8,
+    scale [out] float32)``, ``weight ~ q * scale[:, None]`` (a row of zeros: scale 1)."""
+    q, scale = quantize_rows_int8_reference(weight)
+    return q, torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def smoothing_factors(
+    input_absmax: torch.Tensor, weight: torch.Tensor, alpha: float = 0.5
+) -> torch.Tensor:
+    """SmoothQuant's per-input-channel ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)`` (Xiao et
+    al., 2023, eq. 4): dividing the activations' column j by s_j and multiplying the weight's
+    column j by it leaves ``x W^T`` unchanged and moves the activations' outlier channels'
+    range into the weight, where a per-channel scale absorbs it.
+
+    Args:
+        input_absmax: [in_features] float32, max |x_j| over calibration tokens.
+        weight: [out_features, in_features].
+        alpha: the migration strength (0.5 in the paper for most models).
+
+    Returns:
+        [in_features] float32, positive (channels never seen or all-zero: 1).
+    """
+    w_absmax = weight.detach().float().abs().amax(dim=0)
+    s = input_absmax.float().pow(alpha) / w_absmax.pow(1 - alpha)
+    ok = (input_absmax > 0) & (w_absmax > 0) & torch.isfinite(s) & (s > 0)
+    return torch.where(ok, s, torch.ones_like(s))
+
+
+class Int8Linear:
+    """``x W^T (+ b)`` as an int8 GEMM: W int8 per output channel, x int8 per token.
+
+    Args:
+        weight: [out_features, in_features], any float dtype, CPU; quantized here (the layer
+            keeps only the int8 copy, prepacked for oneDNN).
+        smoothing: [in_features] float32 SmoothQuant factors (:func:`smoothing_factors`):
+            the weight's columns are multiplied by them before quantizing, each activation
+            column divided by its factor in the quantization pass; None: no smoothing.
+    """
+
+    def __init__(self, weight: torch.Tensor, smoothing: torch.Tensor | None = None) -> None:
+        weight = weight.detach()
+        self.smooth: torch.Tensor | None = None
+        if smoothing is not None:
+            weight = weight.float() * smoothing[None, :]
+            self.smooth = (1.0 / smoothing.float()).contiguous()
+        q, self.weight_scale = quantize_weight_int8(weight)
+        self.out_features, self.in_features = q.shape
+        self.packed = torch.ops.onednn.qlinear_prepack(q, None)
+        self.weight_zero = torch.zeros(self.out_features, dtype=torch.int64)
+        self.nbytes = q.numel() + 4 * self.out_features
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [num_tokens, in_features] bfloat16 -> [num_tokens, out_features] bfloat16."""
+        q, scale = quantize_rows_int8(x, self.smooth)
+        acc = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, 0, self.packed, self.weight_scale, self.weight_zero, None,
+            1.0, 0, torch.float32, "none", [], "",
+        )  # fmt: skip
+        return dequantize_rows(acc, scale, bias)
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """A weight matrix as Q4_1 blocks of :data:`Q4_GROUP` along its input features.
+
+    Attributes:
+        q: [out_features, in_features] uint8, each value in 0..15.
+        d: [out_features, in_features / 32] float32, each block's scale.
+        m: [out_features, in_features / 32] float32, each block's minimum.
+    """
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """[out_features, in_features] float32: ``d * q + m`` per block (ggml's definition)."""
+        out, k = self.shape
+        blocks = self.q.view(out, k // Q4_GROUP, Q4_GROUP).float()
+        return (blocks * self.d[..., None] + self.m[..., None]).view(out, k)
+
+    @staticmethod
+    def concat(parts: list[Q4Weight]) -> Q4Weight:
+        """The rows of ``parts`` stacked (fused projections: q, k, v or gate, up)."""
+        return Q4Weight(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.d for p in parts]),
+            torch.cat([p.m for p in parts]),
+        )
+
+
+class Int4Linear:
+    """``x W^T (+ b)`` with W held as Q4_1 blocks, by PyTorch's CPU int4 weight-only kernel.
+
+    Args:
+        weight: the Q4_1 weight; ``in_features`` a multiple of 32.
+    """
+
+    def __init__(self, weight: Q4Weight) -> None:
+        self.out_features, self.in_features = weight.shape
+        if self.in_features % Q4_GROUP:
+            raise ValueError(f"in_features {self.in_features} is no multiple of {Q4_GROUP}")
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            weight.q.to(torch.int32), 1
+        )
+        zero = weight.m + 8 * weight.d  # w = d q + m = d (q - 8) + (m + 8 d)
+        # [in_features / 32, out_features, 2]: (scale, zero) per group and output feature
+        self.scales_zeros = torch.stack([weight.d, zero], dim=-1).transpose(0, 1).contiguous()
+        self.scales_zeros = self.scales_zeros.to(torch.bfloat16)
+        self.nbytes = self.packed.numel() * self.packed.element_size()
+        self.nbytes += self.scales_zeros.numel() * 2
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [num_tokens, in_features] bfloat16 -> [num_tokens, out_features] bfloat16."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.contiguous(), self.packed, Q4_GROUP, self.scales_zeros
+        )
+        return y if bias is None else y + bias
+
+
+class RowsDispatch:
+    """``small(x, bias)`` up to ``max_small_rows`` rows, ``large(x, bias)`` above: one layer's
+    two kernels, the crossover measured at start
+    (:func:`iterserve.executor.quantization.measure_crossover`)."""
+
+    def __init__(self, small: LinearOp, large: LinearOp, max_small_rows: int) -> None:
+        self.small, self.large, self.max_small_rows = small, large, max_small_rows
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        op = self.small if x.shape[0] <= self.max_small_rows else self.large
+        return op(x, bias)
