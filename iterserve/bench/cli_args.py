@@ -34,6 +34,7 @@ def add_bench_parsers(sub: Any) -> None:
     _add_gate(sub)
     _add_calibrate(sub)
     _add_fidelity(sub)
+    _add_quantization(sub)
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -223,3 +224,49 @@ def _add_fidelity(sub: Any) -> None:
     p.add_argument("--production-requests", type=int, default=1024)
     p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
     p.set_defaults(func=_main_of("fidelity"))
+
+
+def _int_csv(value: str) -> list[int]:
+    try:
+        values = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers separated by commas: {value!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1: {value!r}")
+    return values
+
+
+def _modes(value: str) -> list[str]:
+    modes = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [m for m in modes if m not in ("int8", "q4")]
+    if not modes or bad:
+        raise argparse.ArgumentTypeError(f"modes are int8 and q4 (bf16 always runs): {value!r}")
+    return modes
+
+
+def _add_quantization(sub: Any) -> None:
+    p = sub.add_parser(
+        "quantization",
+        help="--quantization modes vs bf16 and llama.cpp's llama-server: quality, online, offline",
+    )
+    p.add_argument("--modes", type=_modes, default=["int8", "q4"], help="e.g. int8,q4")
+    p.add_argument("--concurrency", type=_int_csv, default=[1, 8, 32], help="e.g. 1,8,32")
+    p.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (about)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--min-requests", type=int, default=8, help="requests per run (2 x c if more)")
+    p.add_argument("--offline-requests", type=int, default=64)
+    p.add_argument("--quality-prompts", type=int, default=32)
+    p.add_argument("--quality-tokens", type=int, default=32)
+    p.add_argument(
+        "--llama-server",
+        default="auto",
+        help="llama.cpp's server: a path, none, or auto (scripts/llama-server-build)",
+    )
+    p.add_argument("--no-quality", action="store_true")
+    p.add_argument("--no-offline", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="(output under bench-results/smoke)")
+    p.add_argument("--output-dir", type=Path, default=None)
+    p.set_defaults(func=_main_of("quantization"))

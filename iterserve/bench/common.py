@@ -18,3 +18,39 @@ def output_dir(args: argparse.Namespace) -> Path:
     if args.output_dir is not None:
         return Path(args.output_dir)
     return Path("bench-results") / "smoke" if args.smoke else Path("bench-results")
+
+
+# The instruction sets a CPU figure depends on (bfloat16 and int8 dot products, AMX tiles).
+CPU_FEATURES = (
+    "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8",
+)  # fmt: skip
+
+
+def cpu_capabilities() -> str:
+    """One line saying what a CPU figure ran on: the CPU model, the matrix instructions it has
+    (of :data:`CPU_FEATURES`), the cores the process may use and torch's threads, and the
+    oneDNN ISA cap when ``ONEDNN_MAX_CPU_ISA`` sets one. Read from ``/proc/cpuinfo`` (Linux;
+    elsewhere the platform's processor name only); imports torch only if already imported."""
+    import platform
+    import sys
+
+    model, flags = platform.processor() or platform.machine(), set[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    have = [f for f in CPU_FEATURES if f in flags] or ["none of " + "/".join(CPU_FEATURES)]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    line = f"CPU: {model}; {' '.join(have)}; {cores} cores"
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        line += f", torch {torch.__version__} on {torch.get_num_threads()} threads"
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        line += f", ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}"
+    return line

@@ -11,6 +11,9 @@
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -79,7 +82,8 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> Agreement:
     prefixes, exact, first = [], 0, 0
     for ref, out in zip(reference, other, strict=True):
         same = next(
-            (i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out))
+            (i for i, (a, b) in enumerate(zip(ref, out, strict=False)) if a != b),
+            min(len(ref), len(out)),
         )
         exact += ref == out
         first += bool(ref and out and ref[0] == out[0])
@@ -97,8 +101,26 @@ class QualityRow:
     plan: str  # what the mode chose on this machine
 
 
+@contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def measure_quality(
-    modes: list[str], prompts: list[str], max_tokens: int, model: str = "default"
+    modes: list[str],
+    prompts: list[str],
+    max_tokens: int,
+    model: str = "default",
+    forced: dict[str, int] | None = None,
 ) -> list[QualityRow]:
     """Perplexity and greedy agreement of each ``--quantization`` mode (``none`` first: the
     reference), each on a freshly built engine.
@@ -107,20 +129,24 @@ def measure_quality(
         modes: e.g. ``["none", "int8", "q4"]``; ``none`` is added first when missing.
         prompts: the greedy-agreement prompts.
         max_tokens: greedy tokens generated per prompt.
+        forced: mode -> ``ITERSERVE_QUANTIZATION_SMALL_ROWS`` while it is built (a kernel
+            forced at every batch size), instead of the crossover measured.
     """
     from iterserve.llm import LLM
 
     modes = ["none", *(m for m in modes if m != "none")]
+    forced = forced or {}
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     text_ids: list[int] | None = None
     outputs: dict[str, list[list[int]]] = {}
     rows = []
     for mode in modes:
         num_blocks = 4096 // BLOCK_SIZE + len(prompts) * 8
-        with LLM(model=model, quantization=mode, num_kv_blocks=num_blocks) as llm:
+        env = {"ITERSERVE_QUANTIZATION_SMALL_ROWS": str(forced[mode])} if mode in forced else {}
+        with _environ(env), LLM(model=model, quantization=mode, num_kv_blocks=num_blocks) as llm:
             runner = llm.loaded.driver
             if text_ids is None:
-                text_ids = llm.tokenizer.encode(perplexity_text())[:4096]
+                text_ids = llm.tokenizer(perplexity_text()).input_ids[:4096]
             lps = token_logprobs(runner, text_ids)
             results = llm.generate(prompts, greedy)
             outputs[mode] = [list(r.outputs[0].token_ids) for r in results]

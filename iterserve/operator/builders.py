@@ -221,6 +221,7 @@ def server_args(spec: LLMDeploymentSpec, model_dir: str) -> list[str]:
         "--gpu-memory-utilization", str(e.gpuMemoryUtilization),
         "--swap-space", f"{e.swapSpace:g}",
         "--enable-prefix-caching" if e.enablePrefixCaching else "--no-enable-prefix-caching",
+        "--quantization", e.quantization,
         "--shutdown-grace-period-s", str(SERVER_GRACE_S),
         "--admin-port", str(ADMIN_PORT),
         "--admin-token-file", f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}",

@@ -61,6 +61,12 @@ OPERATOR_RULES: tuple[Rule, ...] = (
         message="{tensorParallelSize} must divide {resources.gpus}",
     ),
     Rule(
+        fields=("engine.quantization", "resources.gpus"),
+        check=lambda quantization, gpus: quantization == "none" or gpus == 0,
+        cel="{engine.quantization} == 'none' || {resources.gpus} == 0",
+        message="{engine.quantization} runs on CPU pods only today: {resources.gpus} must be 0",
+    ),
+    Rule(
         fields=("slaTiers",),
         check=lambda tiers: len(tiers) > 0,
         cel="size({slaTiers}) > 0",

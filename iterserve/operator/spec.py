@@ -252,6 +252,13 @@ class EngineSpec(_Model):
         description="Reuse the KV cache of a prompt prefix already computed (shared system "
         "prompts, multi-turn chats). Default true.",
     )
+    quantization: Literal["none", "int8", "q4"] = Field(
+        "none",
+        description="Linear layers of CPU pods: none (bfloat16), int8 (int8 weights per "
+        "channel and activations per token) or q4 (the model file's own Q4_1 weights; a "
+        ".gguf model). Each batch size runs on the kernel measured fastest at the pod's "
+        "start. CPU pods only (resources.gpus 0); needs dtype auto or bfloat16. Default none.",
+    )
 
 
 class SchedulerSpec(_Model):
