@@ -60,6 +60,7 @@ COMMANDS = [
     "bench gate",
     "bench calibrate",
     "bench fidelity",
+    "bench quantization",
 ]
 
 

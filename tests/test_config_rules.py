@@ -42,6 +42,8 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "preemption_mode": st.sampled_from(["auto", "recompute", "swap"]),
     "swap_space": st.sampled_from([0.0, 0.5]) | st.floats(0, 8),
     "tiers": TIERS,
+    "quantization": st.sampled_from(["none", "int8", "q4"]),
+    "dtype": st.sampled_from(["auto", "bfloat16", "float16", "float32"]),
 }
 
 

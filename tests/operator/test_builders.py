@@ -182,6 +182,7 @@ def test_server_container_args_of_the_example() -> None:
         "--gpu-memory-utilization", "0.9",
         "--swap-space", "4",
         "--enable-prefix-caching",
+        "--quantization", "none",
         "--shutdown-grace-period-s", "30",
         "--admin-port", "8001",
         "--admin-token-file", "/var/run/secrets/iterserve.io/admin/token",
@@ -212,6 +213,7 @@ def test_every_engine_flag_and_extra_args_in_order() -> None:
         "--gpu-memory-utilization", "0.85",
         "--swap-space", "0.5",
         "--no-enable-prefix-caching",
+        "--quantization", "none",
         "--shutdown-grace-period-s", "30",
         "--admin-port", "8001",
         "--admin-token-file", "/var/run/secrets/iterserve.io/admin/token",
@@ -231,6 +233,7 @@ def test_server_args_parse_as_iterserve_serve_flags(document: dict[str, Any]) ->
     assert (args.port, args.served_model_name) == (8000, spec.model.name)
     assert args.tensor_parallel_size == spec.tensor_parallel_size
     assert args.dtype == spec.engine.dtype
+    assert args.quantization == spec.engine.quantization
     assert args.block_size == spec.engine.blockSize
     assert args.gpu_memory_utilization == spec.engine.gpuMemoryUtilization
     assert args.swap_space == spec.engine.swapSpace

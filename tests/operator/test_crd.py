@@ -419,11 +419,17 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
      ["router.kvEvents needs the model's tokenizer in the router pods: weights on "
       "model.source.pvc or model.source.hostPath (mounted read-only there), not "
       "model.source.image or model.source.uri"]),
+    ("quantization-on-gpus", {"engine.quantization": "int8"},
+     ["engine.quantization runs on CPU pods only today: resources.gpus must be 0"]),
+    ("quantization-in-float32",
+     {"engine.quantization": "q4", "engine.dtype": "float32", "resources.gpus": 0},
+     ["engine.quantization computes in bfloat16: engine.dtype must be auto or bfloat16"]),
     ("two-rules", {"scheduler.chunkSize": 4096, "autoscaling.minReplicas": 5},
      ["scheduler.chunkSize must be <= scheduler.maxNumBatchedTokens",
       "autoscaling.minReplicas must be <= autoscaling.maxReplicas"]),
     # Allowed near misses.
     ("tp-on-cpu", {"resources.gpus": 0, "tensorParallelSize": 3}, []),
+    ("quantization-on-cpu", {"engine.quantization": "int8", "resources.gpus": 0}, []),
     ("tp-default", {"tensorParallelSize": DELETE, "resources.gpus": 3}, []),
     ("tp-null", {"tensorParallelSize": None}, []),
     ("swap-with-space", {"scheduler.preemptionMode": "swap", "engine.swapSpace": 0.5}, []),
