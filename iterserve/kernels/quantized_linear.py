@@ -91,9 +91,10 @@ def quantize_rows_int8_reference(
     """
     xf = x.float() if smooth is None else x.float() * smooth
     amax = xf.abs().amax(dim=1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    full127 = torch.full_like(amax, 127.0)  # true divisions (a scalar divides as a reciprocal)
+    inv = torch.where(amax > 0, full127 / amax, torch.zeros_like(amax))
     q = torch.round(xf * inv[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, amax / 127.0
+    return q, amax / full127
 
 
 def quantize_rows_int8(
