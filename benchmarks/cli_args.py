@@ -30,6 +30,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     p.add_argument("--iters", type=int, default=10, help="timed repetitions per row (median)")
     p.add_argument(
+        "--quantization", default="none", choices=["none", "int8", "q4"], help="as `serve`'s"
+    )
+    p.add_argument(
         "--shapes",
         default="1x128,32x128,128x128,64x512",
         help="comma-separated BATCHxCONTEXT rows, e.g. 32x128,64x512",

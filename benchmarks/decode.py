@@ -38,7 +38,10 @@ def save(rows: list[DecodeRow], meta: dict[str, Any], out_dir: Path) -> tuple[Pa
     ax.bar([x + width for x in xs], [r.floor_ms for r in rows], width, label="memory floor")
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("ms per decode iteration")
-    ax.set_title(f"Decode iteration, {meta['dtype']}, {meta['threads']} threads")
+    ax.set_title(
+        f"Decode iteration, {meta['dtype']}, quantization {meta['quantization']}, "
+        f"{meta['threads']} threads"
+    )
     ax.legend()
     fig.tight_layout()
     png_path = out_dir / "decode.png"
@@ -55,8 +58,12 @@ def main(args: argparse.Namespace) -> int:
         shapes, iters, copy_bytes = [(1, 16), (4, 32)], 2, 16 << 20
     warn_if_loaded()
     pairs = [(b, c) for b, c in shapes]
-    rows, meta = run_decode_bench(pairs, args.dtype, iters, args.model, copy_bytes)
-    print(f"copy bandwidth {meta['copy_bandwidth_gb_s']:.1f} GB/s (read + write), {meta['dtype']}")
+    rows, meta = run_decode_bench(
+        pairs, args.dtype, iters, args.model, copy_bytes, args.quantization
+    )
+    print(meta["cpu"])
+    bandwidth = meta["copy_bandwidth_gb_s"]
+    print(f"quantization {args.quantization}; copy bandwidth {bandwidth:.1f} GB/s (read + write)")
     print(format_table(rows))
     json_path, png_path = save(rows, meta, output_dir(args))
     print(f"wrote {json_path} and {png_path}")

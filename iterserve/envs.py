@@ -24,22 +24,20 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
-def quantization_small_rows() -> int | None:
-    """``ITERSERVE_QUANTIZATION_SMALL_ROWS``, read when asked: the rows (tokens of an
-    iteration) up to which ``--quantization``'s small-batch kernel runs (``q4``: the int4
-    kernel; ``int8``: bfloat16), fixed instead of measured at start (replicas that must
-    compute alike, the quality benchmark). Unset: measured.
+def quantized_max_rows() -> int | None:
+    """``ITERSERVE_QUANTIZED_MAX_ROWS``, read when asked: ``--quantization``'s kernel (int8
+    or int4) for up to this many rows (tokens of an iteration), bfloat16 above; 0: bfloat16
+    only. Fixed instead of measured at start (replicas that must compute alike, the quality
+    benchmark). Unset: measured.
 
     Raises:
         ValueError: not a non-negative integer.
     """
-    value = os.environ.get("ITERSERVE_QUANTIZATION_SMALL_ROWS", "").strip()
+    value = os.environ.get("ITERSERVE_QUANTIZED_MAX_ROWS", "").strip()
     if not value:
         return None
     if not value.isdigit():
-        raise ValueError(
-            f"ITERSERVE_QUANTIZATION_SMALL_ROWS must be an integer >= 0, got {value!r}"
-        )
+        raise ValueError(f"ITERSERVE_QUANTIZED_MAX_ROWS must be an integer >= 0: {value!r}")
     return int(value)
 
 

@@ -195,12 +195,16 @@ def format_targets(rows: list[OfflineRow]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from iterserve.bench.common import warn_if_loaded
+    from iterserve.bench.common import cpu_capabilities, warn_if_loaded
     from iterserve.bench.roofline import format_table as roofline_table
     from iterserve.bench.roofline import run_decode_bench
     from iterserve.bench.serve import _tokenizer
 
     warn_if_loaded()
+    import torch  # noqa: F401  (the capability line then names torch's threads)
+
+    cpu = cpu_capabilities()
+    print(cpu)
     num_requests, max_output = (8, 16) if args.smoke else (args.num_requests, 512)
     tokenizer = _tokenizer("default")
     workload = make_workload("mixed", tokenizer, num_requests, args.seed, max_output)
@@ -245,6 +249,7 @@ def main(args: argparse.Namespace) -> int:
     json_path.write_text(
         json.dumps(
             {
+                "cpu": cpu,
                 "num_requests": num_requests,
                 "dtype": args.dtype,
                 "max_num_seqs": args.max_num_seqs,

@@ -129,7 +129,7 @@ def measure_quality(
         modes: e.g. ``["none", "int8", "q4"]``; ``none`` is added first when missing.
         prompts: the greedy-agreement prompts.
         max_tokens: greedy tokens generated per prompt.
-        forced: mode -> ``ITERSERVE_QUANTIZATION_SMALL_ROWS`` while it is built (a kernel
+        forced: mode -> ``ITERSERVE_QUANTIZED_MAX_ROWS`` while it is built (a kernel
             forced at every batch size), instead of the crossover measured.
     """
     from iterserve.llm import LLM
@@ -142,7 +142,7 @@ def measure_quality(
     rows = []
     for mode in modes:
         num_blocks = 4096 // BLOCK_SIZE + len(prompts) * 8
-        env = {"ITERSERVE_QUANTIZATION_SMALL_ROWS": str(forced[mode])} if mode in forced else {}
+        env = {"ITERSERVE_QUANTIZED_MAX_ROWS": str(forced[mode])} if mode in forced else {}
         with _environ(env), LLM(model=model, quantization=mode, num_kv_blocks=num_blocks) as llm:
             runner = llm.loaded.driver
             if text_ids is None:

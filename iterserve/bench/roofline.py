@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from iterserve.bench.common import cpu_capabilities
 from iterserve.config import EngineConfig
 from iterserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from iterserve.engine.sampling_params import SamplingParams
@@ -112,17 +113,23 @@ def run_decode_bench(
     iters: int,
     model: str = "default",
     copy_bytes: int = 256 << 20,
+    quantization: str = "none",
 ) -> tuple[list[DecodeRow], dict[str, Any]]:
     """One :class:`DecodeRow` per (batch, context) of ``shapes`` on ``model`` in ``dtype``
-    (median of ``iters`` timings each), and the run's facts (``copy_bandwidth_gb_s`` of a
-    ``copy_bytes`` copy, dtype, torch version, threads, machine, load average)."""
+    (median of ``iters`` timings each; ``quantization``: the engine's ``--quantization``), and
+    the run's facts (``copy_bandwidth_gb_s`` of a ``copy_bytes`` copy, dtype, quantization,
+    torch version, threads, the CPU's capability line, load average)."""
     from iterserve.executor.build import build
 
     block_size = 16
     num_blocks = max(b * -(-c // block_size) for b, c in shapes)
     loaded = build(
         EngineConfig.from_kwargs(
-            model=model, dtype=dtype, num_kv_blocks=num_blocks, block_size=block_size
+            model=model,
+            dtype=dtype,
+            num_kv_blocks=num_blocks,
+            block_size=block_size,
+            quantization=quantization,
         )
     )
     runner = loaded.driver
@@ -146,6 +153,8 @@ def run_decode_bench(
         )
     meta = {
         "dtype": str(runner.model.embed_tokens.weight.dtype),
+        "quantization": quantization,
+        "cpu": cpu_capabilities(),
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -1,20 +1,19 @@
 """``--quantization``: the model's linear layers on int8 or 4-bit kernels where they pay.
 
-- ``int8``: every decoder linear layer as :class:`~iterserve.kernels.quantized_linear.
-  Int8Linear` (W8A8, smoothed as SmoothQuant does from one calibration forward); bfloat16
-  kept for the batch sizes where it measured faster here.
+- ``int8``: the decoder's linear layers and the LM head as :class:`~iterserve.kernels.
+  quantized_linear.Int8Linear` (W8A8, smoothed as SmoothQuant does from one calibration
+  forward), bfloat16 kept for the batch sizes where it measured faster here.
 - ``q4``: the decoder's linear layers on the GGUF's own Q4_1 weights
   (:class:`~iterserve.kernels.quantized_linear.Int4Linear`) for the batch sizes where the
   int4 kernel measured faster than bfloat16, bfloat16 (de-quantized from the same blocks)
-  above.
-
-The LM head stays bfloat16 in both (the default model's is its Q8_0 embeddings, tied).
+  elsewhere; the LM head (the default model's Q8_0 embeddings, tied) stays bfloat16.
 
 Which kernel runs is chosen per call by the number of rows (the iteration's tokens: a decode
-of a few requests is a handful, a prefill chunk hundreds), at a crossover measured at start
-on this CPU (:func:`measure_crossover`), not assumed: the int4 kernel reads a quarter of the
-bytes but computes slowly, so it wins small decode batches only; oneDNN's int8 GEMM wins big
-batches on a CPU with VNNI or AMX-INT8 and may lose a single row to bfloat16.
+of a few requests is a handful, a prefill chunk hundreds), from timings taken at start on
+this CPU (:func:`measure_kernels`), not assumed: the int4 kernel reads a quarter of the
+bytes but computes slowly, so it wins small decode batches only; oneDNN's int8 GEMM halves
+the bytes and doubles the multiply rate of bfloat16 on VNNI (2-4x faster from 32 rows on
+CPUs without AMX), while where AMX runs bfloat16 it wins small batches only.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,12 +46,16 @@ from iterserve.models.loader import source_gguf
 
 logger = logging.getLogger(__name__)
 
-# Row counts (tokens of an iteration) at which the two kernels are timed, ascending.
+# Row counts (tokens of an iteration) at which the kernels are timed, ascending.
 MEASURED_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MEASURE_REPEATS = 3
+# A kernel falling behind the fastest past this factor at two row counts in a row is not
+# timed further (the int4 kernel from ~16 rows: its passes grow to seconds).
+DROP_FACTOR = 1.5
 # SmoothQuant's migration strength and the calibration forward's length (docs/engine.md).
 SMOOTHING_ALPHA = 0.5
 CALIBRATION_TOKENS = 512
+LM_HEAD = "lm_head"  # the LM head's name beside model.linear_layers()' names
 
 
 @dataclass(frozen=True)
@@ -61,30 +64,46 @@ class QuantizationPlan:
 
     Attributes:
         mode: ``int8`` or ``q4``.
-        small, large: the kernels (``bf16``, ``int8``, ``q4``) run up to ``max_small_rows``
-            rows and above.
-        max_small_rows: 0 when ``large`` runs every batch.
-        timings_ms: rows -> (small, large) milliseconds for all the model's linears, as
-            measured (the row counts measured until ``small`` lost twice).
+        segments: ``(max_rows, kernel)`` ascending: the kernel (``bf16``, ``int8``, ``q4``)
+            for up to ``max_rows`` rows (and more than the previous segment's).
+        above: the kernel past the last segment.
+        timings_ms: rows -> kernel -> milliseconds of one pass over all the layers, as
+            measured (empty when ``ITERSERVE_QUANTIZED_MAX_ROWS`` fixed the plan).
     """
 
     mode: str
-    small: str
-    large: str
-    max_small_rows: int
-    timings_ms: dict[int, tuple[float, float]] = field(default_factory=dict)
+    segments: tuple[tuple[int, str], ...]
+    above: str
+    timings_ms: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def kernel_for(self, rows: int) -> str:
+        return next((kind for max_rows, kind in self.segments if rows <= max_rows), self.above)
 
     def describe(self) -> str:
-        if self.max_small_rows == 0:
-            choice = f"{self.large} at every batch size"
-        else:
-            choice = f"{self.small} up to {self.max_small_rows} tokens, {self.large} above"
+        parts, low = [], 1
+        for max_rows, kind in self.segments:
+            parts.append(f"{kind} for {low}-{max_rows} tokens")
+            low = max_rows + 1
+        parts.append(f"{self.above} {'above' if self.segments else 'at every batch size'}")
         if not self.timings_ms:
-            return f"{self.mode}: {choice} (ITERSERVE_QUANTIZATION_SMALL_ROWS)"
-        measured = ", ".join(
-            f"{rows}: {small:.1f}/{large:.1f}" for rows, (small, large) in self.timings_ms.items()
+            return f"{self.mode}: {', '.join(parts)} (ITERSERVE_QUANTIZED_MAX_ROWS)"
+        measured = "; ".join(
+            f"{rows}: " + " ".join(f"{k} {ms:.1f}" for k, ms in times.items())
+            for rows, times in self.timings_ms.items()
         )
-        return f"{self.mode}: {choice} (ms for all linears, {self.small}/{self.large}: {measured})"
+        return f"{self.mode}: {', '.join(parts)} (ms for all linears, {measured})"
+
+
+def segments_of(choices: Sequence[tuple[int, str]]) -> tuple[tuple[tuple[int, str], ...], str]:
+    """Per measured row count's fastest kernel (ascending) -> ``(segments, above)``: runs of
+    the same kernel merged, the last run's kernel past the last row count."""
+    merged: list[tuple[int, str]] = []
+    for rows, kind in choices:
+        if merged and merged[-1][1] == kind:
+            merged[-1] = (rows, kind)
+        else:
+            merged.append((rows, kind))
+    return tuple(merged[:-1]), merged[-1][1]
 
 
 def check_quantization(
@@ -151,39 +170,49 @@ def _time_all(ops: Sequence[LinearOp], inputs: Sequence[torch.Tensor]) -> float:
     return statistics.median(times)
 
 
-def measure_crossover(
-    small: Sequence[LinearOp], large: Sequence[LinearOp], in_features: Sequence[int]
-) -> tuple[int, dict[int, tuple[float, float]]]:
-    """The most rows up to which the ``small`` kernels beat the ``large`` ones, timed here.
+def measure_kernels(
+    kernels: Mapping[str, Sequence[LinearOp]], in_features: Sequence[int]
+) -> tuple[list[tuple[int, str]], dict[int, dict[str, float]]]:
+    """The fastest kernel at each of :data:`MEASURED_ROWS`, timed here.
 
-    At each of :data:`MEASURED_ROWS`, ascending, a pass over all the model's layers with
-    each kernel (every weight read from memory, as in a forward, not from a warm cache);
-    ``small`` is kept up to the last row count of its first run of wins, and the measuring
-    stops after two losses.
+    At each row count, ascending, one pass over all the model's layers per kernel (every
+    weight read from memory, as in a forward, not from a warm cache), median of
+    :data:`MEASURE_REPEATS`. A kernel falling behind the fastest (slower by more than
+    :data:`DROP_FACTOR`, and by more than at the previous row count) at two row counts in a
+    row is not timed again, and the measuring ends when one kernel is left (it is the choice
+    for every larger row count). A kernel far behind but catching up (bfloat16 against the
+    int4 kernel at one or two rows) stays.
 
     Args:
-        small, large: one op per layer, the same layers in the same order.
+        kernels: name -> one op per layer, the same layers in the same order in each.
         in_features: each layer's input width.
 
     Returns:
-        ``(max_small_rows, timings)``: 0 when ``small`` lost at one row; timings rows ->
-        (small ms, large ms).
+        ``(choices, timings)``: ``(rows, fastest kernel)`` per row count measured; rows ->
+        kernel -> milliseconds.
     """
-    max_small, losses = 0, 0
-    timings: dict[int, tuple[float, float]] = {}
+    active, strikes = list(kernels), dict.fromkeys(kernels, 0)
+    ratios: dict[str, float] = {}  # each kernel's time over the fastest's, last row count
+    choices: list[tuple[int, str]] = []
+    timings: dict[int, dict[str, float]] = {}
     with torch.inference_mode():
         for rows in MEASURED_ROWS:
             widths = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in set(in_features)}
             inputs = [widths[k] for k in in_features]
-            t_small, t_large = _time_all(small, inputs), _time_all(large, inputs)
-            timings[rows] = (t_small * 1e3, t_large * 1e3)
-            if t_small <= t_large and losses == 0:
-                max_small = rows
-            else:
-                losses += 1
-                if losses == 2:
-                    break
-    return max_small, timings
+            times = {name: _time_all(kernels[name], inputs) for name in active}
+            best = min(times, key=lambda name: times[name])
+            choices.append((rows, best))
+            timings[rows] = {name: t * 1e3 for name, t in times.items()}
+            for name in list(active):
+                ratio = times[name] / times[best]
+                losing = ratio > DROP_FACTOR and ratio > ratios.get(name, 0.0)
+                strikes[name] = strikes[name] + 1 if losing else 0
+                ratios[name] = ratio
+                if strikes[name] >= 2:
+                    active.remove(name)
+            if len(active) == 1:
+                break
+    return choices, timings
 
 
 def calibration_token_ids(model_dir: Path, count: int = CALIBRATION_TOKENS) -> list[int]:
@@ -210,8 +239,9 @@ def _causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch
 
 @torch.inference_mode()
 def input_absmax(model: LlamaForCausalLM, token_ids: list[int]) -> dict[str, torch.Tensor]:
-    """Per linear layer, ``max |x_j|`` of its input columns over one forward of ``token_ids``
-    (one sequence) through the bfloat16 model: SmoothQuant's calibration statistic."""
+    """Per linear layer (and :data:`LM_HEAD`), ``max |x_j|`` of its input columns over one
+    forward of ``token_ids`` (one sequence) through the bfloat16 model: SmoothQuant's
+    calibration statistic."""
     stats: dict[str, torch.Tensor] = {}
 
     def record(name: str) -> Any:
@@ -224,39 +254,68 @@ def input_absmax(model: LlamaForCausalLM, token_ids: list[int]) -> dict[str, tor
     handles = [m.register_forward_pre_hook(record(n)) for n, m in model.linear_layers()]
     try:
         ids = torch.tensor(token_ids, dtype=torch.int64)
-        model(ids, torch.arange(len(token_ids)), _causal_attention)
+        hidden = model(ids, torch.arange(len(token_ids)), _causal_attention)
+        stats[LM_HEAD] = hidden.float().abs().amax(dim=0)
     finally:
         for handle in handles:
             handle.remove()
     return stats
 
 
+def _plan(
+    mode: str, kernels: Mapping[str, Sequence[LinearOp]], in_features: Sequence[int]
+) -> QuantizationPlan:
+    """Measured (:func:`measure_kernels`), or fixed by ``ITERSERVE_QUANTIZED_MAX_ROWS``: the
+    quantized kernel up to that many rows, bfloat16 above (0: bfloat16 only)."""
+    try:
+        fixed = envs.quantized_max_rows()
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if fixed is not None:
+        if fixed == 0:
+            return QuantizationPlan(mode, (), "bf16")
+        return QuantizationPlan(mode, ((fixed, mode),), "bf16")
+    choices, timings = measure_kernels(kernels, in_features)
+    segments, above = segments_of(choices)
+    return QuantizationPlan(mode, segments, above, timings)
+
+
+def _dispatch(plan: QuantizationPlan, kernels: Mapping[str, Sequence[LinearOp]]) -> list[LinearOp]:
+    """One op per layer following ``plan`` (a kernel the plan never picks is dropped)."""
+    num_layers = len(next(iter(kernels.values())))
+    ops: list[LinearOp] = []
+    for i in range(num_layers):
+        above = kernels[plan.above][i]
+        segments = [(rows, kernels[kind][i]) for rows, kind in plan.segments]
+        ops.append(RowsDispatch(segments, above) if segments else above)
+    return ops
+
+
 def quantize_linears(
     model: LlamaForCausalLM, mode: str, model_dir: Path, gguf: Path | None, hf_config: Any
 ) -> QuantizationPlan:
-    """Put the loaded (bfloat16) model's decoder linear layers on ``mode``'s kernels, each
-    layer choosing by rows at the crossover measured here; the plain weights are freed. The
-    LM head stays bfloat16 (its int8 copy cost more agreement than every other layer's
-    together for a few percent of the time, docs/engine.md). Instead of
-    :meth:`~iterserve.models.llama.LlamaForCausalLM.pack_linear_weights`, once after loading.
+    """Put the loaded (bfloat16) model's linear layers on ``mode``'s kernels, each choosing
+    by rows from the timings taken here (:func:`measure_kernels`); the plain weights are
+    freed. Instead of :meth:`~iterserve.models.llama.LlamaForCausalLM.pack_linear_weights`,
+    once after loading.
 
     ``int8`` smooths each layer's activations first (:func:`~iterserve.kernels.
     quantized_linear.smoothing_factors`, alpha :data:`SMOOTHING_ALPHA`) from one calibration
-    forward (:func:`input_absmax` over :func:`calibration_token_ids`).
+    forward (:func:`input_absmax` over :func:`calibration_token_ids`), the LM head's too.
 
     Raises:
         ConfigError: ``q4`` on a file whose linear weights are not all Q4_1.
     """
     layers = model.linear_layers()
     platform = model.platform
-    bf16 = [_bf16_op(platform, module.weight) for _, module in layers]
-    in_features = [module.weight.shape[1] for _, module in layers]
+    weights = [module.weight for _, module in layers] + [model.lm_head_weight]
+    in_features = [w.shape[1] for w in weights]
+    kernels: dict[str, list[LinearOp]] = {"bf16": [_bf16_op(platform, w) for w in weights]}
     if mode == "int8":
         absmax = input_absmax(model, calibration_token_ids(model_dir))
-        small_kind, large_kind, small = "bf16", "int8", bf16
-        large: list[LinearOp] = [
-            Int8Linear(m.weight, smoothing_factors(absmax[name], m.weight, SMOOTHING_ALPHA))
-            for name, m in layers
+        kernels["int8"] = [
+            Int8Linear(w, smoothing_factors(absmax[name], w, SMOOTHING_ALPHA))
+            for name, w in zip([*(n for n, _ in layers), LM_HEAD], weights, strict=True)
         ]
     else:
         assert gguf is not None, "check_quantization gives q4 its file"
@@ -264,24 +323,10 @@ def quantize_linears(
             q4 = read_q4_linears(gguf, hf_config)
         except NotQ4Error as e:
             raise ConfigError(f"--quantization q4: {e}") from e
-        small_kind, large_kind, large = "q4", "bf16", bf16
-        small = [Int4Linear(q4[name]) for name, _ in layers]
-    try:
-        fixed = envs.quantization_small_rows()
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    if fixed is None:
-        max_small, timings = measure_crossover(small, large, in_features)
-    else:
-        max_small, timings = fixed, {}
-    ops = [
-        lg if max_small == 0 else RowsDispatch(s, lg, max_small)
-        for s, lg in zip(small, large, strict=True)
-    ]
-    model.install_linear_ops(
-        dict(zip((name for name, _ in layers), ops, strict=True)),
-        _bf16_op(platform, model.lm_head_weight),
-    )
-    plan = QuantizationPlan(mode, small_kind, large_kind, max_small, timings)
+        # The LM head has no Q4_1 blocks: its bfloat16 op in the q4 list too.
+        kernels["q4"] = [*(Int4Linear(q4[name]) for name, _ in layers), kernels["bf16"][-1]]
+    plan = _plan(mode, kernels, in_features)
+    ops = _dispatch(plan, kernels)
+    model.install_linear_ops(dict(zip((n for n, _ in layers), ops[:-1], strict=True)), ops[-1])
     logger.info("quantization %s", plan.describe())
     return plan

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from iterserve.kernels.platform import LinearOp
 
 Q4_GROUP = 32  # weights per Q4_1 block (ggml's QK4_1), the int4 kernel's group size
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of two 4-bit values each
+ACTIVATION_ZERO_POINT = 128  # activations go to the int8 GEMM as uint8 q + 128
 
 _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGTYPES: dict[str, list[type]] = {
@@ -80,7 +82,7 @@ def quantize_rows_int8_reference(
     """Symmetric per-row int8 quantization, the torch definition of
     :func:`quantize_rows_int8`: ``x' = x * smooth`` (when given), ``scale = max|x'| / 127``,
     ``q = round(x' * (127 / max|x'|))`` (half to even) clamped to [-127, 127]; a row of zeros
-    gets scale 0 and q 0.
+    gets scale 0 and q 0. (:func:`quantize_rows_int8` stores ``q + 128`` as uint8.)
 
     Args:
         x: [num_rows, k], any float dtype.
@@ -100,14 +102,17 @@ def quantize_rows_int8_reference(
 def quantize_rows_int8(
     x: torch.Tensor, smooth: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_rows_int8_reference` in one C pass.
+    """:func:`quantize_rows_int8_reference` in one C pass, stored with zero point
+    :data:`ACTIVATION_ZERO_POINT`: oneDNN's int8 GEMMs on VNNI multiply unsigned activations by
+    signed weights (``vpdpbusd``); signed activations take a reference path hundreds of times
+    slower on CPUs without AMX.
 
     Args:
         x: [num_rows, k] bfloat16 CPU tensor, last dim contiguous (rows may be strided).
         smooth: [k] float32 contiguous, or None.
 
     Returns:
-        ``(q [num_rows, k] int8, scale [num_rows] float32)``, both contiguous.
+        ``(q + 128 [num_rows, k] uint8, scale [num_rows] float32)``, both contiguous.
 
     Raises:
         ValueError: another dtype, device or layout.
@@ -119,7 +124,7 @@ def quantize_rows_int8(
         smooth.shape != (k,) or smooth.dtype != torch.float32 or not smooth.is_contiguous()
     ):
         raise ValueError(f"smooth must be contiguous float32 [{k}]")
-    q = torch.empty(num_rows, k, dtype=torch.int8)
+    q = torch.empty(num_rows, k, dtype=torch.uint8)
     scale = torch.empty(num_rows, dtype=torch.float32)
     _fn("quantize_rows_int8_bf16")(
         q.data_ptr(), scale.data_ptr(), x.data_ptr(), x.stride(0),
@@ -212,7 +217,7 @@ class Int8Linear:
         """x [num_tokens, in_features] bfloat16 -> [num_tokens, out_features] bfloat16."""
         q, scale = quantize_rows_int8(x, self.smooth)
         acc = torch.ops.onednn.qlinear_pointwise(
-            q, 1.0, 0, self.packed, self.weight_scale, self.weight_zero, None,
+            q, 1.0, ACTIVATION_ZERO_POINT, self.packed, self.weight_scale, self.weight_zero, None,
             1.0, 0, torch.float32, "none", [], "",
         )  # fmt: skip
         return dequantize_rows(acc, scale, bias)
@@ -282,13 +287,24 @@ class Int4Linear:
 
 
 class RowsDispatch:
-    """``small(x, bias)`` up to ``max_small_rows`` rows, ``large(x, bias)`` above: one layer's
-    two kernels, the crossover measured at start
-    (:func:`iterserve.executor.quantization.measure_crossover`)."""
+    """One layer's kernels chosen per call by the rows of ``x`` (the iteration's tokens):
+    the op of the first segment whose ``max_rows`` covers them, ``above`` past the last one;
+    the segments measured at start (:func:`iterserve.executor.quantization.measure_kernels`).
 
-    def __init__(self, small: LinearOp, large: LinearOp, max_small_rows: int) -> None:
-        self.small, self.large, self.max_small_rows = small, large, max_small_rows
+    Args:
+        segments: ``(max_rows, op)`` with ``max_rows`` ascending.
+        above: the op for more rows than the last segment's.
+    """
+
+    def __init__(self, segments: Sequence[tuple[int, LinearOp]], above: LinearOp) -> None:
+        self.segments = list(segments)
+        self.above = above
+
+    def op_for(self, rows: int) -> LinearOp:
+        for max_rows, op in self.segments:
+            if rows <= max_rows:
+                return op
+        return self.above
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        op = self.small if x.shape[0] <= self.max_small_rows else self.large
-        return op(x, bias)
+        return self.op_for(x.shape[0])(x, bias)

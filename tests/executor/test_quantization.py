@@ -12,7 +12,7 @@ import torch
 
 from iterserve.config import ConfigError, EngineConfig
 from iterserve.executor import quantization
-from iterserve.executor.quantization import check_quantization, measure_crossover
+from iterserve.executor.quantization import check_quantization, measure_kernels, segments_of
 from iterserve.kernels.quantized_linear import Int4Linear, Int8Linear, RowsDispatch
 
 CPU, BF16 = torch.device("cpu"), torch.bfloat16
@@ -50,22 +50,37 @@ def _sleeper(per_row_s: float, fixed_s: float, calls: list[int]) -> Any:
     return op
 
 
-def test_the_small_kernel_is_kept_while_it_wins_and_measuring_stops_after_two_losses() -> None:
-    small_calls: list[int] = []
-    small = [_sleeper(1e-3, 0.0, small_calls)]  # cheap per call, slow per row
-    large = [_sleeper(0.0, 6e-3, [])]  # 6 ms whatever the rows: small wins up to 4 rows
-    max_small, timings = measure_crossover(small, large, [8])
-    assert max_small == 4
-    assert list(timings) == [1, 2, 4, 8, 16]  # lost at 8 and 16, then stopped
-    assert small_calls.count(16) == quantization.MEASURE_REPEATS + 1 and 32 not in small_calls
+def test_each_row_count_gets_its_fastest_kernel_and_hopeless_ones_stop_being_timed() -> None:
+    """int4-like: cheap per call, slow per row; int8-like: 6 ms + 20 us per row; bf16-like:
+    9 ms flat. The int4-like kernel wins small batches, then falls behind twice and is not
+    timed again; the other two (far behind at first, catching up) are timed to the end."""
+    calls: dict[str, list[int]] = {"int4": [], "int8": [], "bf16": []}
+    kernels = {
+        "int4": [_sleeper(1e-3, 0.0, calls["int4"])],
+        "int8": [_sleeper(2e-5, 6e-3, calls["int8"])],
+        "bf16": [_sleeper(0.0, 9e-3, calls["bf16"])],
+    }
+    choices, timings = measure_kernels(kernels, [8])
+    chosen = dict(choices)
+    assert [chosen[r] for r in (1, 2, 4)] == ["int4"] * 3
+    assert chosen[32] == "int8" and chosen[256] == "bf16"  # 11.1 vs 9 ms at 256 rows
+    assert 32 in calls["int4"] and 64 not in calls["int4"] and "int4" not in timings[64]
+    segments, above = segments_of(choices)
+    assert segments[0] == (4, "int4") and above == "bf16"
 
 
-def test_a_fixed_crossover_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ITERSERVE_QUANTIZATION_SMALL_ROWS", "many")
+def test_segments_merge_runs_of_one_kernel() -> None:
+    choices = [(1, "int8"), (2, "int8"), (4, "bf16"), (8, "bf16"), (16, "int8")]
+    assert segments_of(choices) == (((2, "int8"), (8, "bf16")), "int8")
+    assert segments_of([(1, "int8")]) == ((), "int8")
+
+
+def test_a_fixed_plan_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ITERSERVE_QUANTIZED_MAX_ROWS", "many")
     with pytest.raises(ValueError, match="integer >= 0"):
-        quantization.envs.quantization_small_rows()
-    monkeypatch.setenv("ITERSERVE_QUANTIZATION_SMALL_ROWS", "3")
-    assert quantization.envs.quantization_small_rows() == 3
+        quantization.envs.quantized_max_rows()
+    monkeypatch.setenv("ITERSERVE_QUANTIZED_MAX_ROWS", "3")
+    assert quantization.envs.quantized_max_rows() == 3
 
 
 def _perplexity(llm: Any, num_tokens: int = 512) -> float:
@@ -85,12 +100,9 @@ def bf16_perplexity() -> float:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize(
-    ("mode", "small_rows", "kernel"), [("int8", "0", Int8Linear), ("q4", "100000", Int4Linear)]
-)
+@pytest.mark.parametrize(("mode", "kernel"), [("int8", Int8Linear), ("q4", Int4Linear)])
 def test_the_quantized_model_serves_with_bf16s_perplexity(
     mode: str,
-    small_rows: str,
     kernel: type,
     bf16_perplexity: float,
     monkeypatch: pytest.MonkeyPatch,
@@ -100,13 +112,13 @@ def test_the_quantized_model_serves_with_bf16s_perplexity(
     +1%, q4 +0%), and it generates."""
     from iterserve import LLM, SamplingParams
 
-    monkeypatch.setenv("ITERSERVE_QUANTIZATION_SMALL_ROWS", small_rows)
+    monkeypatch.setenv("ITERSERVE_QUANTIZED_MAX_ROWS", "100000")
     with LLM(quantization=mode, num_kv_blocks=64) as llm:
         model = llm.loaded.driver.model
         ops = [module.packed for _, module in model.linear_layers()]
         assert len(ops) == 120
-        for op in ops:  # q4 keeps bfloat16 above its rows; int8 at 0 rows is int8 alone
-            assert isinstance(op.small if isinstance(op, RowsDispatch) else op, kernel)
+        for op in ops:  # the quantized kernel up to 100,000 rows, bfloat16 above
+            assert isinstance(op, RowsDispatch) and isinstance(op.op_for(256), kernel)
         perplexity = _perplexity(llm)
         out = llm.generate(
             ["The capital of France is"], SamplingParams(max_tokens=8, temperature=0)

@@ -4,6 +4,8 @@ weight's own product."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -35,9 +37,11 @@ def test_per_token_quantization_is_the_reference_exactly(num_rows: int, smoothed
     x = _rows(num_rows, 576)
     x[0] = 0  # a row of zeros: scale 0, q 0
     smooth = torch.rand(576) + 0.25 if smoothed else None
-    q, scale = quantize_rows_int8(x, smooth)
+    stored, scale = quantize_rows_int8(x, smooth)
+    assert stored.dtype == torch.uint8
+    q = stored.to(torch.int16) - 128  # zero point 128
     ref_q, ref_scale = quantize_rows_int8_reference(x, smooth)
-    assert torch.equal(q, ref_q) and torch.equal(scale, ref_scale)
+    assert torch.equal(q, ref_q.to(torch.int16)) and torch.equal(scale, ref_scale)
     assert scale[0] == 0 and not q[0].any()
     assert (q[1:].abs().amax(dim=1) == 127).all()  # each nonzero row uses the whole range
 
@@ -45,7 +49,8 @@ def test_per_token_quantization_is_the_reference_exactly(num_rows: int, smoothed
 def test_quantization_reads_strided_rows_and_refuses_other_layouts() -> None:
     wide = _rows(4, 960)
     view = wide[:, :576]  # q of a fused qkv output: rows 960 apart
-    assert torch.equal(quantize_rows_int8(view)[0], quantize_rows_int8_reference(view)[0])
+    stored, reference = quantize_rows_int8(view)[0], quantize_rows_int8_reference(view)[0]
+    assert torch.equal(stored.to(torch.int16) - 128, reference.to(torch.int16))
     with pytest.raises(ValueError, match="bfloat16"):
         quantize_rows_int8(view.float())
     with pytest.raises(ValueError, match="smooth"):
@@ -109,11 +114,13 @@ def test_int4_linear_multiplies_by_the_q4_1_weight(num_rows: int) -> None:
         Int4Linear(Q4Weight(weight.q[:, :40], weight.d[:, :1], weight.m[:, :1]))
 
 
-def test_rows_dispatch_takes_the_small_kernel_up_to_its_rows() -> None:
+def test_rows_dispatch_takes_each_segments_kernel() -> None:
     calls: list[str] = []
-    small = lambda x, b: calls.append("small") or x  # noqa: E731
-    large = lambda x, b: calls.append("large") or x  # noqa: E731
-    op = RowsDispatch(small, large, max_small_rows=4)
-    for rows in (1, 4, 5, 300):
+
+    def kernel(name: str) -> Any:
+        return lambda x, bias: calls.append(name) or x
+
+    op = RowsDispatch([(4, kernel("a")), (64, kernel("b"))], kernel("c"))
+    for rows in (1, 4, 5, 64, 65, 300):
         op(torch.zeros(rows, 2), None)
-    assert calls == ["small", "small", "large", "large"]
+    assert calls == ["a", "a", "b", "b", "c", "c"]

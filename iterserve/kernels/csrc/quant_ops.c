@@ -3,9 +3,11 @@
  * activations per token, int32 accumulation), each one pass over its rows:
  *
  * - quantize_rows_int8_bf16: x [num_rows, k] bfloat16, times smooth [k] float32 when given
- *   (SmoothQuant's 1 / s per input channel), -> q int8 and scale float32 per row, symmetric:
+ *   (SmoothQuant's 1 / s per input channel), -> q and scale float32 per row, symmetric:
  *   scale = max|x| / 127, q = round_half_even(x * (127 / max|x|)) in [-127, 127] (a row of
- *   zeros: scale 0, q 0);
+ *   zeros: scale 0, q 0), stored as uint8 q + 128 (zero point 128: oneDNN's VNNI kernels
+ *   multiply unsigned activations by signed weights; signed ones fall back to a reference
+ *   GEMM hundreds of times slower on CPUs without AMX);
  * - dequantize_rows_bf16: out [num_rows, n] bfloat16 = acc * row scale (+ bias), acc the GEMM's
  *   float32 output with the weight scales already applied.
  *
@@ -18,12 +20,12 @@
 
 #define SMOOTHED(xr, smooth, i) (smooth ? bf16_to_float((xr)[i]) * (smooth)[i] : bf16_to_float((xr)[i]))
 
-void quantize_rows_int8_bf16(int8_t *q, float *scale, const uint16_t *x, int64_t x_stride,
+void quantize_rows_int8_bf16(uint8_t *q, float *scale, const uint16_t *x, int64_t x_stride,
                              const float *smooth, int64_t num_rows, int64_t k, int num_threads) {
     _Pragma("omp parallel for num_threads(num_threads) if (num_rows * k > 65536)")
     for (int64_t r = 0; r < num_rows; r++) {
         const uint16_t *xr = x + r * x_stride;
-        int8_t *qr = q + r * k;
+        uint8_t *qr = q + r * k;
         float amax = 0.0f;
         _Pragma("omp simd reduction(max : amax)")
         for (int64_t i = 0; i < k; i++) {
@@ -36,7 +38,7 @@ void quantize_rows_int8_bf16(int8_t *q, float *scale, const uint16_t *x, int64_t
         for (int64_t i = 0; i < k; i++) {
             float v = __builtin_rintf(SMOOTHED(xr, smooth, i) * inv);
             v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-            qr[i] = (int8_t)v;
+            qr[i] = (uint8_t)(int)(v + 128.0f);
         }
     }
 }
