@@ -18,7 +18,33 @@
 
 #include "common.h"
 
-#define SMOOTHED(xr, smooth, i) (smooth ? bf16_to_float((xr)[i]) * (smooth)[i] : bf16_to_float((xr)[i]))
+/* float -> bfloat16, round to nearest even, NaN -> 0x7fc0: float_to_bf16 without a branch,
+ * so the loops around it vectorize. */
+static inline uint16_t to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    const uint32_t rounded = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16;
+    return f != f ? (uint16_t)0x7fc0 : (uint16_t)rounded;
+}
+
+/* One row: its smoothed values' max |x| -> scale, then q + 128. SMOOTH: multiply by smooth. */
+#define QUANTIZE_ROW(LOAD)                                                                     \
+    do {                                                                                       \
+        float amax = 0.0f;                                                                     \
+        _Pragma("omp simd reduction(max : amax)")                                              \
+        for (int64_t i = 0; i < k; i++) {                                                      \
+            const float v = fabsf(LOAD);                                                       \
+            amax = v > amax ? v : amax;                                                        \
+        }                                                                                      \
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;                                  \
+        scale[r] = amax / 127.0f;                                                              \
+        _Pragma("omp simd")                                                                    \
+        for (int64_t i = 0; i < k; i++) {                                                      \
+            float v = __builtin_rintf((LOAD) * inv);                                           \
+            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);                             \
+            qr[i] = (uint8_t)(int32_t)(v + 128.0f);                                            \
+        }                                                                                      \
+    } while (0)
 
 void quantize_rows_int8_bf16(uint8_t *q, float *scale, const uint16_t *x, int64_t x_stride,
                              const float *smooth, int64_t num_rows, int64_t k, int num_threads) {
@@ -26,20 +52,10 @@ void quantize_rows_int8_bf16(uint8_t *q, float *scale, const uint16_t *x, int64_
     for (int64_t r = 0; r < num_rows; r++) {
         const uint16_t *xr = x + r * x_stride;
         uint8_t *qr = q + r * k;
-        float amax = 0.0f;
-        _Pragma("omp simd reduction(max : amax)")
-        for (int64_t i = 0; i < k; i++) {
-            const float v = fabsf(SMOOTHED(xr, smooth, i));
-            amax = v > amax ? v : amax;
-        }
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        scale[r] = amax / 127.0f;
-        _Pragma("omp simd")
-        for (int64_t i = 0; i < k; i++) {
-            float v = __builtin_rintf(SMOOTHED(xr, smooth, i) * inv);
-            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-            qr[i] = (uint8_t)(int)(v + 128.0f);
-        }
+        if (smooth)
+            QUANTIZE_ROW(bf16_to_float(xr[i]) * smooth[i]);
+        else
+            QUANTIZE_ROW(bf16_to_float(xr[i]));
     }
 }
 
@@ -52,11 +68,13 @@ void dequantize_rows_bf16(uint16_t *out, const float *acc, const float *scale,
         const float s = scale[r];
         if (bias) {
             _Pragma("omp simd")
-            for (int64_t i = 0; i < n; i++)
-                o[i] = float_to_bf16(round_bf16(ar[i] * s) + bf16_to_float(bias[i]));
+            for (int64_t i = 0; i < n; i++) {
+                const float rounded = bf16_to_float(to_bf16(ar[i] * s));
+                o[i] = to_bf16(rounded + bf16_to_float(bias[i]));
+            }
         } else {
             _Pragma("omp simd")
-            for (int64_t i = 0; i < n; i++) o[i] = float_to_bf16(ar[i] * s);
+            for (int64_t i = 0; i < n; i++) o[i] = to_bf16(ar[i] * s);
         }
     }
 }
