@@ -19,7 +19,6 @@ CPUs without AMX), while where AMX runs bfloat16 it wins small batches only.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ DROP_FACTOR = 1.5
 # SmoothQuant's migration strength and the calibration forward's length (docs/engine.md).
 SMOOTHING_ALPHA = 0.5
 CALIBRATION_TOKENS = 512
+BASELINE = "bf16"  # never dropped from the timings: any kernel may fall behind it and recover
 LM_HEAD = "lm_head"  # the LM head's name beside model.linear_layers()' names
 
 
@@ -159,7 +159,8 @@ def _bf16_op(platform: Platform, weight: torch.Tensor) -> LinearOp:
 
 
 def _time_all(ops: Sequence[LinearOp], inputs: Sequence[torch.Tensor]) -> float:
-    """Median seconds of one pass over every op in turn (a pass before, not timed)."""
+    """Fewest seconds of :data:`MEASURE_REPEATS` passes over every op in turn (a pass before,
+    not timed): the least disturbed by whatever else runs at start."""
     times = []
     for i in range(MEASURE_REPEATS + 1):
         start = time.perf_counter()
@@ -167,7 +168,7 @@ def _time_all(ops: Sequence[LinearOp], inputs: Sequence[torch.Tensor]) -> float:
             op(x, None)
         if i:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_kernels(
@@ -177,11 +178,11 @@ def measure_kernels(
 
     At each row count, ascending, one pass over all the model's layers per kernel (every
     weight read from memory, as in a forward, not from a warm cache), median of
-    :data:`MEASURE_REPEATS`. A kernel falling behind the fastest (slower by more than
-    :data:`DROP_FACTOR`, and by more than at the previous row count) at two row counts in a
-    row is not timed again, and the measuring ends when one kernel is left (it is the choice
-    for every larger row count). A kernel far behind but catching up (bfloat16 against the
-    int4 kernel at one or two rows) stays.
+    :data:`MEASURE_REPEATS` (the fastest). A quantized kernel falling behind the fastest
+    (slower by more than :data:`DROP_FACTOR`, and by more than at the previous row count) at
+    two row counts in a row is not timed again (bfloat16 always is), and the measuring ends
+    when one kernel is left (it is the choice for every larger row count). A choice unlike
+    both its neighbours' is smoothed away (:func:`smooth_choices`).
 
     Args:
         kernels: name -> one op per layer, the same layers in the same order in each.
@@ -203,7 +204,7 @@ def measure_kernels(
             best = min(times, key=lambda name: times[name])
             choices.append((rows, best))
             timings[rows] = {name: t * 1e3 for name, t in times.items()}
-            for name in list(active):
+            for name in [n for n in active if n != BASELINE]:
                 ratio = times[name] / times[best]
                 losing = ratio > DROP_FACTOR and ratio > ratios.get(name, 0.0)
                 strikes[name] = strikes[name] + 1 if losing else 0
@@ -212,7 +213,17 @@ def measure_kernels(
                     active.remove(name)
             if len(active) == 1:
                 break
-    return choices, timings
+    return smooth_choices(choices), timings
+
+
+def smooth_choices(choices: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """A row count's choice that differs from both neighbours', which agree, is taken as
+    noise: it gets theirs (a median filter of width 3)."""
+    kinds = [kind for _, kind in choices]
+    for i in range(1, len(kinds) - 1):
+        if kinds[i - 1] == kinds[i + 1] != kinds[i]:
+            kinds[i] = kinds[i - 1]
+    return [(rows, kind) for (rows, _), kind in zip(choices, kinds, strict=True)]
 
 
 def calibration_token_ids(model_dir: Path, count: int = CALIBRATION_TOKENS) -> list[int]:

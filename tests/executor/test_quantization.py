@@ -12,7 +12,12 @@ import torch
 
 from iterserve.config import ConfigError, EngineConfig
 from iterserve.executor import quantization
-from iterserve.executor.quantization import check_quantization, measure_kernels, segments_of
+from iterserve.executor.quantization import (
+    check_quantization,
+    measure_kernels,
+    segments_of,
+    smooth_choices,
+)
 from iterserve.kernels.quantized_linear import Int4Linear, Int8Linear, RowsDispatch
 
 CPU, BF16 = torch.device("cpu"), torch.bfloat16
@@ -67,6 +72,24 @@ def test_each_row_count_gets_its_fastest_kernel_and_hopeless_ones_stop_being_tim
     assert 32 in calls["int4"] and 64 not in calls["int4"] and "int4" not in timings[64]
     segments, above = segments_of(choices)
     assert segments[0] == (4, "int4") and above == "bf16"
+
+
+def test_bf16_is_timed_to_the_end_even_far_behind_at_first() -> None:
+    """The failure this guards against: bfloat16 2.1x then 2.5x behind the int4 kernel at one
+    and two rows (noise) was dropped, and the int4 kernel then served every batch size."""
+    calls: dict[str, list[int]] = {"q4": [], "bf16": []}
+    kernels = {
+        "q4": [_sleeper(1e-3, 1e-3, calls["q4"])],
+        "bf16": [_sleeper(0.0, 8e-3, calls["bf16"])],
+    }
+    choices, _ = measure_kernels(kernels, [8])
+    segments, above = segments_of(choices)
+    assert segments == ((4, "q4"),) and above == "bf16"
+
+
+def test_a_choice_unlike_both_neighbours_is_noise() -> None:
+    noisy = [(1, "int8"), (2, "bf16"), (4, "int8"), (8, "int8"), (16, "bf16"), (32, "bf16")]
+    assert [k for _, k in smooth_choices(noisy)] == ["int8"] * 4 + ["bf16"] * 2
 
 
 def test_segments_merge_runs_of_one_kernel() -> None:
