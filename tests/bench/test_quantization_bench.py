@@ -30,7 +30,7 @@ def _results() -> dict[str, Any]:
                 "perplexity": 21.0,
                 "agreement": {"exact": 0.5, "prefix": 0.75, "first_token": 0.9},
             },
-        ],  # fmt: skip
+        ],
         "online": {
             "none": {1: _run(30.0), 32: _run(200.0)},
             "int8": {1: _run(45.0), 32: _run(350.0)},
