@@ -90,6 +90,9 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         f"{len(outs)} requests, {num_out} output tokens in {elapsed:.2f} s "
         f"({num_out / elapsed:.1f} tokens/s, {llm.engine.num_iterations} iterations)"
     )
+    plan = llm.loaded.driver.model.quantization_plan
+    if plan is not None:
+        print(f"quantization {plan.describe()}")
     return 0
 
 

@@ -660,6 +660,13 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
         message="{quantization} computes in bfloat16: {dtype} must be auto or bfloat16",
     ),
     Rule(
+        fields=("quantization", "tensor_parallel_size"),
+        check=lambda quantization, size: quantization != "q4" or size == 1,
+        cel="{quantization} != 'q4' || {tensor_parallel_size} == 1",
+        message="{quantization} q4 serves one shard: {tensor_parallel_size} must be 1 (int8 "
+        "shards)",
+    ),
+    Rule(
         fields=("max_waiting_per_tenant", "max_waiting"),
         check=lambda cap, waiting: cap is None or cap <= waiting,
         cel="!has({max_waiting_per_tenant}) || {max_waiting_per_tenant} <= {max_waiting}",

@@ -36,7 +36,7 @@ def quantized_max_rows() -> int | None:
     value = os.environ.get("ITERSERVE_QUANTIZED_MAX_ROWS", "").strip()
     if not value:
         return None
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise ValueError(f"ITERSERVE_QUANTIZED_MAX_ROWS must be an integer >= 0: {value!r}")
     return int(value)
 

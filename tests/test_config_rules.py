@@ -43,6 +43,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "swap_space": st.sampled_from([0.0, 0.5]) | st.floats(0, 8),
     "tiers": TIERS,
     "quantization": st.sampled_from(["none", "int8", "q4"]),
+    "tensor_parallel_size": st.integers(1, 8),
     "dtype": st.sampled_from(["auto", "bfloat16", "float16", "float32"]),
 }
 

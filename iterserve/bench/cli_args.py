@@ -251,22 +251,30 @@ def _add_quantization(sub: Any) -> None:
         "quantization",
         help="--quantization modes vs bf16 and llama.cpp's llama-server: quality, online, offline",
     )
-    p.add_argument("--modes", type=_modes, default=["int8", "q4"], help="e.g. int8,q4")
-    p.add_argument("--concurrency", type=_int_csv, default=[1, 8, 32], help="e.g. 1,8,32")
-    p.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (about)")
-    p.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
-    p.add_argument("--min-requests", type=int, default=8, help="requests per run (2 x c if more)")
-    p.add_argument("--offline-requests", type=int, default=64)
-    p.add_argument("--quality-prompts", type=int, default=32)
-    p.add_argument("--quality-tokens", type=int, default=32)
+    p.add_argument(
+        "--modes", type=_modes, default=["int8", "q4"], help="beside bf16 (default: int8,q4)"
+    )
+    p.add_argument(
+        "--concurrency", type=_int_csv, default=[1, 8, 32], help="streams (default: 1,8,32)"
+    )
+    p.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (default 256)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens per request (default 128)")
+    p.add_argument(
+        "--min-requests", type=int, default=8, help="requests per run, at least 2 x c (default 8)"
+    )
+    p.add_argument("--offline-requests", type=int, default=64, help="offline (default 64)")
+    p.add_argument(
+        "--quality-prompts", type=int, default=32, help="greedy-agreement prompts (default 32)"
+    )
+    p.add_argument("--quality-tokens", type=int, default=32, help="tokens each (default 32)")
     p.add_argument(
         "--llama-server",
         default="auto",
-        help="llama.cpp's server: a path, none, or auto (scripts/llama-server-build)",
+        help="llama.cpp's server: a path, none, or auto (scripts/llama-server-build; default)",
     )
-    p.add_argument("--no-quality", action="store_true")
-    p.add_argument("--no-offline", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="(output under bench-results/smoke)")
-    p.add_argument("--output-dir", type=Path, default=None)
+    p.add_argument("--no-quality", action="store_true", help="skip perplexity and agreement")
+    p.add_argument("--no-offline", action="store_true", help="skip the LLM.generate rows")
+    p.add_argument("--seed", type=int, default=0, help="prompt selection (default 0)")
+    p.add_argument("--smoke", action="store_true", help="write under bench-results/smoke")
+    p.add_argument("--output-dir", type=Path, default=None, help="default: bench-results")
     p.set_defaults(func=_main_of("quantization"))

@@ -108,6 +108,14 @@ def iterserve_online(mode: str, args: argparse.Namespace, out: Path) -> dict[int
         return online_runs(url, warm_up(url), args.concurrency, args)
 
 
+def logged_plan(log: Path) -> str | None:
+    """The plan a server logged at start (``quantization <plan>``), or None."""
+    for line in log.read_text(errors="replace").splitlines():
+        if "iterserve.executor.quantization: quantization " in line:
+            return line.split(": quantization ", 1)[1]
+    return None
+
+
 def llama_online(binary: Path, args: argparse.Namespace, out: Path) -> dict[int, dict[str, Any]]:
     from iterserve.models.loader import default_gguf_path
 
@@ -180,12 +188,15 @@ def format_tables(results: dict[str, Any]) -> str:
     """The quality, online and offline tables, ratios against bfloat16 and llama.cpp."""
     lines = [results["cpu"], ""]
     if results.get("quality"):
-        lines.append("quality (each quantized kernel at every batch size)")
-        lines.append(f"{'mode':6} {'perplexity':>10} {'exact':>6} {'prefix':>7} {'first':>6}")
+        lines.append("quality (each quantized kernel at every batch size): perplexity, and greedy")
+        lines.append("agreement with bf16: whole continuation equal | share before the first")
+        lines.append("difference | first token equal")
+        lines.append(f"{'mode':6} {'perplexity':>10} {'whole':>6} {'share':>7} {'first':>6}")
         for q in results["quality"]:
             a = q["agreement"] or {"exact": 1.0, "prefix": 1.0, "first_token": 1.0}
+            mode = "bf16" if q["mode"] == "none" else q["mode"]
             lines.append(
-                f"{q['mode']:6} {q['perplexity']:10.3f} {a['exact']:6.2f} {a['prefix']:7.2f} "
+                f"{mode:6} {q['perplexity']:10.3f} {a['exact']:6.2f} {a['prefix']:7.2f} "
                 f"{a['first_token']:6.2f}"
             )
         lines.append("")
@@ -205,6 +216,8 @@ def format_tables(results: dict[str, Any]) -> str:
                 f"{run['ttft_ms']['p50']:.0f} | {run['tpot_ms']['p50']:.1f}"
             )
         lines.append(f"{'bf16' if engine == 'none' else engine:9} " + "   ".join(cells))
+    for mode, plan in results.get("plans", {}).items():
+        lines.append(f"  plan of the {mode} server: {plan}")
     if results.get("offline"):
         bf16 = results["offline"]["none"]["output_tokens_per_s"]
         lines += ["", "offline: output tok/s (vs bf16)"]
@@ -254,6 +267,8 @@ def main(args: argparse.Namespace) -> int:
     for mode in ["none", *args.modes]:
         print(f"iterserve --quantization {mode}", flush=True)
         results["online"][mode] = iterserve_online(mode, args, out)
+        if mode != "none" and (plan := logged_plan(out / f"server-{mode}.log")):
+            results.setdefault("plans", {})[mode] = plan
     binary = find_llama_server(args.llama_server)
     if binary is not None:
         print(f"llama.cpp {binary}", flush=True)

@@ -19,6 +19,8 @@ CPUs without AMX), while where AMX runs bfloat16 it wins small batches only.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +56,7 @@ DROP_FACTOR = 1.5
 # SmoothQuant's migration strength and the calibration forward's length (docs/engine.md).
 SMOOTHING_ALPHA = 0.5
 CALIBRATION_TOKENS = 512
+EVERY_BATCH = 1 << 20  # a fixed plan's rows from here on read "at every batch size"
 BASELINE = "bf16"  # never dropped from the timings: any kernel may fall behind it and recover
 LM_HEAD = "lm_head"  # the LM head's name beside model.linear_layers()' names
 
@@ -82,9 +85,14 @@ class QuantizationPlan:
     def describe(self) -> str:
         parts, low = [], 1
         for max_rows, kind in self.segments:
-            parts.append(f"{kind} for {low}-{max_rows} tokens")
+            if max_rows >= EVERY_BATCH:
+                parts.append(f"{kind} at every batch size")
+                break
+            span = f"{low} token" if low == max_rows else f"{low}-{max_rows} tokens"
+            parts.append(f"{kind} for {span}")
             low = max_rows + 1
-        parts.append(f"{self.above} {'above' if self.segments else 'at every batch size'}")
+        else:
+            parts.append(f"{self.above} {'above' if self.segments else 'at every batch size'}")
         if not self.timings_ms:
             return f"{self.mode}: {', '.join(parts)} (ITERSERVE_QUANTIZED_MAX_ROWS)"
         measured = "; ".join(
@@ -92,18 +100,6 @@ class QuantizationPlan:
             for rows, times in self.timings_ms.items()
         )
         return f"{self.mode}: {', '.join(parts)} (ms for all linears, {measured})"
-
-
-def segments_of(choices: Sequence[tuple[int, str]]) -> tuple[tuple[tuple[int, str], ...], str]:
-    """Per measured row count's fastest kernel (ascending) -> ``(segments, above)``: runs of
-    the same kernel merged, the last run's kernel past the last row count."""
-    merged: list[tuple[int, str]] = []
-    for rows, kind in choices:
-        if merged and merged[-1][1] == kind:
-            merged[-1] = (rows, kind)
-        else:
-            merged.append((rows, kind))
-    return tuple(merged[:-1]), merged[-1][1]
 
 
 def check_quantization(
@@ -181,8 +177,7 @@ def measure_kernels(
     :data:`MEASURE_REPEATS` (the fastest). A quantized kernel falling behind the fastest
     (slower by more than :data:`DROP_FACTOR`, and by more than at the previous row count) at
     two row counts in a row is not timed again (bfloat16 always is), and the measuring ends
-    when one kernel is left (it is the choice for every larger row count). A choice unlike
-    both its neighbours' is smoothed away (:func:`smooth_choices`).
+    when one kernel is left. :func:`one_switch` turns the timings into a plan.
 
     Args:
         kernels: name -> one op per layer, the same layers in the same order in each.
@@ -216,17 +211,42 @@ def measure_kernels(
                     active.remove(name)
             if len(active) == 1:
                 break
-    return smooth_choices(choices), timings
+    return choices, timings
 
 
-def smooth_choices(choices: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """A row count's choice that differs from both neighbours', which agree, is taken as
-    noise: it gets theirs (a median filter of width 3)."""
-    kinds = [kind for _, kind in choices]
-    for i in range(1, len(kinds) - 1):
-        if kinds[i - 1] == kinds[i + 1] != kinds[i]:
-            kinds[i] = kinds[i - 1]
-    return [(rows, kind) for (rows, _), kind in zip(choices, kinds, strict=True)]
+def one_switch(
+    timings: Mapping[int, Mapping[str, float]],
+) -> tuple[tuple[tuple[int, str], ...], str]:
+    """The plan with at most one switch of kernel that costs least over the measured row
+    counts: ``(segments, above)``, one kernel below the switch and one above (or one for all).
+    Each row count's cost is the chosen kernel's time over the fastest's there, so every row
+    count weighs alike and a noisy one cannot carve a segment of its own; a kernel not timed
+    at a row count (dropped as hopeless) cannot be chosen there.
+
+    Args:
+        timings: rows (ascending) -> kernel -> time, as :func:`measure_kernels` returns.
+    """
+    rows = list(timings)
+    kinds = sorted({kind for times in timings.values() for kind in times})
+
+    def cost(kind: str, r: int) -> float:
+        times = timings[r]
+        return times[kind] / min(times.values()) if kind in times else math.inf
+
+    best: tuple[float, int, str, str] = (math.inf, 0, kinds[0], kinds[0])
+    for low in kinds:
+        for high in kinds:
+            for split in range(len(rows) + 1):  # rows[:split] on `low`, the rest on `high`
+                total = sum(cost(low, r) for r in rows[:split])
+                total += sum(cost(high, r) for r in rows[split:])
+                if total < best[0] - 1e-9:
+                    best = (total, split, low, high)
+    _, split, low, high = best
+    if split == 0 or low == high:
+        return (), high if split < len(rows) else low
+    if split == len(rows):
+        return (), low
+    return ((rows[split - 1], low),), high
 
 
 def calibration_token_ids(model_dir: Path, count: int = CALIBRATION_TOKENS) -> list[int]:
@@ -289,8 +309,17 @@ def _plan(
         if fixed == 0:
             return QuantizationPlan(mode, (), "bf16")
         return QuantizationPlan(mode, ((fixed, mode),), "bf16")
-    choices, timings = measure_kernels(kernels, in_features)
-    segments, above = segments_of(choices)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if load > 0.5 * (cores or 1):
+        logger.warning(
+            "timing the quantized kernels under a load average of %.1f on %d cores: the plan "
+            "may be off; ITERSERVE_QUANTIZED_MAX_ROWS fixes it instead",
+            load,
+            cores,
+        )
+    _, timings = measure_kernels(kernels, in_features)
+    segments, above = one_switch(timings)
     return QuantizationPlan(mode, segments, above, timings)
 
 

@@ -37,6 +37,7 @@ def _results() -> dict[str, Any]:
             "llama.cpp": {1: _run(40.0), 32: _run(70.0)},
         },
         "offline": {"none": {"output_tokens_per_s": 170.0}, "int8": {"output_tokens_per_s": 320.0}},
+        "plans": {"int8": "int8: int8 at every batch size (ms for all linears, ...)"},
     }
 
 
@@ -47,6 +48,8 @@ def test_the_tables_give_each_engine_its_ratios(tmp_path: Path) -> None:
     int8 = next(line for line in text.splitlines() if line.startswith("int8 ") and "c=1" in line)
     assert "c=32:  350.0 (1.75x, 5.00x)" in int8 and "c=1:   45.0 (1.50x, 1.12x)" in int8
     assert "int8         320.0 (1.88x)" in text
+    assert "bf16       20.000   1.00" in text  # bf16 by that name in every table
+    assert "plan of the int8 server: int8: int8 at every batch size" in text
     # read back from the JSON (concurrencies as strings) the same table comes out
     again = json.loads(json.dumps(_results()))
     assert format_tables(again) == text

@@ -13,10 +13,10 @@ import torch
 from iterserve.config import ConfigError, EngineConfig
 from iterserve.executor import quantization
 from iterserve.executor.quantization import (
+    QuantizationPlan,
     check_quantization,
     measure_kernels,
-    segments_of,
-    smooth_choices,
+    one_switch,
 )
 from iterserve.kernels.quantized_linear import Int4Linear, Int8Linear, RowsDispatch
 
@@ -43,6 +43,8 @@ def test_what_cannot_run_is_refused_before_loading(
 def test_the_engine_config_refuses_a_dtype_it_cannot_quantize() -> None:
     with pytest.raises(ConfigError, match="quantization computes in bfloat16"):
         EngineConfig.from_kwargs(quantization="int8", dtype="float32")
+    with pytest.raises(ConfigError, match="q4 serves one shard"):  # before any worker starts
+        EngineConfig.from_kwargs(quantization="q4", tensor_parallel_size=3)
     assert EngineConfig.from_kwargs(quantization="q4").model.quantization == "q4"
 
 
@@ -70,8 +72,8 @@ def test_each_row_count_gets_its_fastest_kernel_and_hopeless_ones_stop_being_tim
     assert [chosen[r] for r in (1, 2, 4)] == ["int4"] * 3
     assert chosen[32] == "int8" and chosen[256] == "bf16"  # 11.1 vs 9 ms at 256 rows
     assert 32 in calls["int4"] and 64 not in calls["int4"] and "int4" not in timings[64]
-    segments, above = segments_of(choices)
-    assert segments[0] == (4, "int4") and above == "bf16"
+    # one switch only: bfloat16's single win (256 rows) is not worth a second one
+    assert one_switch(timings) == (((4, "int4"),), "int8")
 
 
 def test_bf16_is_timed_to_the_end_even_far_behind_at_first() -> None:
@@ -82,20 +84,28 @@ def test_bf16_is_timed_to_the_end_even_far_behind_at_first() -> None:
         "q4": [_sleeper(1e-3, 1e-3, calls["q4"])],
         "bf16": [_sleeper(0.0, 8e-3, calls["bf16"])],
     }
-    choices, _ = measure_kernels(kernels, [8])
-    segments, above = segments_of(choices)
-    assert segments == ((4, "q4"),) and above == "bf16"
+    _, timings = measure_kernels(kernels, [8])
+    assert one_switch(timings) == (((4, "q4"),), "bf16")
 
 
-def test_a_choice_unlike_both_neighbours_is_noise() -> None:
-    noisy = [(1, "int8"), (2, "bf16"), (4, "int8"), (8, "int8"), (16, "bf16"), (32, "bf16")]
-    assert [k for _, k in smooth_choices(noisy)] == ["int8"] * 4 + ["bf16"] * 2
+def test_noise_at_one_row_count_does_not_carve_a_segment() -> None:
+    """What a loaded machine measured: int8 ahead except at 4 rows (noise), bfloat16 ahead
+    from 64 rows. One switch: int8 up to 32, bfloat16 above."""
+    times = {1: (16.4, 15.3), 2: (16.6, 13.5), 4: (16.7, 18.0), 8: (16.3, 14.3),
+             16: (16.8, 16.1), 32: (19.3, 18.8), 64: (22.5, 25.5), 128: (30.8, 36.6),
+             256: (45.7, 72.8)}  # fmt: skip
+    timings = {r: {"bf16": b, "int8": i} for r, (b, i) in times.items()}
+    assert one_switch(timings) == (((32, "int8"),), "bf16")
+    everywhere = {r: {"bf16": 2.0, "int8": 1.0} for r in (1, 2, 4)}
+    assert one_switch(everywhere) == ((), "int8")
 
 
-def test_segments_merge_runs_of_one_kernel() -> None:
-    choices = [(1, "int8"), (2, "int8"), (4, "bf16"), (8, "bf16"), (16, "int8")]
-    assert segments_of(choices) == (((2, "int8"), (8, "bf16")), "int8")
-    assert segments_of([(1, "int8")]) == ((), "int8")
+def test_the_plan_reads_as_it_runs() -> None:
+    plan = QuantizationPlan("int8", ((1, "bf16"),), "int8")
+    assert plan.describe().startswith("int8: bf16 for 1 token, int8 above")
+    assert plan.kernel_for(1) == "bf16" and plan.kernel_for(2) == "int8"
+    forced = QuantizationPlan("q4", ((1 << 30, "q4"),), "bf16")
+    assert forced.describe().startswith("q4: q4 at every batch size")
 
 
 def test_a_fixed_plan_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
