@@ -211,7 +211,6 @@ class Int8Linear:
         self.out_features, self.in_features = q.shape
         self.packed = torch.ops.onednn.qlinear_prepack(q, None)
         self.weight_zero = torch.zeros(self.out_features, dtype=torch.int64)
-        self.nbytes = q.numel() + 4 * self.out_features
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [num_tokens, in_features] bfloat16 -> [num_tokens, out_features] bfloat16."""
@@ -275,8 +274,6 @@ class Int4Linear:
         # [in_features / 32, out_features, 2]: (scale, zero) per group and output feature
         self.scales_zeros = torch.stack([weight.d, zero], dim=-1).transpose(0, 1).contiguous()
         self.scales_zeros = self.scales_zeros.to(torch.bfloat16)
-        self.nbytes = self.packed.numel() * self.packed.element_size()
-        self.nbytes += self.scales_zeros.numel() * 2
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [num_tokens, in_features] bfloat16 -> [num_tokens, out_features] bfloat16."""
