@@ -141,7 +141,7 @@ def check_quantization(
     if gguf is None:
         raise ConfigError(
             f"--quantization q4 serves a GGUF file's own Q4_1 weights; {model!r} is no .gguf "
-            "file (use --quantization int8, or give the .gguf)"
+            "file nor a directory holding one (use --quantization int8, or give the .gguf)"
         )
     return gguf
 

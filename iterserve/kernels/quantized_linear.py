@@ -35,12 +35,16 @@ Q4_GROUP = 32  # weights per Q4_1 block (ggml's QK4_1), the int4 kernel's group 
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of two 4-bit values each
 ACTIVATION_ZERO_POINT = 128  # activations go to the int8 GEMM as uint8 q + 128
 
-_P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_ARGTYPES: dict[str, list[type]] = {
+_P, _I, _N, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     # q, scale, x, x_stride, smooth, num_rows, k, num_threads
-    "quantize_rows_int8_bf16": [_P, _P, _P, _I, _P, _I, _I, _N],
+    "quantize_rows_int8_bf16": ([_P, _P, _P, _I, _P, _I, _I, _N], None),
     # out, acc, scale, bias, num_rows, n, num_threads
-    "dequantize_rows_bf16": [_P, _P, _P, _P, _I, _I, _N],
+    "dequantize_rows_bf16": ([_P, _P, _P, _P, _I, _I, _N], None),
+    # q, scale, x, x_stride, residual, weight, smooth, num_rows, k, eps, num_threads -> 0 / -1
+    "rms_norm_quantize_bf16": ([_P, _P, _P, _I, _P, _P, _P, _I, _I, _F, _N], _N),
+    # q, scale, acc, acc_scale, smooth, num_rows, inter, num_threads -> 0 / -1
+    "silu_and_mul_quantize_bf16": ([_P, _P, _P, _P, _P, _I, _I, _N], _N),
 }
 
 
@@ -71,9 +75,44 @@ def _fn(name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     if lib is None:
         raise RuntimeError("the CPU kernels could not be built on this machine (no C compiler?)")
     fn = getattr(lib, name)
-    fn.argtypes = _ARGTYPES[name]
-    fn.restype = None
+    fn.argtypes, fn.restype = _SIGNATURES[name]
     return fn
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Activations quantized per row for :class:`Int8Linear` (:func:`quantize_rows_int8`'s
+    output, or a fused kernel's: :func:`rms_norm_quantize`, :func:`silu_and_mul_quantize`).
+
+    Attributes:
+        q: [num_rows, k] uint8, each value q + :data:`ACTIVATION_ZERO_POINT`.
+        scale: [num_rows] float32, each row's scale (``x ~ (q - 128) * scale``).
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.q.shape[0]
+
+
+def _check_smooth(smooth: torch.Tensor | None, k: int) -> None:
+    if smooth is not None and (
+        smooth.shape != (k,) or smooth.dtype != torch.float32 or not smooth.is_contiguous()
+    ):
+        raise ValueError(f"smooth must be contiguous float32 [{k}]")
+
+
+def _quantized_rows(num_rows: int, k: int) -> QuantizedRows:
+    return QuantizedRows(
+        torch.empty(num_rows, k, dtype=torch.uint8), torch.empty(num_rows, dtype=torch.float32)
+    )
+
+
+def _check_status(status: int, name: str) -> None:
+    if status != 0:
+        raise MemoryError(f"{name}: a thread's row scratch could not be allocated")
 
 
 def quantize_rows_int8_reference(
@@ -120,17 +159,96 @@ def quantize_rows_int8(
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError("x must be a 2-d bfloat16 CPU tensor with a contiguous last dim")
     num_rows, k = x.shape
-    if smooth is not None and (
-        smooth.shape != (k,) or smooth.dtype != torch.float32 or not smooth.is_contiguous()
-    ):
-        raise ValueError(f"smooth must be contiguous float32 [{k}]")
-    q = torch.empty(num_rows, k, dtype=torch.uint8)
-    scale = torch.empty(num_rows, dtype=torch.float32)
+    _check_smooth(smooth, k)
+    out = _quantized_rows(num_rows, k)
     _fn("quantize_rows_int8_bf16")(
-        q.data_ptr(), scale.data_ptr(), x.data_ptr(), x.stride(0),
+        out.q.data_ptr(), out.scale.data_ptr(), x.data_ptr(), x.stride(0),
         smooth.data_ptr() if smooth is not None else None, num_rows, k, torch.get_num_threads(),
     )  # fmt: skip
-    return q, scale
+    return out.q, out.scale
+
+
+def rms_norm_quantize(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    smooth: torch.Tensor | None = None,
+) -> QuantizedRows:
+    """``quantize_rows_int8(rms_norm_cpu(x, weight, eps, residual), smooth)`` in one pass, the
+    same bytes: the normalised row is quantized where it is computed, never stored as bfloat16.
+
+    Args:
+        x: [num_rows, k] bfloat16 CPU, last dim contiguous (rows may be strided).
+        weight: [k] bfloat16 contiguous, the norm's weight.
+        eps: the norm's epsilon.
+        residual: [num_rows, k] bfloat16 contiguous or None; when given, ``x + residual`` is
+            normalised and stored back into it (as :func:`~iterserve.kernels.layer_ops.
+            rms_norm_cpu` does).
+        smooth: [k] float32 contiguous (SmoothQuant's 1 / s of the next layer), or None.
+
+    Returns:
+        :class:`QuantizedRows` of the normalised rows.
+
+    Raises:
+        ValueError: another dtype, device, shape or layout.
+        MemoryError: a thread's scratch row could not be allocated.
+    """
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("x must be a 2-d bfloat16 CPU tensor with a contiguous last dim")
+    num_rows, k = x.shape
+    if weight.shape != (k,) or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous bfloat16 [{k}]")
+    if residual is not None and (
+        residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()
+    ):
+        raise ValueError("residual must be contiguous with x's shape and dtype")
+    _check_smooth(smooth, k)
+    out = _quantized_rows(num_rows, k)
+    status = _fn("rms_norm_quantize_bf16")(
+        out.q.data_ptr(), out.scale.data_ptr(), x.data_ptr(), x.stride(0),
+        residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+        smooth.data_ptr() if smooth is not None else None, num_rows, k, eps,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    _check_status(status, "rms_norm_quantize")
+    return out
+
+
+def silu_and_mul_quantize(
+    acc: torch.Tensor, acc_scale: torch.Tensor, smooth: torch.Tensor | None = None
+) -> QuantizedRows:
+    """A gate_up projection's int8 GEMM output through SwiGLU into the down projection's
+    input: ``quantize_rows_int8(silu_and_mul_cpu(dequantize_rows(acc, acc_scale)), smooth)``
+    in one pass, the same bytes.
+
+    Args:
+        acc: [num_rows, 2 * inter] float32 contiguous (:meth:`Int8Linear.accumulate`: gate
+            columns first, weight scales applied).
+        acc_scale: [num_rows] float32 contiguous, each row's activation scale.
+        smooth: [inter] float32 contiguous (the down projection's 1 / s), or None.
+
+    Returns:
+        :class:`QuantizedRows` ``[num_rows, inter]``.
+
+    Raises:
+        ValueError: another dtype, shape or layout.
+        MemoryError: a thread's scratch row could not be allocated.
+    """
+    if acc.dtype != torch.float32 or acc.dim() != 2 or not acc.is_contiguous() or acc.shape[1] % 2:
+        raise ValueError("acc must be contiguous float32 [num_rows, 2 * inter]")
+    num_rows, inter = acc.shape[0], acc.shape[1] // 2
+    if acc_scale.shape != (num_rows,) or acc_scale.dtype != torch.float32:
+        raise ValueError(f"acc_scale must be float32 [{num_rows}]")
+    _check_smooth(smooth, inter)
+    out = _quantized_rows(num_rows, inter)
+    status = _fn("silu_and_mul_quantize_bf16")(
+        out.q.data_ptr(), out.scale.data_ptr(), acc.data_ptr(), acc_scale.contiguous().data_ptr(),
+        smooth.data_ptr() if smooth is not None else None, num_rows, inter,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    _check_status(status, "silu_and_mul_quantize")
+    return out
 
 
 def dequantize_rows(
@@ -212,14 +330,26 @@ class Int8Linear:
         self.packed = torch.ops.onednn.qlinear_prepack(q, None)
         self.weight_zero = torch.zeros(self.out_features, dtype=torch.int64)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [num_tokens, in_features] bfloat16 -> [num_tokens, out_features] bfloat16."""
-        q, scale = quantize_rows_int8(x, self.smooth)
+    def quantize_input(self, x: torch.Tensor) -> QuantizedRows:
+        """x [num_tokens, in_features] bfloat16 as this layer's GEMM takes it (smoothed)."""
+        return QuantizedRows(*quantize_rows_int8(x, self.smooth))
+
+    def accumulate(self, x: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 GEMM: ``(acc [num_tokens, out_features] float32, weight scales applied;
+        the rows' activation scales [num_tokens] float32)``: ``x W^T = acc * scale[:, None]``."""
+        rows = x if isinstance(x, QuantizedRows) else self.quantize_input(x)
         acc = torch.ops.onednn.qlinear_pointwise(
-            q, 1.0, ACTIVATION_ZERO_POINT, self.packed, self.weight_scale, self.weight_zero, None,
-            1.0, 0, torch.float32, "none", [], "",
+            rows.q, 1.0, ACTIVATION_ZERO_POINT, self.packed, self.weight_scale, self.weight_zero,
+            None, 1.0, 0, torch.float32, "none", [], "",
         )  # fmt: skip
-        return dequantize_rows(acc, scale, bias)
+        return acc, rows.scale
+
+    def __call__(
+        self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [num_tokens, in_features] bfloat16, or quantized already (:class:`QuantizedRows`
+        with this layer's smoothing) -> [num_tokens, out_features] bfloat16."""
+        return dequantize_rows(*self.accumulate(x), bias)
 
 
 @dataclass(frozen=True)
@@ -305,3 +435,11 @@ class RowsDispatch:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.op_for(x.shape[0])(x, bias)
+
+
+def int8_linear_for(op: LinearOp | None, rows: int) -> Int8Linear | None:
+    """The :class:`Int8Linear` that ``op`` (a layer's packed op) runs for ``rows`` rows, or None
+    (another kernel, or none): where it is one, the op before may hand it :class:`QuantizedRows`."""
+    if isinstance(op, RowsDispatch):
+        op = op.op_for(rows)
+    return op if isinstance(op, Int8Linear) else None

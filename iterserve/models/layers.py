@@ -17,6 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.kernels.platform import LinearOp, Platform
+from iterserve.kernels.quantized_linear import (
+    Int8Linear,
+    QuantizedRows,
+    int8_linear_for,
+    rms_norm_quantize,
+)
 from iterserve.models.parallel import SINGLE, TPGroup, divide, kv_head_range
 
 # A checkpoint tensor as the loader hands it: a tensor, or a lazy safetensors slice
@@ -57,6 +63,17 @@ class RMSNorm(nn.Module):
         place."""
         return self.platform.rms_norm_residual(x, residual, self.weight, self.eps)
 
+    def forward_quantized(
+        self, x: torch.Tensor, residual: torch.Tensor | None, smooth: torch.Tensor | None
+    ) -> tuple[QuantizedRows, torch.Tensor]:
+        """:meth:`forward_residual` (:meth:`forward` when ``residual`` is None: the residual
+        stream is then ``x``) with the normalised rows quantized in the same pass for an
+        :class:`~iterserve.kernels.quantized_linear.Int8Linear` whose smoothing is ``smooth``
+        (CPU, bfloat16; :func:`~iterserve.kernels.quantized_linear.rms_norm_quantize`)."""
+        return rms_norm_quantize(x, self.weight, self.eps, residual, smooth), (
+            x if residual is None else residual
+        )
+
 
 class PackableLinear(nn.Module):
     """A linear layer whose weight a platform can repack into its own layout once loaded."""
@@ -65,10 +82,29 @@ class PackableLinear(nn.Module):
     bias: nn.Parameter | None
     packed: LinearOp | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T (+ bias)`` by the packed op, or by torch before packing. ``x`` may come
+        quantized already (:class:`~iterserve.kernels.quantized_linear.QuantizedRows`, from a
+        fused norm or SwiGLU) where :meth:`int8_op` is not None for its rows.
+
+        Raises:
+            ValueError: quantized rows for a size this layer runs no int8 kernel at.
+        """
+        if isinstance(x, QuantizedRows):
+            op = self.int8_op(x.num_rows)
+            if op is None:
+                raise ValueError(f"quantized rows but no int8 kernel at {x.num_rows} rows")
+            return op(x, bias)
         if self.packed is not None:
-            return self.packed(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return self.packed(x, bias)
+        return F.linear(x, self.weight, bias)
+
+    def int8_op(self, rows: int) -> Int8Linear | None:
+        """The int8 kernel this layer runs for ``rows`` rows (``--quantization int8``), or None."""
+        return int8_linear_for(self.packed, rows)
 
     def pack_weight(self, platform: Platform) -> None:
         """Repack the loaded weight where ``platform`` packs weights and free the plain one:
@@ -174,11 +210,10 @@ class RowParallelLinear(PackableLinear):
         )
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        y = self.packed(x, None) if self.packed is not None else F.linear(x, self.weight)
-        y = self.tp.all_reduce(y)
+        y = self.tp.all_reduce(self.project(x, None))
         return y + self.bias if self.bias is not None else y
 
     def weight_loader(

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.kernels.platform import LinearOp, Platform, Rotate
+from iterserve.kernels.quantized_linear import QuantizedRows, silu_and_mul_quantize
 from iterserve.models.layers import (
     MergedColumnParallelLinear,
     PackableLinear,
@@ -116,10 +117,7 @@ class LlamaDecoderLayer(nn.Module):
             ``(mlp_output, residual)``: the caller adds them (the next layer's norm does).
         """
         num_tokens = x.shape[0]
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.forward_residual(x, residual)
+        h, residual = self._norm_into(self.input_layernorm, self.qkv_proj, x, residual)
         qkv = self.qkv_proj(h)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = rotate(
@@ -129,9 +127,36 @@ class LlamaDecoderLayer(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         o = attention(self.layer_idx, q, k, v)  # [num_tokens, num_heads, head_dim]
         attn_out = self.o_proj(o.reshape(num_tokens, self.q_size))
-        h, residual = self.post_attention_layernorm.forward_residual(attn_out, residual)
+        h, residual = self._norm_into(
+            self.post_attention_layernorm, self.gate_up_proj, attn_out, residual
+        )
+        return self._mlp(h, num_tokens), residual
+
+    @staticmethod
+    def _norm_into(
+        norm: RMSNorm, linear: PackableLinear, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+        """``(norm(x + residual), x + residual)`` (``(norm(x), x)`` without a residual) as
+        ``linear`` takes it: where it runs int8 at these rows, quantized in the norm's own
+        pass (one pass over the rows fewer, the same bytes)."""
+        op = linear.int8_op(x.shape[0])
+        if op is not None:
+            return norm.forward_quantized(x, residual, op.smooth)
+        if residual is None:
+            return norm(x), x
+        return norm.forward_residual(x, residual)
+
+    def _mlp(self, h: torch.Tensor | QuantizedRows, num_tokens: int) -> torch.Tensor:
+        """SwiGLU: ``down(silu(gate) * up)``. Where gate_up and down both run int8 at these
+        rows, gate_up's GEMM output goes through SiLU-and-multiply into down's quantized input
+        in one pass (:func:`~iterserve.kernels.quantized_linear.silu_and_mul_quantize`)."""
+        gate_up_op = self.gate_up_proj.int8_op(num_tokens)
+        down_op = self.down_proj.int8_op(num_tokens)
+        if gate_up_op is not None and down_op is not None and self.gate_up_proj.bias is None:
+            acc, scale = gate_up_op.accumulate(h)
+            return self.down_proj(silu_and_mul_quantize(acc, scale, down_op.smooth))
         gate_up = self.gate_up_proj(h)  # [num_tokens, 2 * intermediate]
-        return self.down_proj(self.platform.silu_and_mul(gate_up)), residual
+        return self.down_proj(self.platform.silu_and_mul(gate_up))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -58,31 +58,50 @@ def cache_root() -> Path:
 
 
 def resolve_model_dir(model: str) -> Path:
-    """A Hugging Face model directory for ``model``: ``default``, a ``.gguf`` file or a dir.
+    """A Hugging Face model directory for ``model``: ``default``, a ``.gguf`` file, a
+    directory with ``config.json``, or a directory holding one ``.gguf`` file.
 
     Raises:
         ModelNotFoundError: nothing usable at ``model``.
     """
-    if model == "default":
-        return convert_gguf(default_gguf_path())
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path
+    gguf = source_gguf(model)
+    if gguf is not None:
+        return convert_gguf(gguf)
     raise ModelNotFoundError(
-        f"model {model!r} is not 'default', a .gguf file or a directory with config.json "
-        "(iterserve never downloads models)"
+        f"model {model!r} is not 'default', a .gguf file or a directory with config.json or "
+        "one .gguf file (iterserve never downloads models)"
     )
 
 
 def source_gguf(model: str) -> Path | None:
-    """The GGUF file ``model`` names (``default``: the packaged one), or None for a directory
+    """The GGUF file ``model`` names (``default``: the packaged one; a directory without
+    ``config.json``: its one ``.gguf`` file), or None for a Hugging Face directory
     (``--quantization q4`` serves a GGUF's own 4-bit weights)."""
     if model == "default":
         return default_gguf_path()
     path = Path(model).expanduser()
+    if path.is_dir():
+        return _directory_gguf(path)
     return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def _directory_gguf(directory: Path) -> Path | None:
+    """The one ``.gguf`` file of a directory without ``config.json`` (a volume holding a
+    llama.cpp model, as the operator mounts it), or None.
+
+    Raises:
+        ModelNotFoundError: several ``.gguf`` files and no ``config.json``: which one is meant.
+    """
+    if (directory / "config.json").is_file():
+        return None
+    files = sorted(p for p in directory.glob("*.gguf") if p.is_file())
+    if len(files) > 1:
+        names = ", ".join(p.name for p in files)
+        raise ModelNotFoundError(f"{directory} holds {len(files)} .gguf files ({names}): name one")
+    return files[0] if files else None
 
 
 def _sha256(path: Path) -> str:
@@ -93,12 +112,67 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+# What transformers' GGUF reader and our LlamaForCausalLM both serve; the keys a complete file
+# of that architecture has (without them transformers falls back to its config class's
+# defaults: a 7B-parameter Llama, allocated before anything fails).
+GGUF_ARCHITECTURES = ("llama",)
+GGUF_REQUIRED_KEYS = (
+    "{arch}.block_count",
+    "{arch}.embedding_length",
+    "{arch}.feed_forward_length",
+    "{arch}.attention.head_count",
+    "tokenizer.ggml.tokens",
+)
+
+
+def check_gguf(gguf_path: Path) -> None:
+    """Refuse a GGUF file this server cannot serve, from its header alone (memory-mapped,
+    nothing converted): unreadable, another architecture, a key of
+    :data:`GGUF_REQUIRED_KEYS` missing, or a header that disagrees with the tensors the file
+    holds (layers, embedding width).
+
+    Raises:
+        ModelNotFoundError: what is wrong, naming the file.
+    """
+    from gguf import GGUFReader
+
+    name = gguf_path.name
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except Exception as e:  # the reader raises whatever its parse hits: a bad file, said once
+        raise ModelNotFoundError(f"{name} is not a readable GGUF file: {e}") from e
+    fields = reader.fields
+    arch_field = fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else None
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelNotFoundError(
+            f"{name}: general.architecture is {arch!r}; iterserve serves "
+            f"{', '.join(GGUF_ARCHITECTURES)} GGUF files"
+        )
+    missing = [k.format(arch=arch) for k in GGUF_REQUIRED_KEYS if k.format(arch=arch) not in fields]
+    if missing:
+        raise ModelNotFoundError(f"{name}: its metadata has no {', '.join(missing)}")
+    layers = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
+    declared = int(fields[f"{arch}.block_count"].contents())
+    if len(layers) != declared:
+        raise ModelNotFoundError(f"{name} declares {declared} layers and holds {len(layers)}")
+    width = int(fields[f"{arch}.embedding_length"].contents())
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is None or width not in [int(d) for d in embedding.shape]:
+        raise ModelNotFoundError(f"{name} has no token_embd.weight {width} wide")
+
+
 def convert_gguf(gguf_path: Path) -> Path:
-    """Dequantize ``gguf_path`` into a cached Hugging Face directory (once) and return it."""
+    """Dequantize ``gguf_path`` into a cached Hugging Face directory (once) and return it.
+
+    Raises:
+        ModelNotFoundError: a file :func:`check_gguf` refuses.
+    """
     root = cache_root()
     target = root / f"{gguf_path.stem}-{_sha256(gguf_path)[:16]}"
     if (target / "config.json").is_file():
         return target
+    check_gguf(gguf_path)
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if (target / "config.json").is_file():

@@ -19,6 +19,8 @@ from iterserve.executor.quantization import (
     one_switch,
 )
 from iterserve.kernels.quantized_linear import Int4Linear, Int8Linear, RowsDispatch
+from iterserve.models import llama
+from iterserve.models.layers import PackableLinear
 
 CPU, BF16 = torch.device("cpu"), torch.bfloat16
 
@@ -153,7 +155,17 @@ def test_the_quantized_model_serves_with_bf16s_perplexity(
         assert len(ops) == 120
         for op in ops:  # the quantized kernel up to 100,000 rows, bfloat16 above
             assert isinstance(op, RowsDispatch) and isinstance(op.op_for(256), kernel)
+        fused_calls: list[int] = []
+        fused = llama.silu_and_mul_quantize
+        monkeypatch.setattr(
+            llama, "silu_and_mul_quantize", lambda *a: fused_calls.append(1) or fused(*a)
+        )
         perplexity = _perplexity(llm)
+        if mode == "int8":  # the norms and SwiGLU quantize in their own passes: same bytes
+            assert len(fused_calls) >= 30
+            with monkeypatch.context() as unfused:
+                unfused.setattr(PackableLinear, "int8_op", lambda self, rows: None)
+                assert _perplexity(llm) == perplexity
         out = llm.generate(
             ["The capital of France is"], SamplingParams(max_tokens=8, temperature=0)
         )

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from iterserve.kernels.layer_ops import rms_norm_cpu, silu_and_mul_cpu
 from iterserve.kernels.quantized_linear import (
     Int4Linear,
     Int8Linear,
@@ -18,6 +19,8 @@ from iterserve.kernels.quantized_linear import (
     quantize_rows_int8,
     quantize_rows_int8_reference,
     quantize_weight_int8,
+    rms_norm_quantize,
+    silu_and_mul_quantize,
     smoothing_factors,
 )
 
@@ -90,6 +93,69 @@ def test_smoothing_keeps_the_product_and_tames_the_outlier_channel() -> None:
     assert after.max() / after.median() < (before.max() / before.median()) / 4
     dead = smoothing_factors(torch.zeros(576), w)  # channels never seen: left alone
     assert torch.equal(dead, torch.ones(576))
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 200])
+@pytest.mark.parametrize("smoothed", [False, True], ids=["plain", "smoothed"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["first", "residual"])
+def test_the_fused_norm_quantizes_what_the_norm_writes(
+    num_rows: int, smoothed: bool, with_residual: bool
+) -> None:
+    """rms_norm_quantize is rms_norm_cpu then quantize_rows_int8, byte for byte (its strided
+    input read in place, the residual sum stored back the same)."""
+    g = torch.Generator().manual_seed(num_rows)
+    x = (torch.randn(num_rows, 2, 576, generator=g) * 3).to(torch.bfloat16)[:, 0]
+    weight = (torch.rand(576, generator=g) + 0.5).to(torch.bfloat16)
+    smooth = torch.rand(576, generator=g) + 0.5 if smoothed else None
+    residual = torch.randn(num_rows, 576, generator=g).to(torch.bfloat16)
+    chain_residual, fused_residual = (
+        (residual.clone(), residual.clone()) if with_residual else (None, None)
+    )
+    q, scale = quantize_rows_int8(rms_norm_cpu(x, weight, 1e-5, chain_residual), smooth)
+    fused = rms_norm_quantize(x, weight, 1e-5, fused_residual, smooth)
+    assert torch.equal(fused.q, q) and torch.equal(fused.scale, scale)
+    assert fused.num_rows == num_rows
+    if with_residual:
+        assert torch.equal(fused_residual, chain_residual)
+        assert not torch.equal(fused_residual, residual)
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 64])
+@pytest.mark.parametrize("smoothed", [False, True], ids=["plain", "smoothed"])
+def test_the_fused_swiglu_quantizes_what_the_chain_writes(num_rows: int, smoothed: bool) -> None:
+    """silu_and_mul_quantize is dequantize_rows, silu_and_mul_cpu, quantize_rows_int8 in
+    one pass, byte for byte (large and negative gate values included: SiLU's tails)."""
+    g = torch.Generator().manual_seed(num_rows)
+    acc = torch.randn(num_rows, 2 * 1536, generator=g) * 30
+    acc_scale = torch.rand(num_rows, generator=g) * 0.5
+    smooth = torch.rand(1536, generator=g) + 0.5 if smoothed else None
+    q, scale = quantize_rows_int8(silu_and_mul_cpu(dequantize_rows(acc, acc_scale)), smooth)
+    fused = silu_and_mul_quantize(acc, acc_scale, smooth)
+    assert torch.equal(fused.q, q) and torch.equal(fused.scale, scale)
+
+
+def test_the_fused_kernels_refuse_what_they_cannot_read() -> None:
+    x = _rows(4, 64)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_quantize(x, torch.ones(64), 1e-5)  # float32 weight
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_quantize(x, torch.ones(64, dtype=torch.bfloat16), 1e-5, torch.zeros(3, 64))
+    with pytest.raises(ValueError, match="smooth"):
+        rms_norm_quantize(x, torch.ones(64, dtype=torch.bfloat16), 1e-5, None, torch.ones(63))
+    with pytest.raises(ValueError, match="acc"):
+        silu_and_mul_quantize(torch.zeros(4, 7), torch.ones(4))  # odd width
+    with pytest.raises(ValueError, match="acc_scale"):
+        silu_and_mul_quantize(torch.zeros(4, 8), torch.ones(3))
+
+
+def test_int8_linear_takes_rows_quantized_elsewhere() -> None:
+    """A layer handed its input quantized (by a fused norm) computes what it computes from
+    the bfloat16 rows."""
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(3))
+    smoothing = torch.rand(64) + 0.5
+    layer = Int8Linear(weight, smoothing)
+    x = _rows(6, 64)
+    assert torch.equal(layer(layer.quantize_input(x)), layer(x))
 
 
 def _q4_weight(out: int, k: int, seed: int = 0) -> Q4Weight:

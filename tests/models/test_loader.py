@@ -81,3 +81,81 @@ def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
         resolve_model_dir(str(tmp_path / "nowhere"))
     with pytest.raises(ModelNotFoundError, match="never downloads"):
         resolve_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def _gguf(path: Path, arch: str, keys: dict[str, int], blocks: int, width: int = 16) -> Path:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    for key, value in keys.items():
+        writer.add_uint32(key, value)
+    writer.add_token_list(["a", "b"])
+    writer.add_tensor("token_embd.weight", np.zeros((2, width), dtype=np.float32))
+    for i in range(blocks):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(width, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+LLAMA_KEYS = {
+    "llama.block_count": 2,
+    "llama.embedding_length": 16,
+    "llama.feed_forward_length": 32,
+    "llama.attention.head_count": 2,
+}
+
+
+@pytest.mark.parametrize(
+    ("arch", "keys", "blocks", "error"),
+    [
+        ("gpt2", LLAMA_KEYS, 2, "general.architecture is 'gpt2'"),
+        ("llama", {}, 2, "no llama.block_count, llama.embedding_length"),
+        ("llama", LLAMA_KEYS, 1, "declares 2 layers and holds 1"),
+        ("llama", {**LLAMA_KEYS, "llama.embedding_length": 4096}, 2, "token_embd.weight 4096"),
+    ],
+    ids=["architecture", "metadata", "layers", "width"],
+)
+def test_a_gguf_it_cannot_serve_is_refused_from_its_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, keys: dict, blocks: int, error: str
+) -> None:
+    """Refused before transformers reads it: without its metadata transformers builds its
+    config class's defaults (a 7B Llama: 24 GB, then the kernel's OOM killer), measured."""
+    monkeypatch.setenv("ITERSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = _gguf(tmp_path / "model.gguf", arch, keys, blocks)
+    with pytest.raises(ModelNotFoundError, match=error):
+        resolve_model_dir(str(path))
+    assert not (tmp_path / "cache" / "models").exists()  # nothing converted, nothing cached
+
+
+def test_a_file_that_is_no_gguf_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelNotFoundError, match="not a readable GGUF"):
+        loader.check_gguf(path)
+
+
+def test_the_default_gguf_passes_the_check() -> None:
+    loader.check_gguf(default_gguf_path())
+
+
+def test_a_directory_holding_one_gguf_is_that_gguf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the operator mounts a volume holding a llama.cpp model (--model /models): served as
+    the file (q4 reads its blocks); two .gguf files are a clear error, not a guess."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / "model.gguf").symlink_to(default_gguf_path())
+    assert loader.source_gguf(str(volume)) == volume / "model.gguf"
+    converted = tmp_path / "converted"
+    monkeypatch.setattr(loader, "convert_gguf", lambda path: converted if path.exists() else None)
+    assert resolve_model_dir(str(volume)) == converted
+    (volume / "other.gguf").write_bytes(b"")
+    with pytest.raises(ModelNotFoundError, match=r"holds 2 \.gguf files"):
+        resolve_model_dir(str(volume))
+    (volume / "config.json").write_text("{}")  # a Hugging Face directory: its own weights
+    assert loader.source_gguf(str(volume)) is None

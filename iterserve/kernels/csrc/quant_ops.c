@@ -9,10 +9,17 @@
  *   multiply unsigned activations by signed weights; signed ones fall back to a reference
  *   GEMM hundreds of times slower on CPUs without AMX);
  * - dequantize_rows_bf16: out [num_rows, n] bfloat16 = acc * row scale (+ bias), acc the GEMM's
- *   float32 output with the weight scales already applied.
+ *   float32 output with the weight scales already applied;
+ * - rms_norm_quantize_bf16: RMSNorm (with the residual add) straight into quantize_rows' q and
+ *   scale: the normalised row never goes to memory as bfloat16 (the input of q, k, v and of
+ *   gate and up);
+ * - silu_and_mul_quantize_bf16: a gate_up GEMM's float32 output, rescaled, through SwiGLU's
+ *   silu(gate) * up, straight into the down projection's q and scale: three passes in one.
  *
- * Both round as their torch references in iterserve/kernels/quantized_linear.py do (compiled
- * with -ffp-contract=off). Rows are parallel over torch's OpenMP pool.
+ * Each rounds as its unfused chain does (the torch references in
+ * iterserve/kernels/quantized_linear.py, layer_ops.c's bfloat16 ops; compiled with
+ * -ffp-contract=off): a fused kernel gives the bytes its chain gives. Rows are parallel over
+ * torch's OpenMP pool.
  */
 #include <stdlib.h>
 
@@ -77,4 +84,87 @@ void dequantize_rows_bf16(uint16_t *out, const float *acc, const float *scale,
             for (int64_t i = 0; i < n; i++) o[i] = to_bf16(ar[i] * s);
         }
     }
+}
+
+/* The per-row scratch of the fused kernels: float32 [k] per thread, or NULL (out of memory). */
+static float *row_buffer(int64_t k) { return (float *)malloc((size_t)k * sizeof(float)); }
+
+/* rms_norm_bf16 (layer_ops.c) of x (+ residual, stored back as the sum) then
+ * quantize_rows_int8_bf16 of the normalised bfloat16 row (times smooth when given).
+ * Returns 0, or -1 when a thread's scratch could not be allocated. */
+int rms_norm_quantize_bf16(uint8_t *q, float *scale, const uint16_t *x, int64_t x_stride,
+                           uint16_t *residual, const uint16_t *weight, const float *smooth,
+                           int64_t num_rows, int64_t k, float eps, int num_threads) {
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads) if (num_rows * k > 65536)")
+    {
+        float *buf = row_buffer(k);
+        if (!buf) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for")
+        for (int64_t r = 0; r < num_rows; r++) {
+            if (!buf) continue;
+            const uint16_t *xr = x + r * x_stride;
+            uint16_t *res = residual ? residual + r * k : NULL;
+            uint8_t *qr = q + r * k;
+            if (res) {
+                _Pragma("omp simd")
+                for (int64_t i = 0; i < k; i++)
+                    res[i] = float_to_bf16(bf16_to_float(xr[i]) + bf16_to_float(res[i]));
+            }
+            const uint16_t *src = res ? res : xr;
+            float sum_sq = 0.0f;
+            _Pragma("omp simd reduction(+ : sum_sq)")
+            for (int64_t i = 0; i < k; i++) sum_sq += bf16_to_float(src[i]) * bf16_to_float(src[i]);
+            const float inv_rms = 1.0f / sqrtf(sum_sq / (float)k + eps);
+            _Pragma("omp simd")
+            for (int64_t i = 0; i < k; i++)
+                buf[i] = round_bf16(bf16_to_float(weight[i]) *
+                                    round_bf16(bf16_to_float(src[i]) * inv_rms));
+            if (smooth)
+                QUANTIZE_ROW(buf[i] * smooth[i]);
+            else
+                QUANTIZE_ROW(buf[i]);
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
+
+/* acc [num_rows, 2 * inter] float32 (a gate_up GEMM's output, weight scales applied, gate
+ * columns first), acc_scale [num_rows]: dequantize_rows_bf16, then silu_and_mul_bf16
+ * (layer_ops.c), then quantize_rows_int8_bf16 (times smooth when given) into q [num_rows,
+ * inter] and scale. Returns 0, or -1 when a thread's scratch could not be allocated. */
+int silu_and_mul_quantize_bf16(uint8_t *q, float *scale, const float *acc,
+                               const float *acc_scale, const float *smooth, int64_t num_rows,
+                               int64_t inter, int num_threads) {
+    const int64_t k = inter;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads) if (num_rows * inter > 16384)")
+    {
+        float *buf = row_buffer(inter);
+        if (!buf) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for")
+        for (int64_t r = 0; r < num_rows; r++) {
+            if (!buf) continue;
+            const float *g = acc + r * 2 * inter, *u = g + inter, s = acc_scale[r];
+            uint8_t *qr = q + r * inter;
+            _Pragma("omp simd")
+            for (int64_t i = 0; i < inter; i++) {
+                const float v = round_bf16(g[i] * s);
+                buf[i] = round_bf16(round_bf16(v / (1.0f + exp_any(-v))) * round_bf16(u[i] * s));
+            }
+            if (smooth)
+                QUANTIZE_ROW(buf[i] * smooth[i]);
+            else
+                QUANTIZE_ROW(buf[i]);
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
 }
