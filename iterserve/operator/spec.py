@@ -256,8 +256,9 @@ class EngineSpec(_Model):
         "none",
         description="Linear layers of CPU pods: none (bfloat16), int8 (int8 weights per "
         "channel and activations per token) or q4 (the model file's own Q4_1 weights: the "
-        "model source holds one .gguf file). Each batch size runs on the kernel measured fastest at the pod's "
-        "start. CPU pods only (resources.gpus 0); needs dtype auto or bfloat16. Default none.",
+        "model source holds one .gguf file). Each batch size runs on the kernel measured "
+        "fastest at the pod's start. CPU pods only (resources.gpus 0); needs dtype auto or "
+        "bfloat16. Default none.",
     )
 
 

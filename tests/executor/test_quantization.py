@@ -172,3 +172,20 @@ def test_the_quantized_model_serves_with_bf16s_perplexity(
     assert perplexity != bf16_perplexity  # another computation...
     assert abs(perplexity / bf16_perplexity - 1) < 0.10  # ...of nearly the same function
     assert "Paris" in out[0].outputs[0].text
+
+
+def test_int8_layers_after_a_fused_pass_are_timed_without_it() -> None:
+    """The plan times what runs: q, k, v, gate_up and down take rows the norm or SwiGLU
+    quantized anyway (and gate_up hands SwiGLU float32); o_proj and the LM head quantize
+    their own input; other kernels are timed as they are."""
+    layer = Int8Linear(torch.randn(64, 32))
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    assert quantization.timed_as_run("layers.0.o_proj", layer) is layer
+    assert quantization.timed_as_run(quantization.LM_HEAD, layer) is layer
+    qkv = quantization.timed_as_run("layers.0.qkv_proj", layer)
+    assert qkv is not layer and torch.equal(qkv(x, None), layer(x))
+    gate_up = quantization.timed_as_run("layers.3.gate_up_proj", layer)
+    out = gate_up(x, None)
+    assert out.dtype == torch.float32 and torch.equal(out, layer.accumulate(x)[0])
+    bf16 = lambda x, bias: x  # noqa: E731
+    assert quantization.timed_as_run("layers.0.down_proj", bf16) is bf16
