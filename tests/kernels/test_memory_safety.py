@@ -13,6 +13,7 @@ from pathlib import Path
 SCRIPT = r"""
 import torch
 from iterserve.kernels import layer_ops as ops
+from iterserve.kernels import quantized_linear as quant
 from iterserve.kernels.paged_decode_attention import (
     paged_decode_attention_cpu, paged_decode_attention_reference)
 
@@ -46,6 +47,15 @@ for dtype in (torch.bfloat16, torch.float32):
         ops.reshape_and_cache_cpu(k, v, cache, cache.clone(), torch.arange(num_tokens) * 2 - 1)
         logits = torch.randn(num_tokens, 2, 1001, generator=gen).to(dtype)[:, 1]
         assert ops.argmax_rows_cpu(logits).tolist() == logits.argmax(-1).tolist()
+for num_tokens in (1, 3, 40, 200):  # 200 x 576: past the fused norm's threading threshold
+    x = torch.randn(num_tokens, 2, 576, generator=gen).to(torch.bfloat16)[:, 0]
+    residual = torch.randn(num_tokens, 576, generator=gen).to(torch.bfloat16)
+    smooth = torch.rand(576, generator=gen) + 0.5
+    quant.rms_norm_quantize(x, torch.ones(576, dtype=torch.bfloat16), 1e-5, residual, smooth)
+    rows = quant.quantize_rows_int8(x, smooth)
+    acc = torch.randn(num_tokens, 2 * 1536, generator=gen)
+    quant.silu_and_mul_quantize(acc, rows[1], torch.rand(1536, generator=gen) + 0.5)
+    quant.dequantize_rows(acc, rows[1], torch.ones(3072, dtype=torch.bfloat16))
 print("clean")
 """
 

@@ -86,19 +86,20 @@ void dequantize_rows_bf16(uint16_t *out, const float *acc, const float *scale,
     }
 }
 
-/* The per-row scratch of the fused kernels: float32 [k] per thread, or NULL (out of memory). */
-static float *row_buffer(int64_t k) { return (float *)malloc((size_t)k * sizeof(float)); }
+/* Fills buf [k] with row r's values before quantization (a fused kernel's first part). */
+typedef void (*fill_fn)(const void *args, int64_t r, float *buf);
 
-/* rms_norm_bf16 (layer_ops.c) of x (+ residual, stored back as the sum) then
- * quantize_rows_int8_bf16 of the normalised bfloat16 row (times smooth when given).
- * Returns 0, or -1 when a thread's scratch could not be allocated. */
-int rms_norm_quantize_bf16(uint8_t *q, float *scale, const uint16_t *x, int64_t x_stride,
-                           uint16_t *residual, const uint16_t *weight, const float *smooth,
-                           int64_t num_rows, int64_t k, float eps, int num_threads) {
+/* The fused kernels' frame: rows in parallel (above threshold elements), each thread one
+ * float32 scratch row that fill fills, then quantize_rows_int8_bf16's row (times smooth when
+ * given) into q [num_rows, k] and scale. Returns 0, or -1 when a thread's scratch could not be
+ * allocated (its rows are left unwritten). */
+static int quantize_filled_rows(uint8_t *q, float *scale, const float *smooth, int64_t num_rows,
+                                int64_t k, int64_t threshold, int num_threads, fill_fn fill,
+                                const void *args) {
     int failed = 0;
-    _Pragma("omp parallel num_threads(num_threads) if (num_rows * k > 65536)")
+    _Pragma("omp parallel num_threads(num_threads) if (num_rows * k > threshold)")
     {
-        float *buf = row_buffer(k);
+        float *buf = (float *)malloc((size_t)k * sizeof(float));
         if (!buf) {
             _Pragma("omp atomic write")
             failed = 1;
@@ -106,23 +107,8 @@ int rms_norm_quantize_bf16(uint8_t *q, float *scale, const uint16_t *x, int64_t 
         _Pragma("omp for")
         for (int64_t r = 0; r < num_rows; r++) {
             if (!buf) continue;
-            const uint16_t *xr = x + r * x_stride;
-            uint16_t *res = residual ? residual + r * k : NULL;
             uint8_t *qr = q + r * k;
-            if (res) {
-                _Pragma("omp simd")
-                for (int64_t i = 0; i < k; i++)
-                    res[i] = float_to_bf16(bf16_to_float(xr[i]) + bf16_to_float(res[i]));
-            }
-            const uint16_t *src = res ? res : xr;
-            float sum_sq = 0.0f;
-            _Pragma("omp simd reduction(+ : sum_sq)")
-            for (int64_t i = 0; i < k; i++) sum_sq += bf16_to_float(src[i]) * bf16_to_float(src[i]);
-            const float inv_rms = 1.0f / sqrtf(sum_sq / (float)k + eps);
-            _Pragma("omp simd")
-            for (int64_t i = 0; i < k; i++)
-                buf[i] = round_bf16(bf16_to_float(weight[i]) *
-                                    round_bf16(bf16_to_float(src[i]) * inv_rms));
+            fill(args, r, buf);
             if (smooth)
                 QUANTIZE_ROW(buf[i] * smooth[i]);
             else
@@ -133,6 +119,62 @@ int rms_norm_quantize_bf16(uint8_t *q, float *scale, const uint16_t *x, int64_t 
     return failed ? -1 : 0;
 }
 
+typedef struct {
+    const uint16_t *x, *weight;
+    uint16_t *residual;
+    int64_t x_stride, k;
+    float eps;
+} rms_args_t;
+
+/* rms_norm_bf16 (layer_ops.c) of row r, residual sum stored back: the bfloat16 outputs. */
+static void fill_rms_norm(const void *args, int64_t r, float *buf) {
+    const rms_args_t *a = (const rms_args_t *)args;
+    const int64_t k = a->k;
+    const uint16_t *xr = a->x + r * a->x_stride;
+    uint16_t *res = a->residual ? a->residual + r * k : NULL;
+    if (res) {
+        _Pragma("omp simd")
+        for (int64_t i = 0; i < k; i++)
+            res[i] = float_to_bf16(bf16_to_float(xr[i]) + bf16_to_float(res[i]));
+    }
+    const uint16_t *src = res ? res : xr;
+    float sum_sq = 0.0f;
+    _Pragma("omp simd reduction(+ : sum_sq)")
+    for (int64_t i = 0; i < k; i++) sum_sq += bf16_to_float(src[i]) * bf16_to_float(src[i]);
+    const float inv_rms = 1.0f / sqrtf(sum_sq / (float)k + a->eps);
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < k; i++)
+        buf[i] = round_bf16(bf16_to_float(a->weight[i]) * round_bf16(bf16_to_float(src[i]) * inv_rms));
+}
+
+/* rms_norm_bf16 (layer_ops.c) of x (+ residual, stored back as the sum) then
+ * quantize_rows_int8_bf16 of the normalised bfloat16 row (times smooth when given).
+ * Returns 0, or -1 when a thread's scratch could not be allocated. */
+int rms_norm_quantize_bf16(uint8_t *q, float *scale, const uint16_t *x, int64_t x_stride,
+                           uint16_t *residual, const uint16_t *weight, const float *smooth,
+                           int64_t num_rows, int64_t k, float eps, int num_threads) {
+    const rms_args_t args = {x, weight, residual, x_stride, k, eps};
+    return quantize_filled_rows(q, scale, smooth, num_rows, k, 65536, num_threads, fill_rms_norm,
+                                &args);
+}
+
+typedef struct {
+    const float *acc, *acc_scale;
+    int64_t inter;
+} swiglu_args_t;
+
+/* dequantize_rows_bf16 then silu_and_mul_bf16 (layer_ops.c) of row r: the bfloat16 outputs. */
+static void fill_silu_and_mul(const void *args, int64_t r, float *buf) {
+    const swiglu_args_t *a = (const swiglu_args_t *)args;
+    const int64_t inter = a->inter;
+    const float *g = a->acc + r * 2 * inter, *u = g + inter, s = a->acc_scale[r];
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < inter; i++) {
+        const float v = round_bf16(g[i] * s);
+        buf[i] = round_bf16(round_bf16(v / (1.0f + exp_any(-v))) * round_bf16(u[i] * s));
+    }
+}
+
 /* acc [num_rows, 2 * inter] float32 (a gate_up GEMM's output, weight scales applied, gate
  * columns first), acc_scale [num_rows]: dequantize_rows_bf16, then silu_and_mul_bf16
  * (layer_ops.c), then quantize_rows_int8_bf16 (times smooth when given) into q [num_rows,
@@ -140,31 +182,7 @@ int rms_norm_quantize_bf16(uint8_t *q, float *scale, const uint16_t *x, int64_t 
 int silu_and_mul_quantize_bf16(uint8_t *q, float *scale, const float *acc,
                                const float *acc_scale, const float *smooth, int64_t num_rows,
                                int64_t inter, int num_threads) {
-    const int64_t k = inter;
-    int failed = 0;
-    _Pragma("omp parallel num_threads(num_threads) if (num_rows * inter > 16384)")
-    {
-        float *buf = row_buffer(inter);
-        if (!buf) {
-            _Pragma("omp atomic write")
-            failed = 1;
-        }
-        _Pragma("omp for")
-        for (int64_t r = 0; r < num_rows; r++) {
-            if (!buf) continue;
-            const float *g = acc + r * 2 * inter, *u = g + inter, s = acc_scale[r];
-            uint8_t *qr = q + r * inter;
-            _Pragma("omp simd")
-            for (int64_t i = 0; i < inter; i++) {
-                const float v = round_bf16(g[i] * s);
-                buf[i] = round_bf16(round_bf16(v / (1.0f + exp_any(-v))) * round_bf16(u[i] * s));
-            }
-            if (smooth)
-                QUANTIZE_ROW(buf[i] * smooth[i]);
-            else
-                QUANTIZE_ROW(buf[i]);
-        }
-        free(buf);
-    }
-    return failed ? -1 : 0;
+    const swiglu_args_t args = {acc, acc_scale, inter};
+    return quantize_filled_rows(q, scale, smooth, num_rows, inter, 16384, num_threads,
+                                fill_silu_and_mul, &args);
 }
