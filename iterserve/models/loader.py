@@ -15,7 +15,9 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from filelock import FileLock
 
@@ -129,7 +131,8 @@ def check_gguf(gguf_path: Path) -> None:
     """Refuse a GGUF file this server cannot serve, from its header alone (memory-mapped,
     nothing converted): unreadable, another architecture, a key of
     :data:`GGUF_REQUIRED_KEYS` missing, or a header that disagrees with the tensors the file
-    holds (layers, embedding width).
+    holds (its layers; the parameters its dimensions describe, against the elements its tensors
+    hold).
 
     Raises:
         ModelNotFoundError: what is wrong, naming the file.
@@ -153,13 +156,53 @@ def check_gguf(gguf_path: Path) -> None:
     if missing:
         raise ModelNotFoundError(f"{name}: its metadata has no {', '.join(missing)}")
     layers = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
-    declared = int(fields[f"{arch}.block_count"].contents())
+    declared = _field_int(fields, f"{arch}.block_count")
     if len(layers) != declared:
         raise ModelNotFoundError(f"{name} declares {declared} layers and holds {len(layers)}")
-    width = int(fields[f"{arch}.embedding_length"].contents())
-    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if embedding is None or width not in [int(d) for d in embedding.shape]:
-        raise ModelNotFoundError(f"{name} has no token_embd.weight {width} wide")
+    held = sum(int(t.n_elements) for t in reader.tensors)
+    described = _described_parameters(fields, arch, name)
+    if described > 1.1 * held:
+        raise ModelNotFoundError(
+            f"{name}: its metadata describes {described:,} parameters and its tensors hold "
+            f"{held:,} (a model that size would be built before anything failed)"
+        )
+
+
+def _field_int(fields: Mapping[str, Any], key: str) -> int:
+    field = fields.get(key)
+    return int(field.contents()) if field is not None else 0
+
+
+def _described_parameters(fields: Mapping[str, Any], arch: str, name: str) -> int:
+    """The parameter count of the Llama the metadata describes (what transformers would
+    allocate from it), embeddings included.
+
+    Raises:
+        ModelNotFoundError: a width, count or vocabulary that is not positive.
+    """
+    dims = {
+        key: _field_int(fields, f"{arch}.{key}")
+        for key in (
+            "block_count",
+            "embedding_length",
+            "feed_forward_length",
+            "attention.head_count",
+        )
+    }
+    dims["vocab"] = len(fields["tokenizer.ggml.tokens"].data)
+    if min(dims.values()) <= 0:
+        bad = ", ".join(k for k, v in dims.items() if v <= 0)
+        raise ModelNotFoundError(f"{name}: its metadata gives no positive {bad}")
+    width, heads = dims["embedding_length"], dims["attention.head_count"]
+    kv_heads = _field_int(fields, f"{arch}.attention.head_count_kv") or heads
+    head_dim = _field_int(fields, f"{arch}.attention.key_length") or width // heads
+    per_layer = (
+        2 * width * heads * head_dim  # q, o
+        + 2 * width * kv_heads * head_dim  # k, v
+        + 3 * width * dims["feed_forward_length"]  # gate, up, down
+        + 2 * width  # the two norms
+    )
+    return dims["vocab"] * width + dims["block_count"] * per_layer + width
 
 
 def convert_gguf(gguf_path: Path) -> Path:

@@ -115,9 +115,11 @@ LLAMA_KEYS = {
         ("gpt2", LLAMA_KEYS, 2, "general.architecture is 'gpt2'"),
         ("llama", {}, 2, "no llama.block_count, llama.embedding_length"),
         ("llama", LLAMA_KEYS, 1, "declares 2 layers and holds 1"),
-        ("llama", {**LLAMA_KEYS, "llama.embedding_length": 4096}, 2, "token_embd.weight 4096"),
+        ("llama", {**LLAMA_KEYS, "llama.embedding_length": 4096}, 2, "tensors hold 64 "),
+        ("llama", {**LLAMA_KEYS, "llama.feed_forward_length": 1 << 30}, 2, "describes"),
+        ("llama", {**LLAMA_KEYS, "llama.attention.head_count": 0}, 2, "no positive attention"),
     ],
-    ids=["architecture", "metadata", "layers", "width"],
+    ids=["architecture", "metadata", "layers", "width", "ffn", "heads"],
 )
 def test_a_gguf_it_cannot_serve_is_refused_from_its_header(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, keys: dict, blocks: int, error: str
