@@ -240,10 +240,11 @@ def silu_and_mul_quantize(
     num_rows, inter = acc.shape[0], acc.shape[1] // 2
     if acc_scale.shape != (num_rows,) or acc_scale.dtype != torch.float32:
         raise ValueError(f"acc_scale must be float32 [{num_rows}]")
+    acc_scale = acc_scale.contiguous()  # held here: the C call reads it
     _check_smooth(smooth, inter)
     out = _quantized_rows(num_rows, inter)
     status = _fn("silu_and_mul_quantize_bf16")(
-        out.q.data_ptr(), out.scale.data_ptr(), acc.data_ptr(), acc_scale.contiguous().data_ptr(),
+        out.q.data_ptr(), out.scale.data_ptr(), acc.data_ptr(), acc_scale.data_ptr(),
         smooth.data_ptr() if smooth is not None else None, num_rows, inter,
         torch.get_num_threads(),
     )  # fmt: skip

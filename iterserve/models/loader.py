@@ -156,11 +156,11 @@ def check_gguf(gguf_path: Path) -> None:
     if missing:
         raise ModelNotFoundError(f"{name}: its metadata has no {', '.join(missing)}")
     layers = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
-    declared = _field_int(fields, f"{arch}.block_count")
+    declared = _field_int(fields, f"{arch}.block_count", name)
+    described = _described_parameters(fields, arch, name)
     if len(layers) != declared:
         raise ModelNotFoundError(f"{name} declares {declared} layers and holds {len(layers)}")
     held = sum(int(t.n_elements) for t in reader.tensors)
-    described = _described_parameters(fields, arch, name)
     if described > 1.1 * held:
         raise ModelNotFoundError(
             f"{name}: its metadata describes {described:,} parameters and its tensors hold "
@@ -168,9 +168,19 @@ def check_gguf(gguf_path: Path) -> None:
         )
 
 
-def _field_int(fields: Mapping[str, Any], key: str) -> int:
+def _field_int(fields: Mapping[str, Any], key: str, name: str) -> int:
+    """The integer metadata value ``key`` (0 when absent).
+
+    Raises:
+        ModelNotFoundError: a value that is no whole number (a string, an array, 576.5).
+    """
     field = fields.get(key)
-    return int(field.contents()) if field is not None else 0
+    if field is None:
+        return 0
+    value = field.contents()
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ModelNotFoundError(f"{name}: its metadata's {key} is {value!r}, not a whole number")
+    return int(value)
 
 
 def _described_parameters(fields: Mapping[str, Any], arch: str, name: str) -> int:
@@ -181,7 +191,7 @@ def _described_parameters(fields: Mapping[str, Any], arch: str, name: str) -> in
         ModelNotFoundError: a width, count or vocabulary that is not positive.
     """
     dims = {
-        key: _field_int(fields, f"{arch}.{key}")
+        key: _field_int(fields, f"{arch}.{key}", name)
         for key in (
             "block_count",
             "embedding_length",
@@ -194,8 +204,10 @@ def _described_parameters(fields: Mapping[str, Any], arch: str, name: str) -> in
         bad = ", ".join(k for k, v in dims.items() if v <= 0)
         raise ModelNotFoundError(f"{name}: its metadata gives no positive {bad}")
     width, heads = dims["embedding_length"], dims["attention.head_count"]
-    kv_heads = _field_int(fields, f"{arch}.attention.head_count_kv") or heads
-    head_dim = _field_int(fields, f"{arch}.attention.key_length") or width // heads
+    if width % heads:
+        raise ModelNotFoundError(f"{name}: {heads} heads do not divide the width {width}")
+    kv_heads = _field_int(fields, f"{arch}.attention.head_count_kv", name) or heads
+    head_dim = _field_int(fields, f"{arch}.attention.key_length", name) or width // heads
     per_layer = (
         2 * width * heads * head_dim  # q, o
         + 2 * width * kv_heads * head_dim  # k, v

@@ -132,6 +132,8 @@ def test_the_fused_swiglu_quantizes_what_the_chain_writes(num_rows: int, smoothe
     q, scale = quantize_rows_int8(silu_and_mul_cpu(dequantize_rows(acc, acc_scale)), smooth)
     fused = silu_and_mul_quantize(acc, acc_scale, smooth)
     assert torch.equal(fused.q, q) and torch.equal(fused.scale, scale)
+    strided = torch.stack([acc_scale, acc_scale], dim=1)[:, 0]  # a strided view: copied, held
+    assert torch.equal(silu_and_mul_quantize(acc, strided, smooth).q, q)
 
 
 def test_the_fused_kernels_refuse_what_they_cannot_read() -> None:

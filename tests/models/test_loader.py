@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from iterserve.config import EngineConfig
@@ -118,8 +119,9 @@ LLAMA_KEYS = {
         ("llama", {**LLAMA_KEYS, "llama.embedding_length": 4096}, 2, "tensors hold 64 "),
         ("llama", {**LLAMA_KEYS, "llama.feed_forward_length": 1 << 30}, 2, "describes"),
         ("llama", {**LLAMA_KEYS, "llama.attention.head_count": 0}, 2, "no positive attention"),
+        ("llama", {**LLAMA_KEYS, "llama.attention.head_count": 7}, 2, "7 heads do not divide"),
     ],
-    ids=["architecture", "metadata", "layers", "width", "ffn", "heads"],
+    ids=["architecture", "metadata", "layers", "width", "ffn", "heads", "odd-heads"],
 )
 def test_a_gguf_it_cannot_serve_is_refused_from_its_header(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, keys: dict, blocks: int, error: str
@@ -161,3 +163,21 @@ def test_a_directory_holding_one_gguf_is_that_gguf(
         resolve_model_dir(str(volume))
     (volume / "config.json").write_text("{}")  # a Hugging Face directory: its own weights
     assert loader.source_gguf(str(volume)) is None
+
+
+def test_metadata_that_is_no_whole_number_is_refused(tmp_path: Path) -> None:
+    import gguf
+
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_string("llama.block_count", "thirty")
+    for key in ("embedding_length", "feed_forward_length", "attention.head_count"):
+        writer.add_uint32(f"llama.{key}", 16)
+    writer.add_token_list(["a", "b"])
+    writer.add_tensor("token_embd.weight", np.zeros((2, 16), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelNotFoundError, match="block_count is 'thirty', not a whole number"):
+        loader.check_gguf(path)
