@@ -140,6 +140,7 @@ def check_gguf(gguf_path: Path) -> None:
     from gguf import GGUFReader
 
     name = gguf_path.name
+    _check_gguf_counts(gguf_path)
     try:
         reader = GGUFReader(str(gguf_path))
     except Exception as e:  # the reader raises whatever its parse hits: a bad file, said once
@@ -166,6 +167,61 @@ def check_gguf(gguf_path: Path) -> None:
             f"{name}: its metadata describes {described:,} parameters and its tensors hold "
             f"{held:,} (a model that size would be built before anything failed)"
         )
+
+
+# GGUF value types (ggml's gguf_type) -> bytes of one fixed-size value; 8: string, 9: array.
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _check_gguf_counts(gguf_path: Path) -> None:
+    """Walk a GGUF header's key-value section and refuse any count (keys, tensors, string
+    lengths, array lengths) that the file's size cannot hold, before the ``gguf`` package
+    reads it: its reader builds arrays value by value, so an 84-byte file claiming 2^40
+    elements took 24 GB and the OOM killer (measured).
+
+    Raises:
+        ModelNotFoundError: a count larger than the file, or a truncated header.
+    """
+    import struct
+
+    size = gguf_path.stat().st_size
+    name = gguf_path.name
+    with gguf_path.open("rb") as f:
+
+        def read(fmt: str) -> Any:
+            data = f.read(struct.calcsize(fmt))
+            if len(data) != struct.calcsize(fmt):
+                raise ModelNotFoundError(f"{name} is not a readable GGUF file: truncated header")
+            return struct.unpack("<" + fmt, data)[0]
+
+        def bounded(count: int, item_bytes: int, what: str) -> int:
+            if count * item_bytes > size - f.tell():
+                raise ModelNotFoundError(f"{name}: {what} of {count:,} does not fit in the file")
+            return count
+
+        def skip_value(kind: int) -> None:
+            if kind in _GGUF_SIZES:
+                f.seek(_GGUF_SIZES[kind], 1)
+            elif kind == 8:
+                f.seek(bounded(read("Q"), 1, "a string length"), 1)
+            elif kind == 9:
+                item, count = read("I"), read("Q")
+                bounded(count, _GGUF_SIZES.get(item, 8), "an array length")
+                if item in _GGUF_SIZES:
+                    f.seek(count * _GGUF_SIZES[item], 1)
+                else:
+                    for _ in range(count):
+                        skip_value(item)
+            else:
+                raise ModelNotFoundError(f"{name} is not a readable GGUF file: value type {kind}")
+
+        if f.read(4) != b"GGUF":
+            raise ModelNotFoundError(f"{name} is not a readable GGUF file: no GGUF magic")
+        read("I")  # version
+        bounded(read("Q"), 24, "a tensor count")
+        for _ in range(bounded(read("Q"), 12, "a key count")):
+            f.seek(bounded(read("Q"), 1, "a key length"), 1)
+            skip_value(read("I"))
 
 
 def _field_int(fields: Mapping[str, Any], key: str, name: str) -> int:

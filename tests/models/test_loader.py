@@ -181,3 +181,21 @@ def test_metadata_that_is_no_whole_number_is_refused(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ModelNotFoundError, match="block_count is 'thirty', not a whole number"):
         loader.check_gguf(path)
+
+
+def test_a_count_the_file_cannot_hold_is_refused_before_the_reader(tmp_path: Path) -> None:
+    """84 bytes claiming an array of 2^40 values: the gguf package's reader built it value by
+    value (24 GB, then the OOM killer, measured); the header walk refuses it at once."""
+    import struct
+
+    def text(value: bytes) -> bytes:
+        return struct.pack("<Q", len(value)) + value
+
+    path = tmp_path / "a.gguf"
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + text(b"general.architecture")
+    path.write_bytes(header + struct.pack("<IIQ", 9, 0, 2**40) + bytes(16))
+    with pytest.raises(ModelNotFoundError, match="array length of 1,099,511,627,776"):
+        loader.check_gguf(path)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2**50))
+    with pytest.raises(ModelNotFoundError, match="key count"):
+        loader.check_gguf(path)
