@@ -18,9 +18,18 @@ _SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
 
 
 def load_hf_config(model_dir: Path) -> Any:
+    """The Hugging Face config of ``model_dir``.
+
+    Raises:
+        ConfigError: a ``config.json`` transformers cannot read (no ``model_type``, not JSON),
+            or an architecture this server does not run.
+    """
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    try:
+        hf_config = AutoConfig.from_pretrained(str(model_dir))
+    except (ValueError, OSError, KeyError) as e:  # transformers' words for a bad config.json
+        raise ConfigError(f"{model_dir}: config.json is no model config: {e}") from e
     archs = set(getattr(hf_config, "architectures", None) or [])
     if not archs & _SUPPORTED_ARCHITECTURES:
         raise ConfigError(
@@ -30,12 +39,28 @@ def load_hf_config(model_dir: Path) -> Any:
     return hf_config
 
 
+# Positions are exact in the float32 rotary tables up to 2^24; the tables hold max_model_len rows.
+MAX_POSITIONS = 1 << 24
+
+
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    """``--max-model-len``, else the model's context length (``max_position_embeddings``).
+
+    Raises:
+        ConfigError: more than the model's maximum, or more than :data:`MAX_POSITIONS` (a
+            model file claiming 2^31 positions asked for terabytes of rotary tables).
+    """
     model_max = int(hf_config.max_position_embeddings)
     asked = config.model.max_model_len
     if asked is not None and asked > model_max:
         raise ConfigError(f"max_model_len {asked} exceeds the model's maximum {model_max}")
-    return asked or model_max
+    resolved = asked or model_max
+    if resolved > MAX_POSITIONS:
+        raise ConfigError(
+            f"max_model_len {resolved:,} (the model's context length) is beyond the "
+            f"{MAX_POSITIONS:,} positions the rotary tables hold exactly: pass --max-model-len"
+        )
+    return resolved
 
 
 def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> frozenset[int]:
@@ -72,8 +97,8 @@ def load_model(
     slice and only this rank's shard of it is read.
 
     Raises:
-        ConfigError: no safetensors files, heads that do not divide by ``tp.size``, or a
-            ``q4`` file whose linear weights are not Q4_1.
+        ConfigError: no safetensors files, heads that do not divide by ``tp.size``, weights
+            that do not fit the model, or a ``q4`` file whose linear weights are not Q4_1.
     """
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -84,7 +109,10 @@ def load_model(
     except ValueError as e:  # a degree the heads or the MLP width do not divide by
         raise ConfigError(str(e)) from e
 
-    model.load_weights(checkpoint_slices(files))
+    try:
+        model.load_weights(checkpoint_slices(files))
+    except ValueError as e:  # a tensor without a place, a parameter never loaded
+        raise ConfigError(f"{model_dir}: {e}") from e
     # Rotary tables are computed in float32 and cast here, as Hugging Face casts cos/sin.
     model = model.to(dtype).eval()
     if quantization == "none":

@@ -9,6 +9,7 @@ it once and never see a half-written directory. No code here reaches a model hub
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.metadata
 import logging
@@ -125,14 +126,25 @@ GGUF_REQUIRED_KEYS = (
     "{arch}.attention.head_count",
     "tokenizer.ggml.tokens",
 )
+# The tensors a complete Llama GGUF holds (``output.weight`` only when the LM head is not tied
+# to the embeddings); transformers fills a missing one with its random initialisation, saved
+# into the converted checkpoint as if it were the model's.
+GGUF_REQUIRED_TENSORS = ("token_embd.weight", "output_norm.weight")
+GGUF_LAYER_TENSORS = tuple(
+    f"{name}.weight"
+    for name in (
+        "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+        "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
+    )
+)  # fmt: skip
 
 
 def check_gguf(gguf_path: Path) -> None:
     """Refuse a GGUF file this server cannot serve, from its header alone (memory-mapped,
     nothing converted): unreadable, another architecture, a key of
-    :data:`GGUF_REQUIRED_KEYS` missing, or a header that disagrees with the tensors the file
+    :data:`GGUF_REQUIRED_KEYS` missing, a header that disagrees with the tensors the file
     holds (its layers; the parameters its dimensions describe, against the elements its tensors
-    hold).
+    hold), or a weight of :data:`GGUF_REQUIRED_TENSORS` / :data:`GGUF_LAYER_TENSORS` missing.
 
     Raises:
         ModelNotFoundError: what is wrong, naming the file.
@@ -166,6 +178,16 @@ def check_gguf(gguf_path: Path) -> None:
         raise ModelNotFoundError(
             f"{name}: its metadata describes {described:,} parameters and its tensors hold "
             f"{held:,} (a model that size would be built before anything failed)"
+        )
+    names = {t.name for t in reader.tensors}
+    wanted = [*GGUF_REQUIRED_TENSORS]
+    wanted += [f"blk.{i}.{t}" for i in range(declared) for t in GGUF_LAYER_TENSORS]
+    absent = [t for t in wanted if t not in names]
+    if absent:
+        more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
+        raise ModelNotFoundError(
+            f"{name} holds no {', '.join(absent[:3])}{more} (a weight it lacks would be served "
+            "from a random initialisation)"
         )
 
 
@@ -279,6 +301,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     Raises:
         ModelNotFoundError: a file :func:`check_gguf` refuses.
     """
+    gguf_path = gguf_path.resolve()  # a link and its file: one name, one conversion
     root = cache_root()
     target = root / f"{gguf_path.stem}-{_sha256(gguf_path)[:16]}"
     if (target / "config.json").is_file():
@@ -288,6 +311,8 @@ def convert_gguf(gguf_path: Path) -> Path:
     with FileLock(str(target) + ".lock"):
         if (target / "config.json").is_file():
             return target  # another process converted it while we waited
+        for stale in root.glob(glob.escape(target.name) + ".tmp-*"):  # a killed conversion's
+            shutil.rmtree(stale, ignore_errors=True)  # (the lock is ours: none is running)
         logger.info("converting %s to safetensors in %s (once)", gguf_path, target)
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=root))
         try:

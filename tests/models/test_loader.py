@@ -44,6 +44,21 @@ def test_cached_conversion_is_reused(loaded_f32: Any, monkeypatch: pytest.Monkey
 
 
 @pytest.mark.model
+def test_a_link_to_a_gguf_is_its_file(
+    loaded_f32: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A symlinked GGUF (a volume's alias) is cached under its file's name: converted once."""
+
+    def must_not_convert(*args: object) -> None:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(loader, "_write_hf_dir", must_not_convert)
+    link = tmp_path / "alias.gguf"
+    link.symlink_to(default_gguf_path())
+    assert resolve_model_dir(str(link)) == loaded_f32.model_dir
+
+
+@pytest.mark.model
 def test_concurrent_starts_convert_once(tmp_path: Path) -> None:
     """Two processes converting into an empty cache at once: one directory, nothing half-written."""
     code = (
@@ -135,6 +150,64 @@ def test_a_gguf_it_cannot_serve_is_refused_from_its_header(
     assert not (tmp_path / "cache" / "models").exists()  # nothing converted, nothing cached
 
 
+def _complete_gguf(path: Path, leave_out: str = "") -> Path:
+    """A whole two-layer Llama GGUF (width 16, zeros), less the tensor ``leave_out``."""
+    import gguf
+
+    width, ffn, vocab = 16, 32, 2
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    for key, value in LLAMA_KEYS.items():
+        writer.add_uint32(key, value)
+    writer.add_token_list(["a", "b"])
+    shapes = {"token_embd.weight": (vocab, width), "output_norm.weight": (width,)}
+    for i in range(LLAMA_KEYS["llama.block_count"]):
+        for name in ("attn_norm", "ffn_norm"):
+            shapes[f"blk.{i}.{name}.weight"] = (width,)
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            shapes[f"blk.{i}.{name}.weight"] = (width, width)
+        for name, shape in (("ffn_gate", (ffn, width)), ("ffn_up", (ffn, width))):
+            shapes[f"blk.{i}.{name}.weight"] = shape
+        shapes[f"blk.{i}.ffn_down.weight"] = (width, ffn)
+    for name, shape in shapes.items():
+        if name != leave_out:
+            writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_missing_a_weight_is_refused(tmp_path: Path) -> None:
+    """transformers converts it, filling the weight with its random initialisation (served as
+    the model's before): refused by name, nothing converted."""
+    loader.check_gguf(_complete_gguf(tmp_path / "whole.gguf"))
+    path = _complete_gguf(tmp_path / "model.gguf", leave_out="blk.1.ffn_norm.weight")
+    with pytest.raises(ModelNotFoundError, match=r"model\.gguf holds no blk\.1\.ffn_norm\.weight"):
+        loader.check_gguf(path)
+
+
+def test_a_killed_conversions_leftovers_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conversion killed half-way leaves its temporary directory: the next one (holding the
+    lock, so no other is running) removes it."""
+    monkeypatch.setenv("ITERSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = _complete_gguf(tmp_path / "model.gguf")
+    root = loader.cache_root()
+    target_name = f"model-{loader._sha256(path)[:16]}"
+    stale = root / f"{target_name}.tmp-killed"
+    (stale / "half").mkdir(parents=True)
+    other = root / "another-model.tmp-running"
+    other.mkdir()
+    monkeypatch.setattr(
+        loader, "_write_hf_dir", lambda gguf, out: (out / "config.json").write_text("{}")
+    )
+    assert loader.convert_gguf(path) == root / target_name
+    assert not stale.exists()
+    assert other.exists()  # another model's conversion is not ours to judge
+
+
 def test_a_file_that_is_no_gguf_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "model.gguf"
     path.write_bytes(b"not a gguf file at all")
@@ -199,3 +272,31 @@ def test_a_count_the_file_cannot_hold_is_refused_before_the_reader(tmp_path: Pat
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2**50))
     with pytest.raises(ModelNotFoundError, match="key count"):
         loader.check_gguf(path)
+
+
+def test_a_config_json_that_is_no_model_config_is_a_clear_error(tmp_path: Path) -> None:
+    from iterserve.config import ConfigError
+    from iterserve.executor.weights import load_hf_config
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="config.json is no model config: .*model_type"):
+        load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json is no model config"):
+        load_hf_config(tmp_path)
+
+
+def test_a_context_length_past_the_rotary_tables_asks_for_max_model_len() -> None:
+    """A GGUF claiming 2^31 positions converted, then asked for 274 GB of rotary tables
+    (measured): refused with the flag that serves it."""
+    from types import SimpleNamespace
+
+    from iterserve.config import ConfigError
+    from iterserve.executor.weights import MAX_POSITIONS, resolve_max_model_len
+
+    huge = SimpleNamespace(max_position_embeddings=2**31)
+    with pytest.raises(ConfigError, match="2,147,483,648 .* pass --max-model-len"):
+        resolve_max_model_len(EngineConfig(), huge)
+    assert resolve_max_model_len(EngineConfig.from_kwargs(max_model_len=4096), huge) == 4096
+    exact = SimpleNamespace(max_position_embeddings=MAX_POSITIONS)
+    assert resolve_max_model_len(EngineConfig(), exact) == MAX_POSITIONS
