@@ -279,10 +279,10 @@ def test_a_config_json_that_is_no_model_config_is_a_clear_error(tmp_path: Path) 
     from iterserve.executor.weights import load_hf_config
 
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ConfigError, match="config.json is no model config: .*model_type"):
+    with pytest.raises(ConfigError, match=r"config\.json is no model config: .*model_type"):
         load_hf_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="config.json is no model config"):
+    with pytest.raises(ConfigError, match=r"config\.json is no model config"):
         load_hf_config(tmp_path)
 
 
@@ -295,7 +295,7 @@ def test_a_context_length_past_the_rotary_tables_asks_for_max_model_len() -> Non
     from iterserve.executor.weights import MAX_POSITIONS, resolve_max_model_len
 
     huge = SimpleNamespace(max_position_embeddings=2**31)
-    with pytest.raises(ConfigError, match="2,147,483,648 .* pass --max-model-len"):
+    with pytest.raises(ConfigError, match=r"2,147,483,648 .* pass --max-model-len"):
         resolve_max_model_len(EngineConfig(), huge)
     assert resolve_max_model_len(EngineConfig.from_kwargs(max_model_len=4096), huge) == 4096
     exact = SimpleNamespace(max_position_embeddings=MAX_POSITIONS)
