@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from iterserve import envs
 from iterserve.config import EngineConfig
 from iterserve.models import loader
 from iterserve.models.loader import ModelNotFoundError, default_gguf_path, resolve_model_dir
@@ -143,7 +144,7 @@ def test_a_gguf_it_cannot_serve_is_refused_from_its_header(
 ) -> None:
     """Refused before transformers reads it: without its metadata transformers builds its
     config class's defaults (a 7B Llama: 24 GB, then the kernel's OOM killer), measured."""
-    monkeypatch.setenv("ITERSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(envs, "ITERSERVE_CACHE_DIR", str(tmp_path / "cache"))  # read at import
     path = _gguf(tmp_path / "model.gguf", arch, keys, blocks)
     with pytest.raises(ModelNotFoundError, match=error):
         resolve_model_dir(str(path))
@@ -192,7 +193,7 @@ def test_a_killed_conversions_leftovers_are_removed(
 ) -> None:
     """A conversion killed half-way leaves its temporary directory: the next one (holding the
     lock, so no other is running) removes it."""
-    monkeypatch.setenv("ITERSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(envs, "ITERSERVE_CACHE_DIR", str(tmp_path / "cache"))  # read at import
     path = _complete_gguf(tmp_path / "model.gguf")
     root = loader.cache_root()
     target_name = f"model-{loader._sha256(path)[:16]}"
