@@ -275,6 +275,11 @@ def _add_quantization(sub: Any) -> None:
     p.add_argument("--no-quality", action="store_true", help="skip perplexity and agreement")
     p.add_argument("--no-offline", action="store_true", help="skip the LLM.generate rows")
     p.add_argument("--seed", type=int, default=0, help="prompt selection (default 0)")
-    p.add_argument("--smoke", action="store_true", help="write under bench-results/smoke")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="int8 at c=1, 2 short requests, no llama.cpp (overrides the sizing flags); "
+        "writes under bench-results/smoke",
+    )
     p.add_argument("--output-dir", type=Path, default=None, help="default: bench-results")
     p.set_defaults(func=_main_of("quantization"))

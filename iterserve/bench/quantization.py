@@ -252,7 +252,23 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+# ``--smoke``: int8 beside bf16 at one stream, two short requests, no llama.cpp (~2 minutes).
+SMOKE = {
+    "modes": ["int8"],
+    "concurrency": [1],
+    "min_requests": 2,
+    "prompt_len": 32,
+    "output_len": 8,
+    "offline_requests": 2,
+    "quality_prompts": 2,
+    "quality_tokens": 4,
+    "llama_server": "none",
+}
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.smoke:  # a tiny run that checks the pipeline: overrides the sizing flags
+        args = argparse.Namespace(**{**vars(args), **SMOKE})
     warn_if_loaded()
     out = output_dir(args)
     out.mkdir(parents=True, exist_ok=True)

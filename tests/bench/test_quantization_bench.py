@@ -71,3 +71,28 @@ def test_bad_flags_are_refused(flags: list[str], capsys: pytest.CaptureFixture[s
         build_parser().parse_args(["bench", "quantization", *flags])
     assert exit_info.value.code == 2
     assert "quantization: error" in capsys.readouterr().err
+
+
+def test_smoke_is_a_tiny_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--smoke`` sizes every step down (it only moved the output directory before: a full
+    run of an hour on a loaded machine); the steps themselves are replaced here."""
+    from iterserve.bench import quantization
+
+    seen: list[tuple[str, Any]] = []
+
+    def online(mode: str, args: Any, out: Path) -> dict[int, dict[str, Any]]:
+        seen.append((mode, args))
+        (out / f"server-{mode}.log").write_text("")  # the plan is read from the server's log
+        return {c: _run(10.0) for c in args.concurrency}
+
+    monkeypatch.setattr(quantization, "quality_rows", lambda args: seen.append(("q", args)) or [])
+    monkeypatch.setattr(quantization, "iterserve_online", online)
+    monkeypatch.setattr(quantization, "offline_throughput", lambda m, a: {"output_tokens_per_s": 1})
+    flags = ["bench", "quantization", "--smoke", "--output-dir", str(tmp_path)]
+    args = build_parser().parse_args(flags)
+    assert args.func(args) == 0
+    assert [mode for mode, _ in seen] == ["q", "none", "int8"]
+    for _, used in seen:
+        assert (used.concurrency, used.prompt_len, used.output_len) == ([1], 32, 8)
+        assert (used.quality_prompts, used.llama_server) == (2, "none")
+    assert (tmp_path / "quantization.json").is_file()
