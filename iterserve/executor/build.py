@@ -36,6 +36,7 @@ from iterserve.executor.weights import (
     eos_token_ids,
     load_hf_config,
     load_model,
+    load_tokenizer,
     resolve_max_model_len,
 )
 from iterserve.kernels.platform import Platform, select_platform
@@ -131,9 +132,7 @@ def build_shard(config: EngineConfig, model_dir: Path | str, tp: TPGroup = SINGL
     kv_cache = build_kv_cache(config, hf_config, model, dtype, device, graphs, tp)
     eos_ids = frozenset[int]()
     if tp.is_driver:
-        from transformers import AutoTokenizer
-
-        eos_ids = eos_token_ids(model_dir, hf_config, AutoTokenizer.from_pretrained(model_dir))
+        eos_ids = eos_token_ids(model_dir, hf_config, load_tokenizer(model_dir))
     runner = TorchModelRunner(model, kv_cache, config.model.seed, eos_ids)
     if graphs:
         capture_decode_graphs(runner, config)
@@ -157,8 +156,6 @@ def build(config: EngineConfig, fail_fast: bool = False) -> LoadedModel:
             replica already open in this process.
         ModelNotFoundError: the model cannot be found locally.
     """
-    from transformers import AutoTokenizer
-
     model_dir = resolve_model_dir(config.model.model)
     hf_config = load_hf_config(model_dir)
     config = config.with_max_model_len(resolve_max_model_len(config, hf_config))
@@ -170,7 +167,7 @@ def build(config: EngineConfig, fail_fast: bool = False) -> LoadedModel:
         runner = shard.runner
     else:
         shard, runner = _build_tensor_parallel(config, model_dir, fail_fast)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     logger.info(
         "model %s on %s in %s, %s ops, tensor parallel %d; %d KV blocks of %d tokens, "
         "%d host blocks",

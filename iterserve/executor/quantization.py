@@ -309,21 +309,23 @@ def _causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch
 def input_absmax(model: LlamaForCausalLM, token_ids: list[int]) -> dict[str, torch.Tensor]:
     """Per linear layer (and :data:`LM_HEAD`), ``max |x_j|`` of its input columns over one
     forward of ``token_ids`` (one sequence) through the bfloat16 model: SmoothQuant's
-    calibration statistic."""
+    calibration statistic. A model served with fewer positions than ``token_ids`` (``--max-model-len
+    64``) sees them as consecutive sequences of at most that many tokens."""
     stats: dict[str, torch.Tensor] = {}
 
-    def record(name: str) -> Any:
-        def hook(module: Any, args: tuple[torch.Tensor, ...]) -> None:
-            seen = args[0].detach().float().abs().amax(dim=0)
-            stats[name] = torch.maximum(stats[name], seen) if name in stats else seen
+    def keep(name: str, x: torch.Tensor) -> None:
+        seen = x.detach().float().abs().amax(dim=0)
+        stats[name] = torch.maximum(stats[name], seen) if name in stats else seen
 
-        return hook
+    def record(name: str) -> Any:
+        return lambda module, args: keep(name, args[0])
 
     handles = [m.register_forward_pre_hook(record(n)) for n, m in model.linear_layers()]
+    span = int(model.rotary.cos.shape[0])  # the positions the rotary tables hold
     try:
-        ids = torch.tensor(token_ids, dtype=torch.int64)
-        hidden = model(ids, torch.arange(len(token_ids)), _causal_attention)
-        stats[LM_HEAD] = hidden.float().abs().amax(dim=0)
+        for start in range(0, len(token_ids), span):
+            ids = torch.tensor(token_ids[start : start + span], dtype=torch.int64)
+            keep(LM_HEAD, model(ids, torch.arange(len(ids)), _causal_attention))
     finally:
         for handle in handles:
             handle.remove()

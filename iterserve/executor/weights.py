@@ -63,6 +63,20 @@ def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
     return resolved
 
 
+def load_tokenizer(model_dir: Path) -> Any:
+    """The directory's Hugging Face tokenizer.
+
+    Raises:
+        ConfigError: none there, or one transformers cannot build.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{model_dir}: no tokenizer transformers can load: {e}") from e
+
+
 def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> frozenset[int]:
     """EOS ids from the generation config, the model config and the tokenizer, combined."""
     from transformers import GenerationConfig
@@ -109,9 +123,11 @@ def load_model(
     except ValueError as e:  # a degree the heads or the MLP width do not divide by
         raise ConfigError(str(e)) from e
 
+    from safetensors import SafetensorError
+
     try:
         model.load_weights(checkpoint_slices(files))
-    except ValueError as e:  # a tensor without a place, a parameter never loaded
+    except (ValueError, SafetensorError) as e:  # no place, never loaded, a cut-off file
         raise ConfigError(f"{model_dir}: {e}") from e
     # Rotary tables are computed in float32 and cast here, as Hugging Face casts cos/sin.
     model = model.to(dtype).eval()

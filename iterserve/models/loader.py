@@ -284,6 +284,12 @@ def _described_parameters(fields: Mapping[str, Any], arch: str, name: str) -> in
     width, heads = dims["embedding_length"], dims["attention.head_count"]
     if width % heads:
         raise ModelNotFoundError(f"{name}: {heads} heads do not divide the width {width}")
+    # absent: derived (KV heads = heads, head_dim = width / heads); present: positive
+    for key in ("attention.head_count_kv", "attention.key_length", "rope.freq_base"):
+        field = fields.get(f"{arch}.{key}")
+        value = field.contents() if field is not None else None
+        if value is not None and (not isinstance(value, int | float) or not value > 0):
+            raise ModelNotFoundError(f"{name}: its metadata's {arch}.{key} is {value!r}")
     kv_heads = _field_int(fields, f"{arch}.attention.head_count_kv", name) or heads
     head_dim = _field_int(fields, f"{arch}.attention.key_length", name) or width // heads
     per_layer = (
@@ -303,7 +309,11 @@ def convert_gguf(gguf_path: Path) -> Path:
     """
     gguf_path = gguf_path.resolve()  # a link and its file: one name, one conversion
     root = cache_root()
-    target = root / f"{gguf_path.stem}-{_sha256(gguf_path)[:16]}"
+    try:
+        digest = _sha256(gguf_path)
+    except OSError as e:
+        raise ModelNotFoundError(f"{gguf_path} cannot be read: {e.strerror or e}") from e
+    target = root / f"{gguf_path.stem}-{digest[:16]}"
     if (target / "config.json").is_file():
         return target
     check_gguf(gguf_path)
@@ -316,7 +326,15 @@ def convert_gguf(gguf_path: Path) -> Path:
         logger.info("converting %s to safetensors in %s (once)", gguf_path, target)
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=root))
         try:
-            _write_hf_dir(gguf_path, tmp)
+            try:
+                _write_hf_dir(gguf_path, tmp)
+            except (ValueError, RuntimeError, IndexError, KeyError) as e:
+                # transformers' words for tensors that disagree with the metadata (shapes,
+                # a token id past the vocabulary): said once, with the file's name
+                raise ModelNotFoundError(
+                    f"{gguf_path.name} cannot be converted: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}"
+                ) from e
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

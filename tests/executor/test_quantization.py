@@ -189,3 +189,18 @@ def test_int8_layers_after_a_fused_pass_are_timed_without_it() -> None:
     assert out.dtype == torch.float32 and torch.equal(out, layer.accumulate(x)[0])
     bf16 = lambda x, bias: x  # noqa: E731
     assert quantization.timed_as_run("layers.0.down_proj", bf16) is bf16
+
+
+@pytest.mark.model
+def test_int8_calibrates_within_a_short_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 512-token calibration forward ran past the rotary tables of a model served with
+    ``--max-model-len 64`` (start-up failed: "448 positions outside [0, 64)"); it now runs as
+    sequences of at most 64 tokens."""
+    from iterserve import LLM, SamplingParams
+
+    monkeypatch.setenv("ITERSERVE_QUANTIZED_MAX_ROWS", "100000")
+    with LLM(quantization="int8", max_model_len=64, num_kv_blocks=16) as llm:
+        out = llm.generate(
+            ["The capital of France is"], SamplingParams(max_tokens=8, temperature=0)
+        )
+    assert "Paris" in out[0].outputs[0].text

@@ -106,7 +106,10 @@ def _gguf(path: Path, arch: str, keys: dict[str, int], blocks: int, width: int =
 
     writer = gguf.GGUFWriter(str(path), arch=arch)
     for key, value in keys.items():
-        writer.add_uint32(key, value)
+        if isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
     writer.add_token_list(["a", "b"])
     writer.add_tensor("token_embd.weight", np.zeros((2, width), dtype=np.float32))
     for i in range(blocks):
@@ -136,8 +139,20 @@ LLAMA_KEYS = {
         ("llama", {**LLAMA_KEYS, "llama.feed_forward_length": 1 << 30}, 2, "describes"),
         ("llama", {**LLAMA_KEYS, "llama.attention.head_count": 0}, 2, "no positive attention"),
         ("llama", {**LLAMA_KEYS, "llama.attention.head_count": 7}, 2, "7 heads do not divide"),
+        ("llama", {**LLAMA_KEYS, "llama.attention.head_count_kv": 0}, 2, "head_count_kv is 0"),
+        ("llama", {**LLAMA_KEYS, "llama.rope.freq_base": -1.0}, 2, "freq_base is -1.0"),
     ],
-    ids=["architecture", "metadata", "layers", "width", "ffn", "heads", "odd-heads"],
+    ids=[
+        "architecture",
+        "metadata",
+        "layers",
+        "width",
+        "ffn",
+        "heads",
+        "odd-heads",
+        "kv-heads",
+        "rope",
+    ],
 )
 def test_a_gguf_it_cannot_serve_is_refused_from_its_header(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, keys: dict, blocks: int, error: str
@@ -301,3 +316,30 @@ def test_a_context_length_past_the_rotary_tables_asks_for_max_model_len() -> Non
     assert resolve_max_model_len(EngineConfig.from_kwargs(max_model_len=4096), huge) == 4096
     exact = SimpleNamespace(max_position_embeddings=MAX_POSITIONS)
     assert resolve_max_model_len(EngineConfig(), exact) == MAX_POSITIONS
+
+
+def test_a_gguf_transformers_cannot_convert_is_one_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensors whose shapes disagree with the metadata pass the header check and fail inside
+    transformers (a reshape, a token id past the vocabulary): one error naming the file,
+    nothing cached."""
+    monkeypatch.setattr(envs, "ITERSERVE_CACHE_DIR", str(tmp_path / "cache"))  # read at import
+    path = _complete_gguf(tmp_path / "model.gguf")
+
+    def fails(gguf: Path, out: Path) -> None:
+        (out / "half").write_text("")
+        raise ValueError("cannot reshape array of size 110592 into shape (9,10,2,576)\nmore")
+
+    monkeypatch.setattr(loader, "_write_hf_dir", fails)
+    with pytest.raises(ModelNotFoundError, match=r"model\.gguf cannot be converted: ValueError"):
+        loader.convert_gguf(path)
+    assert [p.suffix for p in loader.cache_root().iterdir()] == [".lock"]
+
+
+def test_a_directory_without_a_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
+    from iterserve.config import ConfigError
+    from iterserve.executor.weights import load_tokenizer
+
+    with pytest.raises(ConfigError, match="no tokenizer transformers can load"):
+        load_tokenizer(tmp_path)
