@@ -68,7 +68,7 @@ class Sampler:
         float32 copy; a plain greedy batch is one :meth:`Platform.argmax_rows` over the logits
         as they are (the C kernel reads bfloat16 directly: a float32 copy and torch's argmax
         cost 3-5 ms at 128 x 49,152 on the development CPU)."""
-        if all(self._plain_greedy(s) for s in states):
+        if all(self._plain_greedy(s, logits.shape[1]) for s in states):
             tokens = self.platform.argmax_rows(logits)  # [num_reqs] int64
             token_list = tokens.tolist()
             for state, token in zip(states, token_list, strict=True):
@@ -99,28 +99,35 @@ class Sampler:
                 logprobs[i] = lp
         return SamplerOutput(token_list, logprobs)
 
-    @staticmethod
-    def _plain_greedy(s: SamplingState) -> bool:
-        """Greedy with nothing that changes or reports the distribution this iteration."""
+    def _plain_greedy(self, s: SamplingState, vocab_size: int) -> bool:
+        """Greedy with nothing that changes or reports the distribution this iteration (a
+        ``min_tokens`` window whose mask is empty, as ``ignore_eos`` without stop ids, keeps
+        the plain path: a float32 copy of [32, 49,152] costs more than its argmax)."""
         p = s.params
         return (
             p.greedy
             and p.logprobs is None
             and not p.needs_penalties
-            and len(s.output_token_ids) >= p.min_tokens
+            and not self._masked_ids(s, vocab_size)
         )
+
+    def _masked_ids(self, s: SamplingState, vocab_size: int) -> list[int]:
+        """The token ids masked for ``s`` this iteration: its stop ids and (without
+        ``ignore_eos``) the EOS ids while fewer than ``min_tokens`` are out."""
+        if len(s.output_token_ids) >= s.params.min_tokens:
+            return []
+        ids = list(s.params.stop_token_ids)
+        if not s.params.ignore_eos:
+            ids += self.eos_token_ids
+        return [t for t in ids if t < vocab_size]
 
     def _mask_until_min_tokens(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
         rows: list[int] = []
         cols: list[int] = []
         for i, s in enumerate(states):
-            if len(s.output_token_ids) < s.params.min_tokens:
-                ids = list(s.params.stop_token_ids)
-                if not s.params.ignore_eos:
-                    ids += self.eos_token_ids
-                ids = [t for t in ids if t < logits.shape[1]]
-                rows += [i] * len(ids)
-                cols += ids
+            ids = self._masked_ids(s, logits.shape[1])
+            rows += [i] * len(ids)
+            cols += ids
         if rows:
             index = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device)
             logits[index[0], index[1]] = float("-inf")

@@ -110,6 +110,34 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     assert sampler(logits.clone(), state).token_ids == [EOS]  # two tokens out: unmasked
 
 
+class CountingPlatform(TorchPlatform):
+    """Counts the plain greedy batches it is asked to argmax."""
+
+    calls = 0
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        CountingPlatform.calls += 1
+        return super().argmax_rows(logits)
+
+
+def test_a_min_tokens_window_that_masks_nothing_stays_plain_greedy() -> None:
+    # bench serve's requests: ignore_eos with min_tokens = max_tokens, no stop ids. Nothing is
+    # masked, so the batch needs no float32 copy: the platform's argmax (the C kernel on CPUs).
+    logits = torch.tensor([[0.0, 0.0, 1.0, 9.0, 8.0]], dtype=torch.bfloat16)
+    sampler = Sampler(0, CountingPlatform(), eos_token_ids=frozenset({EOS}))
+    CountingPlatform.calls = 0
+    unmasked = SamplingParams(temperature=0.0, min_tokens=4, ignore_eos=True)
+    assert sampler(logits.clone(), [sampler.new_state(unmasked, [])]).token_ids == [EOS]
+    assert CountingPlatform.calls == 1
+    # A window with something to mask still masks it, on the float32 path.
+    for params in (
+        SamplingParams(temperature=0.0, min_tokens=4),
+        SamplingParams(temperature=0.0, min_tokens=4, ignore_eos=True, stop_token_ids=(EOS,)),
+    ):
+        assert sampler(logits.clone(), [sampler.new_state(params, [])]).token_ids == [4]
+    assert CountingPlatform.calls == 1
+
+
 def test_logprobs_are_the_raw_distribution() -> None:
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
     out = Sampler(0, TORCH)(logits.clone(), states(SamplingParams(temperature=0.0, logprobs=2)))
