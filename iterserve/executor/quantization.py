@@ -45,6 +45,7 @@ from iterserve.kernels.quantized_linear import (
 from iterserve.models.gguf_q4 import NotQ4Error, read_q4_linears
 from iterserve.models.llama import LlamaForCausalLM
 from iterserve.models.loader import source_gguf
+from iterserve.models.parallel import SINGLE, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -333,10 +334,16 @@ def input_absmax(model: LlamaForCausalLM, token_ids: list[int]) -> dict[str, tor
 
 
 def _plan(
-    mode: str, kernels: Mapping[str, Sequence[LinearOp]], in_features: Sequence[int]
+    mode: str,
+    kernels: Mapping[str, Sequence[LinearOp]],
+    in_features: Sequence[int],
+    tp: TPGroup = SINGLE,
 ) -> QuantizationPlan:
-    """Measured (:func:`measure_kernels`), or fixed by ``ITERSERVE_QUANTIZED_MAX_ROWS``: the
-    quantized kernel up to that many rows, bfloat16 above (0: bfloat16 only)."""
+    """Measured (:func:`measure_kernels`) by the driver and adopted by every tensor-parallel
+    rank (ranks timing their own could pick different kernels for one batch, and their
+    shards' sums would then differ from one rank's), or fixed by
+    ``ITERSERVE_QUANTIZED_MAX_ROWS``: the quantized kernel up to that many rows, bfloat16
+    above (0: bfloat16 only)."""
     try:
         fixed = envs.quantized_max_rows()
     except ValueError as e:
@@ -345,6 +352,8 @@ def _plan(
         if fixed == 0:
             return QuantizationPlan(mode, (), "bf16")
         return QuantizationPlan(mode, ((fixed, mode),), "bf16")
+    if not tp.is_driver:
+        return tp.from_driver(QuantizationPlan(mode, (), BASELINE))  # the argument is ignored
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if load > 0.5 * (cores or 1):
@@ -356,7 +365,7 @@ def _plan(
         )
     _, timings = measure_kernels(kernels, in_features)
     segments, above = one_switch(timings)
-    return QuantizationPlan(mode, segments, above, timings)
+    return tp.from_driver(QuantizationPlan(mode, segments, above, timings))
 
 
 def _dispatch(plan: QuantizationPlan, kernels: Mapping[str, Sequence[LinearOp]]) -> list[LinearOp]:
@@ -409,7 +418,7 @@ def quantize_linears(
         kind: [timed_as_run(name, op) for name, op in zip(names, ops, strict=True)]
         for kind, ops in kernels.items()
     }
-    plan = _plan(mode, timed, in_features)
+    plan = _plan(mode, timed, in_features, model.tp)
     ops = _dispatch(plan, kernels)
     model.install_linear_ops(dict(zip((n for n, _ in layers), ops[:-1], strict=True)), ops[-1])
     logger.info("quantization %s", plan.describe())

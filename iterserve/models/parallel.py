@@ -15,9 +15,12 @@ or hung rank fails the others instead of holding them forever.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,15 @@ class TPGroup:
         t = torch.tensor([value], dtype=torch.int64, device=_collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
+
+    def from_driver(self, obj: T) -> T:
+        """The driver's ``obj`` on every rank (picklable; other ranks' ``obj`` is ignored):
+        what one rank decides for all, as the quantization plan it timed."""
+        if self.size == 1:
+            return obj
+        box = [obj if self.is_driver else None]
+        dist.broadcast_object_list(box, src=0, device=_collective_device())
+        return cast(T, box[0])
 
     def gather_to_driver(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's ``x`` ([rows, cols_per_rank]) along the last dimension on

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ from iterserve.executor.quantization import (
 from iterserve.kernels.quantized_linear import Int4Linear, Int8Linear, RowsDispatch
 from iterserve.models import llama
 from iterserve.models.layers import PackableLinear
+from iterserve.models.parallel import TPGroup
 
 CPU, BF16 = torch.device("cpu"), torch.bfloat16
 
@@ -116,6 +117,39 @@ def test_a_fixed_plan_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
         quantization.envs.quantized_max_rows()
     monkeypatch.setenv("ITERSERVE_QUANTIZED_MAX_ROWS", "3")
     assert quantization.envs.quantized_max_rows() == 3
+
+
+class _Rank(TPGroup):
+    """A rank of two whose broadcast is recorded (the driver's) or answered (a worker's)."""
+
+    sent: ClassVar[list[Any]] = []
+
+    def from_driver(self, obj: Any) -> Any:
+        if self.is_driver:
+            _Rank.sent.append(obj)
+            return obj
+        return QuantizationPlan("int8", ((16, "int8"),), "bf16", {1: {"bf16": 1.0}})
+
+
+def test_the_driver_times_the_plan_and_every_rank_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks timing their own plans picked different kernels for one batch (three ranks on two
+    cores: "int8 for 1-32", "1-4", "1-2"), so their partial sums no longer added up to one
+    rank's: only the driver times, the workers take its plan."""
+    monkeypatch.delenv("ITERSERVE_QUANTIZED_MAX_ROWS", raising=False)
+    kernels = {"bf16": [_sleeper(0.0, 1e-4, [])], "int8": [_sleeper(0.0, 5e-5, [])]}
+    timed: list[int] = []
+    real_measure = quantization.measure_kernels
+
+    def measure(*args: Any) -> Any:
+        timed.append(1)
+        return real_measure(*args)
+
+    monkeypatch.setattr(quantization, "measure_kernels", measure)
+    worker = quantization._plan("int8", kernels, [8], _Rank(1, 2))
+    assert worker.segments == ((16, "int8"),) and not timed  # the driver's, untimed
+    _Rank.sent.clear()
+    driver = quantization._plan("int8", kernels, [8], _Rank(0, 2))
+    assert timed == [1] and _Rank.sent == [driver] and driver.timings_ms
 
 
 def _perplexity(llm: Any, num_tokens: int = 512) -> float:
