@@ -14,8 +14,8 @@ import hashlib
 import importlib.metadata
 import logging
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,11 @@ def resolve_model_dir(model: str) -> Path:
     gguf = source_gguf(model)
     if gguf is not None:
         return convert_gguf(gguf)
+    if path.is_dir():
+        raise ModelNotFoundError(
+            f"directory {model!r} holds no config.json and no .gguf file (a Hugging Face "
+            "model directory or a GGUF file is served; iterserve never downloads models)"
+        )
     raise ModelNotFoundError(
         f"model {model!r} is not 'default', a .gguf file or a directory with config.json or "
         "one .gguf file (iterserve never downloads models)"
@@ -145,6 +150,8 @@ def check_gguf(gguf_path: Path) -> None:
     :data:`GGUF_REQUIRED_KEYS` missing, a header that disagrees with the tensors the file
     holds (its layers; the parameters its dimensions describe, against the elements its tensors
     hold), or a weight of :data:`GGUF_REQUIRED_TENSORS` / :data:`GGUF_LAYER_TENSORS` missing.
+    Before the ``gguf`` package reads it, counts the file cannot hold and tensors ending past
+    its end (a truncated file) are refused.
 
     Raises:
         ModelNotFoundError: what is wrong, naming the file.
@@ -240,10 +247,47 @@ def _check_gguf_counts(gguf_path: Path) -> None:
         if f.read(4) != b"GGUF":
             raise ModelNotFoundError(f"{name} is not a readable GGUF file: no GGUF magic")
         read("I")  # version
-        bounded(read("Q"), 24, "a tensor count")
+        num_tensors = bounded(read("Q"), 24, "a tensor count")
+        alignment = 32  # GGUF's default
         for _ in range(bounded(read("Q"), 12, "a key count")):
-            f.seek(bounded(read("Q"), 1, "a key length"), 1)
-            skip_value(read("I"))
+            key = f.read(bounded(read("Q"), 1, "a key length"))
+            kind = read("I")
+            if key == b"general.alignment" and kind == 4:  # uint32
+                alignment = read("I") or alignment
+            else:
+                skip_value(kind)
+        extents = []
+        for _ in range(num_tensors):
+            tensor = f.read(bounded(read("Q"), 1, "a tensor name length"))
+            dims = [read("Q") for _ in range(bounded(read("I"), 8, "a dimension count"))]
+            extents.append((tensor.decode(errors="replace"), dims, read("I"), read("Q")))
+        _check_tensor_extents(name, size, -(-f.tell() // alignment) * alignment, extents)
+
+
+def _check_tensor_extents(
+    name: str, size: int, data_start: int, extents: list[tuple[str, list[int], int, int]]
+) -> None:
+    """Refuse a file whose tensors (name, dims, ggml type, offset in the data section) end past
+    its ``size`` bytes: a truncated file (a partial download), said as such rather than as the
+    reader's reshape error. Tensors of a type this ``gguf`` package does not know are left to
+    the reader."""
+    import math
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    cut = []
+    for tensor, dims, kind, offset in extents:
+        try:
+            block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except (ValueError, KeyError):
+            continue
+        if data_start + offset + math.prod(dims) // block * type_bytes > size:
+            cut.append(tensor)
+    if cut:
+        raise ModelNotFoundError(
+            f"{name} is cut off: {len(cut)} of its {len(extents)} tensors end past its "
+            f"{size:,} bytes, {cut[0]} first (an interrupted download or copy?)"
+        )
 
 
 def _field_int(fields: Mapping[str, Any], key: str, name: str) -> int:
@@ -324,7 +368,10 @@ def convert_gguf(gguf_path: Path) -> Path:
         for stale in root.glob(glob.escape(target.name) + ".tmp-*"):  # a killed conversion's
             shutil.rmtree(stale, ignore_errors=True)  # (the lock is ours: none is running)
         logger.info("converting %s to safetensors in %s (once)", gguf_path, target)
-        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=root))
+        # mkdir, not mkdtemp: the umask's mode (mkdtemp's 0700 hid a shared cache's model
+        # from its other users); the lock makes the name ours alone
+        tmp = root / f"{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
         try:
             try:
                 _write_hf_dir(gguf_path, tmp)

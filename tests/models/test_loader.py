@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +99,8 @@ def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
         resolve_model_dir(str(tmp_path / "nowhere"))
     with pytest.raises(ModelNotFoundError, match="never downloads"):
         resolve_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(ModelNotFoundError, match=r"holds no config\.json and no \.gguf file"):
+        resolve_model_dir(str(tmp_path))  # an empty directory
 
 
 def _gguf(path: Path, arch: str, keys: dict[str, int], blocks: int, width: int = 16) -> Path:
@@ -201,6 +204,32 @@ def test_a_gguf_missing_a_weight_is_refused(tmp_path: Path) -> None:
     path = _complete_gguf(tmp_path / "model.gguf", leave_out="blk.1.ffn_norm.weight")
     with pytest.raises(ModelNotFoundError, match=r"model\.gguf holds no blk\.1\.ffn_norm\.weight"):
         loader.check_gguf(path)
+
+
+def test_a_truncated_gguf_is_refused_as_cut_off(tmp_path: Path) -> None:
+    """A partial download: its header whole, its tensors' bytes short (transformers' reshape
+    error named neither the file nor the cause)."""
+    path = _complete_gguf(tmp_path / "model.gguf")
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ModelNotFoundError, match=r"model\.gguf is cut off: 1 of its 20 tensors"):
+        loader.check_gguf(path)
+
+
+def test_a_converted_model_is_readable_as_the_umask_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared cache's model is readable by its other users (the temporary directory was
+    mkdtemp's 0700, and the rename kept it)."""
+    monkeypatch.setattr(envs, "ITERSERVE_CACHE_DIR", str(tmp_path / "cache"))  # read at import
+    monkeypatch.setattr(
+        loader, "_write_hf_dir", lambda gguf, out: (out / "config.json").write_text("{}")
+    )
+    old = os.umask(0o022)
+    try:
+        target = loader.convert_gguf(_complete_gguf(tmp_path / "model.gguf"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755
 
 
 def test_a_killed_conversions_leftovers_are_removed(
