@@ -49,8 +49,15 @@ def test_an_example_applied_as_it_is_serves(
         llmd = cluster.get("llmd", name, namespace)
         return llmd if (llmd.get("status") or {}).get("readyReplicas") == replicas else None
 
-    llmd = wait_until(ready, f"{example.name} ready", timeout_s=90)
-    assert condition(llmd, "SchedulerConfigApplied")["status"] == "True"
+    wait_until(ready, f"{example.name} ready", timeout_s=90)
+
+    def applied() -> dict | None:
+        # The Deployment may count a pod ready one reconcile before the operator lists it
+        # ready and pushes the settings (the condition is Unknown, NoReadyPods, meanwhile).
+        found = condition(cluster.get("llmd", name, namespace), "SchedulerConfigApplied")
+        return found if found["status"] == "True" else None
+
+    wait_until(applied, f"{example.name}'s settings applied", timeout_s=30)
 
     # What `operator render` prints, validated by the API server (nothing is created).
     rendered = subprocess.run(
