@@ -157,6 +157,7 @@ def find_llama_server(choice: str) -> Path | None:
     """``--llama-server``: a path, ``none``, or ``auto`` (build or find it with
     ``scripts/llama-server-build``; None, with a note, where that fails)."""
     if choice == "none":
+        print("note: --llama-server none (--smoke sets it): no llama.cpp rows", flush=True)
         return None
     if choice != "auto":
         return Path(choice)
