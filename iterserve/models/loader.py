@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import importlib.metadata
+import itertools
 import logging
 import os
 import secrets
@@ -67,6 +68,8 @@ def resolve_model_dir(model: str) -> Path:
     Raises:
         ModelNotFoundError: nothing usable at ``model``.
     """
+    if not model.strip():
+        raise ModelNotFoundError("the model is empty: give 'default', a .gguf file or a directory")
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path
@@ -254,6 +257,10 @@ def _check_gguf_counts(gguf_path: Path) -> None:
             kind = read("I")
             if key == b"general.alignment" and kind == 4:  # uint32
                 alignment = read("I") or alignment
+                if alignment & (alignment - 1):
+                    raise ModelNotFoundError(
+                        f"{name}: general.alignment {alignment} is not a power of two"
+                    )
             else:
                 skip_value(kind)
         extents = []
@@ -261,28 +268,51 @@ def _check_gguf_counts(gguf_path: Path) -> None:
             tensor = f.read(bounded(read("Q"), 1, "a tensor name length"))
             dims = [read("Q") for _ in range(bounded(read("I"), 8, "a dimension count"))]
             extents.append((tensor.decode(errors="replace"), dims, read("I"), read("Q")))
-        _check_tensor_extents(name, size, -(-f.tell() // alignment) * alignment, extents)
+        data_start = -(-f.tell() // alignment) * alignment
+        _check_tensor_extents(name, size, alignment, data_start, extents)
 
 
 def _check_tensor_extents(
-    name: str, size: int, data_start: int, extents: list[tuple[str, list[int], int, int]]
+    name: str,
+    size: int,
+    alignment: int,
+    data_start: int,
+    extents: list[tuple[str, list[int], int, int]],
 ) -> None:
     """Refuse a file whose tensors (name, dims, ggml type, offset in the data section) end past
-    its ``size`` bytes: a truncated file (a partial download), said as such rather than as the
-    reader's reshape error. Tensors of a type this ``gguf`` package does not know are left to
-    the reader."""
+    its ``size`` bytes (a truncated file, a partial download: said as such rather than as the
+    reader's reshape error), start off the alignment or overlap (another tensor's bytes would
+    be converted and served as this one's, as llama.cpp refuses). Tensors of a type this
+    ``gguf`` package does not know are left to the reader."""
     import math
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    cut = []
+    if data_start > size:
+        raise ModelNotFoundError(
+            f"{name}: its tensor data would start at byte {data_start:,} (general.alignment), "
+            f"past its {size:,} bytes"
+        )
+    cut, spans = [], []
     for tensor, dims, kind, offset in extents:
         try:
             block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
         except (ValueError, KeyError):
             continue
-        if data_start + offset + math.prod(dims) // block * type_bytes > size:
+        if offset % alignment:
+            raise ModelNotFoundError(
+                f"{name}: {tensor} starts at offset {offset:,}, not a multiple of the file's "
+                f"alignment {alignment}"
+            )
+        end = offset + math.prod(dims) // block * type_bytes
+        if end > offset:  # an empty tensor overlaps nothing
+            spans.append((offset, end, tensor))
+        if data_start + end > size:
             cut.append(tensor)
+    spans.sort()
+    for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+        if start < end:
+            raise ModelNotFoundError(f"{name}: {second}'s bytes overlap {first}'s")
     if cut:
         raise ModelNotFoundError(
             f"{name} is cut off: {len(cut)} of its {len(extents)} tensors end past its "
@@ -375,13 +405,21 @@ def convert_gguf(gguf_path: Path) -> Path:
         try:
             try:
                 _write_hf_dir(gguf_path, tmp)
-            except (ValueError, RuntimeError, IndexError, KeyError) as e:
+            except OSError as e:  # a full or read-only cache
+                raise ModelNotFoundError(
+                    f"{gguf_path.name} cannot be converted into {root}: {e.strerror or e}"
+                ) from e
+            except Exception as e:
                 # transformers' words for tensors that disagree with the metadata (shapes,
-                # a token id past the vocabulary): said once, with the file's name
+                # a token id past the vocabulary), safetensors' for a disk that filled up:
+                # said once, with the file's name
                 raise ModelNotFoundError(
                     f"{gguf_path.name} cannot be converted: {type(e).__name__}: "
                     f"{str(e).splitlines()[0] if str(e) else ''}"
                 ) from e
+            file_mode = tmp.stat().st_mode & 0o666  # the umask's, as mkdir applied it
+            for written in tmp.iterdir():  # safetensors writes its file 0600
+                written.chmod(file_mode)
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

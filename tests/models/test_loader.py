@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +103,8 @@ def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
         resolve_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
     with pytest.raises(ModelNotFoundError, match=r"holds no config\.json and no \.gguf file"):
         resolve_model_dir(str(tmp_path))  # an empty directory
+    with pytest.raises(ModelNotFoundError, match="the model is empty"):
+        resolve_model_dir("")  # served the current directory
 
 
 def _gguf(path: Path, arch: str, keys: dict[str, int], blocks: int, width: int = 16) -> Path:
@@ -221,15 +225,76 @@ def test_a_converted_model_is_readable_as_the_umask_allows(
     """A shared cache's model is readable by its other users (the temporary directory was
     mkdtemp's 0700, and the rename kept it)."""
     monkeypatch.setattr(envs, "ITERSERVE_CACHE_DIR", str(tmp_path / "cache"))  # read at import
-    monkeypatch.setattr(
-        loader, "_write_hf_dir", lambda gguf, out: (out / "config.json").write_text("{}")
-    )
+
+    def write(gguf: Path, out: Path) -> None:
+        (out / "config.json").write_text("{}")
+        weights = out / "model.safetensors"  # as safetensors' save_file leaves it
+        weights.write_bytes(b"weights")
+        weights.chmod(0o600)
+
+    monkeypatch.setattr(loader, "_write_hf_dir", write)
     old = os.umask(0o022)
     try:
         target = loader.convert_gguf(_complete_gguf(tmp_path / "model.gguf"))
     finally:
         os.umask(old)
     assert stat.S_IMODE(target.stat().st_mode) == 0o755
+    for name in ("config.json", "model.safetensors"):
+        assert stat.S_IMODE((target / name).stat().st_mode) == 0o644
+
+
+def test_a_full_cache_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(envs, "ITERSERVE_CACHE_DIR", str(tmp_path / "cache"))  # read at import
+
+    def write(gguf: Path, out: Path) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loader, "_write_hf_dir", write)
+    with pytest.raises(ModelNotFoundError, match=r"model\.gguf cannot be converted into .*"
+                       r"No space left on device"):  # fmt: skip
+        loader.convert_gguf(_complete_gguf(tmp_path / "model.gguf"))
+    assert not [p for p in loader.cache_root().iterdir() if p.is_dir()]
+
+
+def _tensor_info_at(data: bytes, tensor: str) -> int:
+    """The byte where ``tensor``'s info continues after its name: n_dims, dims, type, offset."""
+    name = tensor.encode()
+    return data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+
+
+def test_tensors_off_the_alignment_or_overlapping_are_refused(tmp_path: Path) -> None:
+    """Each would convert and serve another tensor's bytes (llama.cpp refuses both)."""
+    whole = _complete_gguf(tmp_path / "whole.gguf").read_bytes()
+    at = _tensor_info_at(whole, "blk.0.ffn_down.weight")
+    offset_at = at + 4 + 8 * struct.unpack_from("<I", whole, at)[0] + 4
+    offset = struct.unpack_from("<Q", whole, offset_at)[0]
+    cases = [(offset + 1, "not a multiple of the file's alignment 32"), (0, "bytes overlap")]
+    for new_offset, error in cases:
+        data = bytearray(whole)
+        struct.pack_into("<Q", data, offset_at, new_offset)
+        path = tmp_path / "model.gguf"
+        path.write_bytes(bytes(data))
+        with pytest.raises(ModelNotFoundError, match=error):
+            loader.check_gguf(path)
+
+
+def test_an_alignment_no_power_of_two_or_past_the_file_is_refused(tmp_path: Path) -> None:
+    import gguf
+
+    for alignment, error in ((48, "general.alignment 48 is not a power of two"),
+                             (1 << 30, "would start at byte 1,073,741,824")):  # fmt: skip
+        path = tmp_path / f"a{alignment}.gguf"
+        writer = gguf.GGUFWriter(str(path), arch="llama")
+        writer.add_uint32("general.alignment", alignment)
+        for key, value in LLAMA_KEYS.items():
+            writer.add_uint32(key, value)
+        writer.add_tensor("token_embd.weight", np.zeros((2, 16), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.close()
+        with pytest.raises(ModelNotFoundError, match=error):
+            loader.check_gguf(path)
 
 
 def test_a_killed_conversions_leftovers_are_removed(
