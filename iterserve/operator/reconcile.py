@@ -273,6 +273,10 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
     admin_tokens = await _admin_tokens(kube, ctx, body)
     events = await _delete_unwanted(kube, ctx, built, meta["uid"])
     await _start_from_zero(kube, ctx, spec, built)
+    # The Deployment's counts are read before the pods: a pod that turns ready between the
+    # two reads is then in the pod list (and pushed to) before any status counts it ready,
+    # never "1 ready replica" beside "no ready pod to apply the settings to".
+    counted = await kube.get("apps/v1", "Deployment", ctx.namespace, ctx.name) or {}
     pods = await kube.list("Pod", ctx.namespace, selector(ctx.name, "server"))
     step = await plan(
         spec.rollout,
@@ -304,6 +308,7 @@ async def reconcile(kube: Kube, body: Mapping[str, Any], settings: OperatorSetti
         elif r.error is not None:
             events.append(("Warning", "ConfigPushFailed", f"pod {r.name}: {r.error}"))
     deployment = await kube.get("apps/v1", "Deployment", ctx.namespace, ctx.name) or {}
+    deployment = {**deployment, "status": counted.get("status") or {}}
     new_status = _status(ctx, spec.replicas, status, deployment, results, desired_hash, pods, step)
     new_status.update(_front_status(ctx, spec, new_status, status, pool_missing))
     if pool_missing and _ready_reason(status) != "InferencePoolMissing":

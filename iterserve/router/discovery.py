@@ -244,9 +244,20 @@ class EndpointSliceDiscovery:
                     on_change(list(endpoints))
         finally:
             stop.set()
+            threading.Thread(
+                target=self._stop_watching, args=(thread,), name=f"{thread.name}-stop", daemon=True
+            ).start()
+
+    def _stop_watching(self, follower: threading.Thread) -> None:
+        """Stop the follower's watch until the follower has ended. Once is not enough: a
+        watch the follower opens just after a stop (it checked ``stop`` before it was set)
+        would run until its timeout, and ``Watch.stream`` clears a stop that comes before
+        its request."""
+        while follower.is_alive():
             active = self._active_watch
             if active is not None:
                 active.stop()  # kubernetes 37 shuts the socket; older ones stop at the next event
+            follower.join(0.05)
 
     # Everything below runs in the thread.
 

@@ -336,3 +336,23 @@ def test_restart_counts_sum_the_containers_of_pods_not_terminating() -> None:
     assert restart_counts([*pods, {"metadata": {"name": "e"}, "status": None}, evicted]) == {
         "a": 3, "b": 0, "d": 0, "e": 0,
     }  # fmt: skip
+
+
+def test_a_pod_turning_ready_mid_reconcile_is_never_counted_before_it_is_pushed_to() -> None:
+    """The pod list shows no ready pod, then the pod turns ready and the Deployment counts it
+    (the race a real cluster ran into): the status must not say one ready replica beside "no
+    ready pod to apply the settings to". It was so when the Deployment was read after the
+    pushes; now its counts are read before the pods."""
+
+    class TurningReady(MemoryKube):
+        async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[Any]:
+            if ("Deployment", "tiny") in self.objects:
+                self.objects["Deployment", "tiny"]["status"] = {"replicas": 1, "readyReplicas": 1}
+            return []
+
+    kube = TurningReady()
+    _reconcile(kube)  # creates the Deployment
+    status = _reconcile(kube).status  # the pod turns ready during this one
+    applied = next(c for c in status["conditions"] if c["type"] == "SchedulerConfigApplied")
+    assert (status["readyReplicas"], applied["reason"]) == (0, "NoReadyPods")
+    assert _reconcile(kube).status["readyReplicas"] == 1  # the next one counts it

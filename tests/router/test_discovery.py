@@ -8,13 +8,14 @@ Watch endings and 410 Gone are scripted with KMock reactions on the first watche
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import kmock
 import pytest
 import yaml
-from kubernetes import client
+from kubernetes import client, watch
 
 from iterserve.router.discovery import (
     Endpoint,
@@ -278,6 +279,37 @@ def test_errors_back_off_and_relist() -> None:
                 assert await changes.next() == ["http://10.0.0.1:8000", "http://10.0.1.1:8000"]
                 # The watch's HTTP 410 forced the third list, which came before this change.
                 assert len(k8s[kmock.action.LIST]) == 3
+
+    run(scenario)
+
+
+def test_a_watch_opened_just_after_the_stop_is_stopped_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The follower thread checked ``stop`` before it was set and opens its watch after the
+    task's ``finally`` ran (the race a loaded CI machine hit: the mock API server then waited
+    on that watch at shutdown): the watch must still be stopped, not run for its 300 s."""
+    cancelled = threading.Event()
+
+    class LateWatch(watch.Watch):  # created only once the task is cancelled
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            cancelled.wait(5)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(watch, "Watch", LateWatch)
+
+    async def scenario() -> None:
+        async with mock_cluster() as (k8s, api_client):
+            await k8s.post(PATH, json=endpoint_slice("llm-a", [endpoint("10.0.0.1", "llm-0")]))
+            discovery = EndpointSliceDiscovery("llm", NAMESPACE, api_client=api_client)
+            changes = Changes()
+            async with running(discovery, changes):
+                assert await changes.next() == ["http://10.0.0.1:8000"]
+                (follower,) = (t for t in threading.enumerate() if t.name.startswith("endpoint"))
+            cancelled.set()
+            for _ in range(100):  # the API server is still up: only a stop ends the watch
+                if not follower.is_alive():
+                    break
+                await asyncio.sleep(0.05)
+            assert not follower.is_alive(), "the watch opened after the stop still runs"
 
     run(scenario)
 

@@ -329,7 +329,7 @@ def test_the_reference_original_dst_configuration_from_the_cli(setup: Setup) -> 
 
     async def run() -> None:
         flags = (*_picker_flags(setup, setup.busy, setup.idle), "--no-prefix-affinity")
-        flags += ("--poll-interval-ms", "5000", "--stale-after-ms", "20000")  # one poll only
+        flags += ("--poll-interval-ms", "5000", "--stale-after-ms", "20000")
         async with router(*flags) as (_, app), httpx.AsyncClient(timeout=30) as http:
             pool = pool_of(app)
             await until(lambda: len(pool.ready()) == 2, "both ready")
@@ -342,9 +342,18 @@ def test_the_reference_original_dst_configuration_from_the_cli(setup: Setup) -> 
 
 
 def _report_busy(pool: Any, url: str) -> None:
-    """Make ``url``'s replica look busy to the picker until its next poll (long from now)."""
+    """Make ``url``'s replica look busy to the picker from now on: its report says so, and
+    its polls stop (one due soon, as when the other replica's first poll failed on a loaded
+    machine and came an interval late, would replace the report with the real, idle one)."""
     state = pool.backends[url].state
     state.report = dataclasses.replace(state.report, kv_cache_usage=0.9, received_at=pool.clock())
+    poll = pool.poll
+
+    async def others_only(b: Any) -> None:
+        if b.url != url:
+            await poll(b)
+
+    pool.poll = others_only
 
 
 def test_a_killed_replica_is_skipped_through_the_fallback_list(setup: Setup) -> None:
