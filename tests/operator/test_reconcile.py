@@ -356,3 +356,37 @@ def test_a_pod_turning_ready_mid_reconcile_is_never_counted_before_it_is_pushed_
     applied = next(c for c in status["conditions"] if c["type"] == "SchedulerConfigApplied")
     assert (status["readyReplicas"], applied["reason"]) == (0, "NoReadyPods")
     assert _reconcile(kube).status["readyReplicas"] == 1  # the next one counts it
+
+
+def test_a_resync_beside_a_change_or_behind_a_newer_generation_does_nothing() -> None:
+    """kopf runs the resync timer beside the change handlers: a resync while the change's
+    reconcile runs, or one whose body predates the newest generation reconciled, must not
+    reconcile (it pushed the old settings over the new ones, which pods then took as newer
+    versions)."""
+    listing = asyncio.Event()
+    release = asyncio.Event()
+
+    class Held(MemoryKube):
+        async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[Any]:
+            listing.set()
+            await release.wait()
+            return []
+
+    newer = copy.deepcopy(BODY)
+    newer["metadata"]["generation"] = 2
+
+    async def scenario() -> tuple[kopf.Patch, kopf.Patch, kopf.Patch]:
+        memo = kopf.Memo(kube=Held(), settings=OperatorSettings())
+        change, beside, behind = kopf.Patch(), kopf.Patch(), kopf.Patch()
+        running = asyncio.create_task(handlers._reconcile(newer, change, memo, permanent=True))
+        await listing.wait()
+        resync = handlers._reconcile(BODY, beside, memo, permanent=False)  # while it runs
+        await asyncio.wait_for(resync, 5)  # (it would wait for the held list, then time out)
+        release.set()
+        await running
+        await handlers._reconcile(BODY, behind, memo, permanent=False)  # generation 1 < 2
+        return change, beside, behind
+
+    change, beside, behind = asyncio.run(scenario())
+    assert change.status["observedGeneration"] == 2
+    assert (dict(beside), dict(behind)) == ({}, {})
