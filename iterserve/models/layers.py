@@ -272,7 +272,8 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al., 2021, "RoFormer"), Hugging Face's half-split layout.
 
     ``inv_freq`` and ``attention_scaling`` come from transformers' rope functions for the
-    model's ``rope_parameters``, so every rope type they implement statically is supported.
+    model's ``rope_parameters`` (RoFormer's own, the default, from ``build_rotary``), so every
+    rope type they implement statically is supported.
     cos/sin are computed in float32 for ``max_position`` positions and cached in the model's
     dtype (``Module.to`` casts them, as Hugging Face casts them before use).
     """

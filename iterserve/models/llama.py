@@ -57,17 +57,18 @@ def build_rotary(config: Any, head_dim: int, max_position: int) -> RotaryEmbeddi
         ValueError: for rope types whose frequencies change at run time (dynamic, longrope).
     """
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     rope = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
     rope_type = rope.get("rope_type", "default")
     if rope_type in ("dynamic", "longrope"):
         raise ValueError(f"rope_type {rope_type!r} is not supported (frequencies vary at run time)")
     if rope_type == "default":
-        init = LlamaRotaryEmbedding.compute_default_rope_parameters
-    else:
-        init = ROPE_INIT_FUNCTIONS[rope_type]
-    inv_freq, scaling = init(config)
+        # RoFormer's frequencies (Su et al., 2021): theta^(-2i/d), unscaled. transformers keeps
+        # them in each model's module, whose import cost every engine start a second.
+        theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return RotaryEmbedding(inv_freq, 1.0, max_position)
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
     return RotaryEmbedding(inv_freq, float(scaling), max_position)
 
 

@@ -8,6 +8,8 @@ middleware (auth, request ids, body limit, access log) in :mod:`iterserve.server
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -92,12 +94,20 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # transformers' tokenizer classes take seconds to import: in a thread while the engine
+        # process starts (a server was ready 3 s later when they came after it).
+        importing = None
+        if tokenizer is None:
+            importing = asyncio.ensure_future(asyncio.to_thread(_import_tokenizers))
         try:
             await engine_client.start()
         except EngineStartError as e:
             app.state.start_error = e  # run_server turns bad settings into a ConfigError
             raise EngineStartError(str(e), e.bad_settings) from None
         try:
+            if importing is not None:
+                with contextlib.suppress(Exception):  # a failed import fails again below, named
+                    await importing
             holder["state"] = state = _server_state(engine_client, server_config, tokenizer, clock)
             app.state.server = state
             app.state.serving = OpenAIServing(state)
@@ -122,6 +132,10 @@ def build_app(
     app.include_router(router)
     install_openapi(app, server_config, lambda: holder.get("state"))
     return app
+
+
+def _import_tokenizers() -> None:
+    from transformers import AutoTokenizer  # noqa: F401
 
 
 def _server_state(
