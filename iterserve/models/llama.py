@@ -51,7 +51,8 @@ class Attention(Protocol):
 
 
 def build_rotary(config: Any, head_dim: int, max_position: int) -> RotaryEmbedding:
-    """Rotary embedding from the config's ``rope_parameters`` via transformers' rope functions.
+    """Rotary embedding from the config's ``rope_parameters``: RoFormer's frequencies for the
+    default type, transformers' rope functions for the others (linear, yarn, llama3, ...).
 
     Raises:
         ValueError: for rope types whose frequencies change at run time (dynamic, longrope).
