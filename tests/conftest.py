@@ -73,29 +73,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ModuleScheduling(config, log)
 
 
-# The longest scopes (measured: tens of seconds each, the cluster tier minutes) go to the
-# workers first, so that the run does not end with one worker on a long module while the other
-# idles (xdist hands out scopes in collection order). Order within a scope is kept.
-LONG_SCOPES_FIRST = (
-    "tests/cluster/",
-    "tests/models/test_hf_parity.py",
-    "tests/bench/test_calibrate.py",
-    "tests/bench/test_fidelity.py",
-    "tests/server/test_tensor_parallel_server.py",
-    "tests/executor/test_tensor_parallel_parity.py",
-    "tests/test_llm.py",
-    "tests/bench/test_serving_bench.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        found = (i for i, p in enumerate(LONG_SCOPES_FIRST) if item.nodeid.startswith(p))
-        return next(found, len(LONG_SCOPES_FIRST))
-
-    items.sort(key=rank)  # stable
-
-
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     if hasattr(config, "workerinput") or config.option.collectonly:  # nothing ran here
         return
