@@ -8,10 +8,11 @@ middleware (auth, request ids, body limit, access log) in :mod:`iterserve.server
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
+import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -95,19 +96,18 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # transformers' tokenizer classes take seconds to import: in a thread while the engine
-        # process starts (a server was ready 3 s later when they came after it).
-        importing = None
+        # process starts (a server was ready 3 s later when they came after it). A daemon
+        # thread: an engine that fails to start ends the server without waiting for it; else
+        # the import below waits for the module the thread is importing.
         if tokenizer is None:
-            importing = asyncio.ensure_future(asyncio.to_thread(_import_tokenizers))
+            importer = threading.Thread(target=_import_tokenizers, name="import", daemon=True)
+            importer.start()
         try:
             await engine_client.start()
         except EngineStartError as e:
             app.state.start_error = e  # run_server turns bad settings into a ConfigError
             raise EngineStartError(str(e), e.bad_settings) from None
         try:
-            if importing is not None:
-                with contextlib.suppress(Exception):  # a failed import fails again below, named
-                    await importing
             holder["state"] = state = _server_state(engine_client, server_config, tokenizer, clock)
             app.state.server = state
             app.state.serving = OpenAIServing(state)
@@ -135,7 +135,12 @@ def build_app(
 
 
 def _import_tokenizers() -> None:
-    from transformers import AutoTokenizer  # noqa: F401
+    # At the lowest priority (Linux: a thread's own nice value), so that the engine process,
+    # the start's critical path, never waits for it on a busy machine.
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    with contextlib.suppress(Exception):  # a failed import fails again where it is needed
+        from transformers import AutoTokenizer  # noqa: F401
 
 
 def _server_state(
