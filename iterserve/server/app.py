@@ -8,6 +8,7 @@ middleware (auth, request ids, body limit, access log) in :mod:`iterserve.server
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -98,7 +99,9 @@ def build_app(
         # transformers' tokenizer classes take seconds to import: in a thread while the engine
         # process starts (a server was ready 3 s later when they came after it). A daemon
         # thread: an engine that fails to start ends the server without waiting for it; else
-        # the import below waits for the module the thread is importing.
+        # it is waited for (importing transformers from two threads at once can find it half
+        # initialised: "cannot import name 'AutoTokenizer'").
+        importer = None
         if tokenizer is None:
             importer = threading.Thread(target=_import_tokenizers, name="import", daemon=True)
             importer.start()
@@ -108,6 +111,8 @@ def build_app(
             app.state.start_error = e  # run_server turns bad settings into a ConfigError
             raise EngineStartError(str(e), e.bad_settings) from None
         try:
+            if importer is not None:
+                await asyncio.to_thread(importer.join)
             holder["state"] = state = _server_state(engine_client, server_config, tokenizer, clock)
             app.state.server = state
             app.state.serving = OpenAIServing(state)
