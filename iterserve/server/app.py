@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -140,10 +139,8 @@ def build_app(
 
 
 def _import_tokenizers() -> None:
-    # At the lowest priority (Linux: a thread's own nice value), so that the engine process,
-    # the start's critical path, never waits for it on a busy machine.
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    # (Not at a lower priority: at nice 19 a busy machine starved it, and servers waited for it
+    # longer than the import takes in turn.)
     with contextlib.suppress(Exception):  # a failed import fails again where it is needed
         from transformers import AutoTokenizer  # noqa: F401
 
