@@ -80,6 +80,13 @@ async def rotate_if_asked(
     wanted = annotations.get(ROTATE_ANNOTATION)
     if wanted is None or wanted == (body.get("status") or {}).get(ROTATED_STATUS):
         return tokens, {}, []
+    name = admin_secret_name(ctx.name)
+    # The Secret records the value it was rotated for: a reconcile whose body predates the
+    # status of the one that rotated (a resync right after it) must not rotate again, which
+    # dropped the previous token the pods still held.
+    secret = await kube.get("v1", "Secret", ctx.namespace, name) or {}
+    if ((secret.get("metadata") or {}).get("annotations") or {}).get(ROTATE_ANNOTATION) == wanted:
+        return tokens, {ROTATED_STATUS: wanted}, []
     refusing = await pods_refusing(pods, tokens[0], timeout_s)
     if refusing:
         message = (
@@ -88,12 +95,13 @@ async def rotate_if_asked(
         )
         return tokens, {}, [("Normal", "AdminTokenRotationWaiting", message)]
     rotated = (new_token(), tokens[0])
-    name = admin_secret_name(ctx.name)
     text = "\n".join(rotated) + "\n"
     await kube.patch({
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {"name": name, "namespace": ctx.namespace},
+        "metadata": {
+            "name": name, "namespace": ctx.namespace, "annotations": {ROTATE_ANNOTATION: wanted}
+        },
         "data": {ADMIN_TOKEN_KEY: base64.b64encode(text.encode()).decode()},
     })  # fmt: skip
     message = f"Secret {name}: a new admin token; the previous one accepted until the next rotation"

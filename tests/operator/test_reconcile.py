@@ -301,6 +301,24 @@ def test_the_rotation_annotation_rotates_once_per_value_keeping_the_previous_tok
     assert previous == second and third not in (first, second)
 
 
+def test_a_reconcile_that_predates_the_rotations_status_does_not_rotate_again() -> None:
+    """A resync right after the rotating reconcile, its body without the status that one
+    wrote (seen on the local control plane): the Secret says the value was acted on, so the
+    previous token the pods still hold is kept, and the status catches up."""
+    kube = MemoryKube()
+    _reconcile(kube)
+    (first,) = _tokens(kube)
+    body = copy.deepcopy(BODY)
+    body["metadata"]["annotations"] = {ROTATE_ANNOTATION: "r1"}
+    _reconcile(kube, body)
+    second, previous = _tokens(kube)
+    assert previous == first
+    stale = _reconcile(kube, body)  # the same body: no adminTokenRotation in its status
+    assert _tokens(kube) == [second, first]
+    assert stale.status[ROTATED_STATUS] == "r1"
+    assert "AdminTokenRotated" not in [r for _, r, _ in stale.events]
+
+
 def test_generated_tokens_never_start_with_a_dash(monkeypatch: pytest.MonkeyPatch) -> None:
     """A token starting with ``-`` breaks ``--admin-token TOKEN`` (argparse takes it for an
     option: a CI run failed so); the generator draws again, for every Secret it creates."""
