@@ -26,6 +26,7 @@ from typing import Any, Literal
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
 Quantization = Literal["none", "int8", "q4"]
+KVCacheDType = Literal["auto", "int8"]
 PreemptionMode = Literal["auto", "recompute", "swap"]
 SchedulingPolicy = Literal["priority", "fcfs"]
 BatchingMode = Literal["continuous", "static"]
@@ -147,6 +148,14 @@ class CacheConfig:
     )
     swap_space: float = field(default=0.0, metadata={"help": "GiB of host memory for swap"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
+    kv_cache_dtype: KVCacheDType = field(
+        default="auto",
+        metadata={
+            "help": "auto: the model's dtype; int8: each cached key and value row as int8 "
+            "with its scale (about half the bytes of bfloat16: decode attention reads less, "
+            "the pool holds twice the tokens); CPU ops only (docs/engine.md)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)

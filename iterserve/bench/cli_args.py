@@ -239,10 +239,16 @@ def _int_csv(value: str) -> list[int]:
 
 
 def _modes(value: str) -> list[str]:
+    from iterserve.bench.common import quantization_mode
+
     modes = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [m for m in modes if m not in ("int8", "q4")]
-    if not modes or bad:
-        raise argparse.ArgumentTypeError(f"modes are int8 and q4 (bf16 always runs): {value!r}")
+    if not modes:
+        raise argparse.ArgumentTypeError(f"no mode in {value!r} (bf16 always runs)")
+    for mode in modes:
+        try:
+            quantization_mode(mode)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     return modes
 
 
@@ -252,7 +258,11 @@ def _add_quantization(sub: Any) -> None:
         help="--quantization modes vs bf16 and llama.cpp's llama-server: quality, online, offline",
     )
     p.add_argument(
-        "--modes", type=_modes, default=["int8", "q4"], help="beside bf16 (default: int8,q4)"
+        "--modes",
+        type=_modes,
+        default=["int8", "q4", "int8+kv8"],
+        help="beside bf16: int8, q4 (weights), kv8 (int8 KV cache) or a weight mode +kv8 "
+        "(default: int8,q4,int8+kv8)",
     )
     p.add_argument(
         "--concurrency", type=_int_csv, default=[1, 8, 32], help="streams (default: 1,8,32)"

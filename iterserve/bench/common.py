@@ -54,3 +54,25 @@ def cpu_capabilities() -> str:
     if os.environ.get("ONEDNN_MAX_CPU_ISA"):
         line += f", ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}"
     return line
+
+
+KV8 = "kv8"  # a quantization mode's part that puts the KV cache in int8
+
+
+def quantization_mode(mode: str) -> tuple[str, str]:
+    """A ``bench quantization`` mode as ``(--quantization, --kv-cache-dtype)``: ``none``,
+    ``int8`` or ``q4`` for the weights, ``kv8`` for an int8 KV cache, joined by ``+``
+    (``int8+kv8``; ``kv8`` alone: bfloat16 weights, int8 KV cache).
+
+    Raises:
+        ValueError: another part, a part twice, or two weight modes.
+    """
+    parts = mode.split("+")
+    weights = [p for p in parts if p in ("none", "int8", "q4")]
+    if (
+        len(set(parts)) != len(parts)
+        or len(weights) > 1
+        or any(p not in ("none", "int8", "q4", KV8) for p in parts)
+    ):
+        raise ValueError(f"a mode is int8, q4 or none, optionally +{KV8}, or {KV8}: {mode!r}")
+    return (weights[0] if weights else "none"), ("int8" if KV8 in parts else "auto")

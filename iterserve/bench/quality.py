@@ -1,4 +1,5 @@
-"""What ``--quantization`` costs in quality, measured on the real model (``bench quantization``).
+"""What ``--quantization`` and ``--kv-cache-dtype int8`` cost in quality, measured on the real
+model (``bench quantization``).
 
 - Perplexity on a text the package ships (``data/declaration.txt``, public domain): the
   whole text as one sequence, prefilled in chunks through the paged KV cache, every token's
@@ -122,16 +123,19 @@ def measure_quality(
     model: str = "default",
     forced: dict[str, int] | None = None,
 ) -> list[QualityRow]:
-    """Perplexity and greedy agreement of each ``--quantization`` mode (``none`` first: the
-    reference), each on a freshly built engine.
+    """Perplexity and greedy agreement of each mode (``none`` first: the reference), each on
+    a freshly built engine.
 
     Args:
-        modes: e.g. ``["none", "int8", "q4"]``; ``none`` is added first when missing.
+        modes: e.g. ``["none", "int8", "q4", "int8+kv8"]``
+            (:func:`~iterserve.bench.common.quantization_mode`); ``none`` is added first when
+            missing.
         prompts: the greedy-agreement prompts.
         max_tokens: greedy tokens generated per prompt.
-        forced: mode -> ``ITERSERVE_QUANTIZED_MAX_ROWS`` while it is built (a kernel
-            forced at every batch size), instead of the crossover measured.
+        forced: ``--quantization`` -> ``ITERSERVE_QUANTIZED_MAX_ROWS`` while it is built (a
+            kernel forced at every batch size), instead of the crossover measured.
     """
+    from iterserve.bench.common import quantization_mode
     from iterserve.llm import LLM
 
     modes = ["none", *(m for m in modes if m != "none")]
@@ -142,8 +146,10 @@ def measure_quality(
     rows = []
     for mode in modes:
         num_blocks = 4096 // BLOCK_SIZE + len(prompts) * 8
-        env = {"ITERSERVE_QUANTIZED_MAX_ROWS": str(forced[mode])} if mode in forced else {}
-        with _environ(env), LLM(model=model, quantization=mode, num_kv_blocks=num_blocks) as llm:
+        weights, kv_cache_dtype = quantization_mode(mode)
+        env = {"ITERSERVE_QUANTIZED_MAX_ROWS": str(forced[weights])} if weights in forced else {}
+        settings = {"quantization": weights, "kv_cache_dtype": kv_cache_dtype}
+        with _environ(env), LLM(model=model, num_kv_blocks=num_blocks, **settings) as llm:
             runner = llm.loaded.driver
             if text_ids is None:
                 text_ids = llm.tokenizer(perplexity_text()).input_ids[:4096]

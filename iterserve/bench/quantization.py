@@ -1,5 +1,6 @@
-"""``iterserve bench quantization``: each ``--quantization`` mode against bfloat16 and against
-llama.cpp's ``llama-server`` on the same GGUF, side by side in one run.
+"""``iterserve bench quantization``: each mode (``--quantization``, optionally with
+``--kv-cache-dtype int8``: :func:`~iterserve.bench.common.quantization_mode`) against bfloat16
+and against llama.cpp's ``llama-server`` on the same GGUF, side by side in one run.
 
 1. Quality (:mod:`iterserve.bench.quality`): perplexity on the shipped text and greedy
    agreement with bfloat16, each quantized kernel forced at every batch size (the most a mode
@@ -31,7 +32,12 @@ from typing import Any
 
 import httpx
 
-from iterserve.bench.common import cpu_capabilities, output_dir, warn_if_loaded
+from iterserve.bench.common import (
+    cpu_capabilities,
+    output_dir,
+    quantization_mode,
+    warn_if_loaded,
+)
 from iterserve.bench.fidelity_real import (
     client_args,
     free_port,
@@ -103,7 +109,9 @@ def online_runs(
 
 
 def iterserve_online(mode: str, args: argparse.Namespace, out: Path) -> dict[int, dict[str, Any]]:
-    flags = ["--quantization", mode, "--max-num-seqs", str(max(args.concurrency))]
+    weights, kv_cache_dtype = quantization_mode(mode)
+    flags = ["--quantization", weights, "--kv-cache-dtype", kv_cache_dtype]
+    flags += ["--max-num-seqs", str(max(args.concurrency))]
     with real_server(0, flags, out / f"server-{mode}.log") as (url, _pid):
         return online_runs(url, warm_up(url), args.concurrency, args)
 
@@ -135,7 +143,9 @@ def offline_throughput(mode: str, args: argparse.Namespace) -> dict[str, float]:
     params = SamplingParams(
         temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True
     )
-    with LLM(quantization=mode, max_num_seqs=max(args.concurrency)) as llm:
+    weights, kv_cache_dtype = quantization_mode(mode)
+    settings = {"quantization": weights, "kv_cache_dtype": kv_cache_dtype}
+    with LLM(max_num_seqs=max(args.concurrency), **settings) as llm:
         llm.generate(texts[:2], SamplingParams(max_tokens=2))
         start = time.perf_counter()
         outs = llm.generate(texts, params)
@@ -192,12 +202,12 @@ def format_tables(results: dict[str, Any]) -> str:
         lines.append("quality (each quantized kernel at every batch size): perplexity, and greedy")
         lines.append("agreement with bf16: whole continuation equal | share before the first")
         lines.append("difference | first token equal")
-        lines.append(f"{'mode':6} {'perplexity':>10} {'whole':>6} {'share':>7} {'first':>6}")
+        lines.append(f"{'mode':9} {'perplexity':>10} {'whole':>6} {'share':>7} {'first':>6}")
         for q in results["quality"]:
             a = q["agreement"] or {"exact": 1.0, "prefix": 1.0, "first_token": 1.0}
             mode = "bf16" if q["mode"] == "none" else q["mode"]
             lines.append(
-                f"{mode:6} {q['perplexity']:10.3f} {a['exact']:6.2f} {a['prefix']:7.2f} "
+                f"{mode:9} {q['perplexity']:10.3f} {a['exact']:6.2f} {a['prefix']:7.2f} "
                 f"{a['first_token']:6.2f}"
             )
         lines.append("")
@@ -282,9 +292,11 @@ def main(args: argparse.Namespace) -> int:
         results["quality"] = quality_rows(args)
     results["online"] = {}
     for mode in ["none", *args.modes]:
-        print(f"iterserve --quantization {mode}", flush=True)
+        weights, kv_cache_dtype = quantization_mode(mode)
+        print(f"iterserve --quantization {weights} --kv-cache-dtype {kv_cache_dtype}", flush=True)
         results["online"][mode] = iterserve_online(mode, args, out)
-        if mode != "none" and (plan := logged_plan(out / f"server-{mode}.log")):
+        weights = quantization_mode(mode)[0]
+        if weights != "none" and (plan := logged_plan(out / f"server-{mode}.log")):
             results.setdefault("plans", {})[mode] = plan
     binary = find_llama_server(args.llama_server)
     if binary is not None:

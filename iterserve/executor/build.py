@@ -122,6 +122,12 @@ def build_shard(config: EngineConfig, model_dir: Path | str, tp: TPGroup = SINGL
     except ValueError as e:  # a backend this device or dtype cannot run: a setting's error
         raise ConfigError(str(e)) from e
     assert config.model.max_model_len is not None
+    if config.cache.kv_cache_dtype == "int8" and not platform.int8_kv_cache:
+        raise ConfigError(
+            f"kv_cache_dtype int8 runs on the cpu and torch attention backends, not "
+            f"{platform.name} (on CUDA or under TRITON_INTERPRET=1, pass --attention-backend "
+            f"torch or leave kv_cache_dtype auto)"
+        )
     quantization = config.model.quantization
     gguf = check_quantization(quantization, device, dtype, tp.size, config.model.model)
     model = load_model(

@@ -20,6 +20,7 @@ from iterserve.executor.memory import (
     kv_cache_budget,
     profile_memory,
 )
+from iterserve.kernels.kv_quant import cache_dtype
 from iterserve.models.llama import LlamaForCausalLM
 from iterserve.models.parallel import TPGroup
 
@@ -55,7 +56,7 @@ def num_kv_blocks_for(
         cache.block_size,
         num_kv_heads or hf_config.num_key_value_heads,
         head_dim,
-        dtype,
+        cache_dtype(cache.kv_cache_dtype, dtype),
     )
     if cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
@@ -88,7 +89,8 @@ def build_kv_cache(
     graphs: bool,
     tp: TPGroup,
 ) -> KVCache:
-    """Size and allocate rank ``tp.rank``'s KV cache of ``dtype`` on ``device`` for ``model``
+    """Size and allocate rank ``tp.rank``'s KV cache (``dtype``, the model's, or int8 by
+    ``--kv-cache-dtype``) on ``device`` for ``model``
     (its shard's KV heads) and its host swap pool of ``swap_space`` GiB. Both pools are the
     minimum over the ranks (a collective every rank joins), so block ids mean the same on
     every rank.
@@ -117,8 +119,9 @@ def build_kv_cache(
     )
     num_blocks = tp.all_reduce_min(num_blocks)
     num_layers, block_size = len(model.layers), config.cache.block_size
+    kv_dtype = cache_dtype(config.cache.kv_cache_dtype, dtype)
     per_block = KVCache.bytes_per_block(
-        num_layers, block_size, model.num_kv_heads, model.head_dim, dtype
+        num_layers, block_size, model.num_kv_heads, model.head_dim, kv_dtype
     )
     num_host = tp.all_reduce_min(num_host_blocks(config.cache, per_block))
     return KVCache(
@@ -127,7 +130,7 @@ def build_kv_cache(
         block_size,
         model.num_kv_heads,
         model.head_dim,
-        dtype,
+        kv_dtype,
         device,
         num_host,
     )

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from iterserve.kernels.kv_quant import dequantize_kv_rows
+
 # A decode joins a length group while its context is at most this factor times the group's
 # shortest (and the group's padding stays bounded by it), or within this many tokens.
 MAX_PAD_FACTOR = 2.0
@@ -111,7 +113,8 @@ def grouped_decode_attention(
     Args:
         q: [num_decodes, num_heads, head_dim].
         groups: :func:`plan_decode_groups` of these decodes.
-        key_cache, value_cache: [num_kv_heads, num_blocks, block_size, head_dim], q's dtype.
+        key_cache, value_cache: [num_kv_heads, num_blocks, block_size, head_dim], q's dtype,
+            or int8 rows with their scales (:mod:`~iterserve.kernels.kv_quant`).
         scale: multiplies q . k (usually head_dim ** -0.5).
 
     Returns:
@@ -138,8 +141,11 @@ def _attend(
     group = num_heads // num_kv_heads
     length = g.padded_len
     # [num_kv_heads * nd, padded_len, head_dim], contiguous after the gather.
-    ks = key_cache.index_select(1, g.blocks).view(-1, length, head_dim)
-    vs = value_cache.index_select(1, g.blocks).view(-1, length, head_dim)
+    ks = key_cache.index_select(1, g.blocks)
+    vs = value_cache.index_select(1, g.blocks)
+    if key_cache.dtype == torch.int8:  # rows with their scales (kernels/kv_quant.py)
+        ks, vs = dequantize_kv_rows(ks, q.dtype), dequantize_kv_rows(vs, q.dtype)
+    ks, vs = ks.view(-1, length, head_dim), vs.view(-1, length, head_dim)
     # Query heads of one KV head side by side: [num_kv_heads * nd, group, head_dim]
     qg = (q * scale).view(nd, num_kv_heads, group, head_dim).transpose(0, 1)
     scores = torch.bmm(qg.reshape(-1, group, head_dim), ks.transpose(1, 2))

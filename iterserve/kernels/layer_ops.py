@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from iterserve.kernels.cpu_build import load_cpu_kernels
+from iterserve.kernels.kv_quant import SCALE_BYTES, row_width
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -33,6 +34,10 @@ _ARGTYPES: dict[str, list[type]] = {
     # key, value, kv_stride, key_cache, value_cache, slot_mapping, num_tokens, num_kv_heads,
     # head_dim, num_slots, elem_size
     "reshape_and_cache": [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I],
+    # the same, the last argument whether key and value are bfloat16 (else float32)
+    "reshape_and_cache_int8": [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _N, _N],
+    # out, rows, num_rows, head_dim, whether out is bfloat16 (else float32), num_threads
+    "dequantize_kv_rows": [_P, _P, _I, _I, _N, _N],
     # out, x, num_rows, n, row_stride, num_threads
     "argmax_rows": [_P, _P, _I, _I, _I, _N],
 }
@@ -52,7 +57,8 @@ def _fn(name: str, dtype: torch.dtype | None) -> ctypes._CFuncPtr:  # type: igno
         raise ValueError(f"the CPU layer ops take float32 or bfloat16, got {dtype}")
     fn = getattr(lib, name if dtype is None else f"{name}_{_SUFFIX[dtype]}")
     fn.argtypes = _ARGTYPES[name]
-    fn.restype = ctypes.c_int64 if name in ("reshape_and_cache", "rotary_embedding") else None
+    returns_count = name in ("reshape_and_cache", "reshape_and_cache_int8", "rotary_embedding")
+    fn.restype = ctypes.c_int64 if returns_count else None
     return fn
 
 
@@ -201,7 +207,8 @@ def reshape_and_cache_cpu(
         key, value: [num_tokens, num_kv_heads, head_dim]; heads and dims contiguous, the
             same token stride (views into the fused qkv output are fine).
         key_cache, value_cache: [num_kv_heads, num_blocks, block_size, head_dim] contiguous,
-            key's dtype.
+            key's dtype; or int8 ``[..., head_dim + 4]``: each row quantized with its scale
+            (:func:`~iterserve.kernels.kv_quant.quantize_kv_rows`).
         slot_mapping: [num_tokens] int64 contiguous, ``block_id * block_size + offset``, each
             in ``[0, num_blocks * block_size)``; negative slots are skipped, and so are slots
             past the cache (then ValueError, after the other tokens are written).
@@ -212,27 +219,64 @@ def reshape_and_cache_cpu(
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     num_slots = key_cache.shape[1] * key_cache.shape[2]
+    quantized = key_cache.dtype == torch.int8
     if value.shape != key.shape or value.stride() != key.stride() or key.stride(1) != head_dim:
         raise ValueError("key and value need one shape, one stride and contiguous heads")
     if key.stride(2) != 1 or key.dtype != value.dtype:
         raise ValueError("key and value need a contiguous last dim and one dtype")
+    if quantized and (key.dtype not in (torch.float32, torch.bfloat16) or head_dim > 512):
+        raise ValueError("an int8 cache takes float32 or bfloat16 rows of at most 512 values")
+    width = row_width(head_dim, key_cache.dtype)
     for cache in (key_cache, value_cache):
-        if cache.shape != (num_kv_heads, key_cache.shape[1], key_cache.shape[2], head_dim):
+        if cache.shape != (num_kv_heads, key_cache.shape[1], key_cache.shape[2], width):
             raise ValueError(
                 f"cache shape {tuple(cache.shape)} does not fit key {tuple(key.shape)}"
             )
-        if not cache.is_contiguous() or cache.dtype != key.dtype or cache.device.type != "cpu":
-            raise ValueError("the caches must be contiguous CPU tensors of key's dtype")
+        if not cache.is_contiguous() or cache.device.type != "cpu":
+            raise ValueError("the caches must be contiguous CPU tensors")
+        if cache.dtype not in (key.dtype, torch.int8) or cache.dtype != key_cache.dtype:
+            raise ValueError("the caches must both be of key's dtype, or both int8")
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
         raise ValueError("slot_mapping must be int64 [num_tokens]")
     slot_mapping = slot_mapping.contiguous()
-    num_bad = _fn("reshape_and_cache", None)(
+    args = [
         key.data_ptr(), value.data_ptr(), key.stride(0), key_cache.data_ptr(),
         value_cache.data_ptr(), slot_mapping.data_ptr(), num_tokens, num_kv_heads, head_dim,
-        num_slots, key.element_size(),
-    )  # fmt: skip
+        num_slots,
+    ]  # fmt: skip
+    if quantized:
+        is_bf16 = int(key.dtype == torch.bfloat16)
+        num_bad = _fn("reshape_and_cache_int8", None)(*args, is_bf16, torch.get_num_threads())
+    else:
+        num_bad = _fn("reshape_and_cache", None)(*args, key.element_size())
     if num_bad:
         raise ValueError(f"{num_bad} slots outside the cache: slots must be < {num_slots}")
+
+
+def dequantize_kv_rows_cpu(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`~iterserve.kernels.kv_quant.dequantize_kv_rows` in one parallel pass.
+
+    Args:
+        rows: [..., head_dim + 4] int8, contiguous (an int8 cache's rows with their scales).
+        dtype: float32 or bfloat16, of the result.
+
+    Returns:
+        [..., head_dim] ``dtype``, contiguous.
+
+    Raises:
+        ValueError: on a dtype or layout the kernel does not take.
+    """
+    if rows.dtype != torch.int8 or not rows.is_contiguous() or rows.device.type != "cpu":
+        raise ValueError("rows must be a contiguous int8 CPU tensor")
+    if dtype not in _SUFFIX or rows.dim() == 0 or rows.shape[-1] <= SCALE_BYTES:
+        raise ValueError(f"rows [..., head_dim + {SCALE_BYTES}] to float32 or bfloat16 only")
+    head_dim = rows.shape[-1] - SCALE_BYTES
+    out = torch.empty((*rows.shape[:-1], head_dim), dtype=dtype)
+    _fn("dequantize_kv_rows", None)(
+        out.data_ptr(), rows.data_ptr(), out.numel() // max(head_dim, 1), head_dim,
+        int(dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor:

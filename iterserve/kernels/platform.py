@@ -37,8 +37,10 @@ from iterserve.kernels.grouped_decode_attention import (
     grouped_decode_attention,
     plan_decode_groups,
 )
+from iterserve.kernels.kv_quant import dequantize_kv_rows, quantize_kv_rows
 from iterserve.kernels.layer_ops import (
     argmax_rows_cpu,
+    dequantize_kv_rows_cpu,
     layer_ops_available,
     reshape_and_cache_cpu,
     rms_norm_cpu,
@@ -71,6 +73,8 @@ class Platform(ABC):
     """
 
     name: ClassVar[str]  # the ``--attention-backend`` value that selects it
+    # Whether write_kv and decode_attention take int8 caches (--kv-cache-dtype int8).
+    int8_kv_cache: ClassVar[bool] = True
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -125,7 +129,9 @@ class Platform(ABC):
         Args:
             key, value: [num_tokens, num_kv_heads, head_dim], heads and dims contiguous.
             key_cache, value_cache: [num_kv_heads, num_blocks, block_size, head_dim]
-                contiguous, key's dtype.
+                contiguous, key's dtype; or int8 rows with their scales (``head_dim + 4``,
+                :mod:`~iterserve.kernels.kv_quant`) on a platform with
+                :attr:`int8_kv_cache`.
             slot_mapping: [num_tokens] int64, ``block_id * block_size + offset``, each in
                 ``[0, num_blocks * block_size)``; negative (a padding row, skipped) only on a
                 platform with :meth:`static_decode_attention`.
@@ -153,12 +159,19 @@ class Platform(ABC):
 
         Returns:
             The function of one layer's q [num_decodes, num_heads, head_dim], key_cache and
-            value_cache ([num_kv_heads, num_blocks, block_size, head_dim], q's dtype) giving
+            value_cache ([num_kv_heads, num_blocks, block_size, head_dim], q's dtype, or
+            int8 rows as :meth:`write_kv` writes them) giving
             [num_decodes, num_heads, head_dim] in q's dtype (softmax in float32).
 
         Raises:
             ValueError: a table points outside the pool (where the op cannot check it later).
         """
+
+    def dequantize_kv(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An int8 cache's rows back to values (what a prefill chunk over cached context
+        reads): rows [..., head_dim + 4] int8 contiguous -> [..., head_dim] ``dtype``
+        (:func:`~iterserve.kernels.kv_quant.dequantize_kv_rows`)."""
+        return dequantize_kv_rows(rows, dtype)
 
     @abstractmethod
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
@@ -263,9 +276,11 @@ class TorchPlatform(Platform):
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        key_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = key.transpose(0, 1)
-        value_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = value.transpose(0, 1)
+        num_kv_heads, width = key_cache.shape[0], key_cache.shape[3]
+        if key_cache.dtype == torch.int8:  # rows with their scales (kernels/kv_quant.py)
+            key, value = quantize_kv_rows(key), quantize_kv_rows(value)
+        key_cache.view(num_kv_heads, -1, width)[:, slot_mapping] = key.transpose(0, 1)
+        value_cache.view(num_kv_heads, -1, width)[:, slot_mapping] = value.transpose(0, 1)
 
     def decode_attention(
         self,
@@ -347,6 +362,9 @@ class CpuKernelsPlatform(Platform):
 
         return attend
 
+    def dequantize_kv(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_kv_rows_cpu(rows, dtype)
+
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         return argmax_rows_cpu(logits)
 
@@ -361,6 +379,7 @@ class TritonPlatform(TorchPlatform):
     Triton is imported when an op is first prepared, never at import."""
 
     name: ClassVar[str] = "triton"
+    int8_kv_cache: ClassVar[bool] = False
 
     def write_kv(
         self,

@@ -10,6 +10,7 @@ from iterserve.engine.outputs import ScheduledRequest
 from iterserve.engine.sampling_params import SamplingParams
 from iterserve.executor.attention import KVCache, PagedAttention
 from iterserve.executor.model_runner import prepare_inputs
+from iterserve.kernels.kv_quant import dequantize_kv_rows, quantize_kv_rows
 from iterserve.kernels.paged_decode_attention import cpu_kernel_available
 from iterserve.kernels.platform import (
     CpuKernelsPlatform,
@@ -44,17 +45,36 @@ MIXED_DECODES = [(700, 1), (5, 1), (1500, 1), (300, 1), (40, 1), (12, 9)]
 PLATFORMS = [TorchPlatform(), CpuKernelsPlatform(pack_weights=False)]
 
 
+def stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """What a cache of ``cache_dtype`` holds for rows ``x``."""
+    return quantize_kv_rows(x) if cache_dtype == torch.int8 else x
+
+
+def read_back(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """What attention reads for rows ``x`` from a cache of ``cache_dtype``."""
+    return dequantize_kv_rows(stored(x, cache_dtype), x.dtype) if cache_dtype == torch.int8 else x
+
+
 @pytest.mark.parametrize("platform", PLATFORMS, ids=["torch", "cpu"])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("shapes", [SHAPES, MIXED_DECODES], ids=["small", "mixed-lengths"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8], ids=["f32", "int8"])
 def test_paged_attention_matches_dense(
-    platform: Platform, block_size: int, seed: int, shapes: list[tuple[int, int]]
+    platform: Platform,
+    block_size: int,
+    seed: int,
+    shapes: list[tuple[int, int]],
+    cache_dtype: torch.dtype,
 ) -> None:
+    """With an int8 cache (--kv-cache-dtype int8), what attention reads from the cache is the
+    rows quantized (every decode, a one-token prompt included, and a chunk over cached
+    context), while a fresh prefill attends over its own unquantized keys and values; the
+    slots hold the quantized rows."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in shapes) + 8
     kv = KVCache(
-        1, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu")
+        1, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, cache_dtype, torch.device("cpu")
     )
     free = torch.randperm(num_blocks, generator=gen).tolist()
     full_k, full_v, requests = [], [], []
@@ -64,8 +84,8 @@ def test_paged_attention_matches_dense(
         k = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=gen)
         v = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=gen)
         for p in range(num_computed):  # context already in the cache
-            kv.key[0][:, table[p // block_size], p % block_size] = k[p]
-            kv.value[0][:, table[p // block_size], p % block_size] = v[p]
+            kv.key[0][:, table[p // block_size], p % block_size] = stored(k[p], cache_dtype)
+            kv.value[0][:, table[p // block_size], p % block_size] = stored(v[p], cache_dtype)
         full_k.append(k)
         full_v.append(v)
         requests.append(
@@ -80,7 +100,10 @@ def test_paged_attention_matches_dense(
     starts = inputs.metadata.query_start_loc.tolist()
     for row, i in enumerate(order):
         s, e = starts[row], starts[row + 1]
-        ref = dense_reference(q[s:e], full_k[i], full_v[i], shapes[i][0])
+        k, v = full_k[i], full_v[i]
+        if shapes[i][0] or shapes[i][1] == 1:  # read from the cache (one token: a decode)
+            k, v = read_back(k, cache_dtype), read_back(v, cache_dtype)
+        ref = dense_reference(q[s:e], k, v, shapes[i][0])
         torch.testing.assert_close(out[s:e], ref, atol=1e-5, rtol=1e-5)
     # Every new token's KV landed in its slot.
     for i in order:
@@ -88,8 +111,8 @@ def test_paged_attention_matches_dense(
         table = requests[i].block_table
         for p in range(num_computed, num_computed + num_new):
             slot = (table[p // block_size], p % block_size)
-            assert torch.equal(kv.key[0][:, slot[0], slot[1]], full_k[i][p])
-            assert torch.equal(kv.value[0][:, slot[0], slot[1]], full_v[i][p])
+            assert torch.equal(kv.key[0][:, slot[0], slot[1]], stored(full_k[i][p], cache_dtype))
+            assert torch.equal(kv.value[0][:, slot[0], slot[1]], stored(full_v[i][p], cache_dtype))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors: Triton interpreted")
@@ -101,7 +124,7 @@ def test_triton_paged_attention_matches_dense(
     """The Triton platform runs the whole batch, prefill chunks and decodes, in its ragged kernel
     (under Triton's interpreter, set by tests/conftest.py; block sizes of 16 and more only); the
     long decodes of ``MIXED_DECODES`` take its split-KV path."""
-    test_paged_attention_matches_dense(TritonPlatform(), block_size, 0, shapes)
+    test_paged_attention_matches_dense(TritonPlatform(), block_size, 0, shapes, torch.float32)
 
 
 def test_swap_out_and_in_round_trips_blocks(device: torch.device) -> None:

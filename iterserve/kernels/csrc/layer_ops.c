@@ -138,6 +138,82 @@ int64_t reshape_and_cache(const char *key, const char *value, int64_t kv_stride,
     return num_bad;
 }
 
+/* reshape_and_cache into an int8 cache: each (token, KV head) row of head_dim values is stored
+ * as head_dim int8 values followed by its float32 scale (row_bytes = head_dim + 4): scale =
+ * max |x| / 127, q = round-half-even(x * (127 / max |x|)), as the torch reference
+ * quantize_kv_rows computes it (a zero row has scale 0 and zeros). key and value are float32
+ * or bfloat16 (is_bf16), rows kv_stride elements apart; tokens in parallel. Returns the count
+ * of slots past the cache. */
+static void quantize_row(int8_t *dst, const float *x, int64_t head_dim) {
+    float absmax = 0.0f;
+#pragma omp simd reduction(max : absmax)
+    for (int64_t d = 0; d < head_dim; d++) absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
+    const float scale = absmax / 127.0f, inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; d++) dst[d] = (int8_t)__builtin_rintf(x[d] * inv);
+    memcpy(dst + head_dim, &scale, sizeof(scale));
+}
+
+static void load_row(float *x, const char *src, int64_t head_dim, int is_bf16) {
+    if (is_bf16) {
+        const uint16_t *b = (const uint16_t *)src;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) x[d] = bf16_to_float(b[d]);
+    } else {
+        memcpy(x, src, (size_t)head_dim * sizeof(float));
+    }
+}
+
+int64_t reshape_and_cache_int8(const char *key, const char *value, int64_t kv_stride,
+                               int8_t *key_cache, int8_t *value_cache,
+                               const int64_t *slot_mapping, int64_t num_tokens,
+                               int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
+                               int is_bf16, int num_threads) {
+    const int64_t elem = is_bf16 ? 2 : 4, row_bytes = head_dim + 4;
+    int64_t num_bad = 0;
+#pragma omp parallel for num_threads(num_threads) if (num_tokens > 8) reduction(+ : num_bad)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        if (slot >= num_slots) {
+            num_bad++;
+            continue;
+        }
+        float x[512];
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t src = (t * kv_stride + h * head_dim) * elem;
+            const int64_t dst = (h * num_slots + slot) * row_bytes;
+            load_row(x, key + src, head_dim, is_bf16);
+            quantize_row(key_cache + dst, x, head_dim);
+            load_row(x, value + src, head_dim, is_bf16);
+            quantize_row(value_cache + dst, x, head_dim);
+        }
+    }
+    return num_bad;
+}
+
+/* quantize_row's rows back to values: out[r] = q[r] * scale[r], rows of head_dim int8 then
+ * the float32 scale (row_bytes apart), out float32 or bfloat16 (is_bf16) contiguous. */
+void dequantize_kv_rows(char *out, const int8_t *rows, int64_t num_rows, int64_t head_dim,
+                        int is_bf16, int num_threads) {
+    const int64_t row_bytes = head_dim + 4;
+#pragma omp parallel for num_threads(num_threads) if (num_rows > 64)
+    for (int64_t r = 0; r < num_rows; r++) {
+        const int8_t *q = rows + r * row_bytes;
+        float scale;
+        memcpy(&scale, q + head_dim, sizeof(scale));
+        if (is_bf16) {
+            uint16_t *o = (uint16_t *)out + r * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) o[d] = float_to_bf16((float)q[d] * scale);
+        } else {
+            float *o = (float *)out + r * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) o[d] = (float)q[d] * scale;
+        }
+    }
+}
+
 /* out[r] = the index of the largest of the n values of row r (rows row_stride apart): the
  * first one on ties, the first NaN if any (torch.argmax's rules). Greedy sampling reads the
  * logits in their own dtype: no float32 copy of [num_seqs, vocab]. Two vectorizable passes:

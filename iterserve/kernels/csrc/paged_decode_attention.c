@@ -41,6 +41,7 @@ typedef struct {
     int64_t q_seq_stride, block_table_stride, num_heads, num_kv_heads, head_dim, block_size;
     int64_t kv_head_stride, group, max_len;
     float scale;
+    int q_bf16; /* int8 caches: q and out are bfloat16, else float32 */
 } params_t;
 
 /* scratch per thread: scores [group, max_len], then q and accumulators [group, head_dim] and a
@@ -128,6 +129,64 @@ static inline void store_bf16(uint16_t *dst, const float *src, int64_t n, float 
 
 DEFINE_ITEM(item_f32, float, load_f32, store_f32)
 DEFINE_ITEM(item_bf16, uint16_t, load_bf16, store_bf16)
+
+/* An int8 cache row (reshape_and_cache_int8): head_dim int8 values, then their float32 scale. */
+static inline float row_scale(const int8_t *row, int64_t D) {
+    float scale;
+    memcpy(&scale, row + D, sizeof(scale));
+    return scale;
+}
+
+/* The portable work item over an int8 cache (q and out float32 or bfloat16, p->q_bf16):
+ * q . k on the int8 values, times the row's scale; p . v likewise. */
+static void item_int8(const params_t *p, float *scores, int64_t s, int64_t h) {
+    const int64_t D = p->head_dim, G = p->group, bs = p->block_size, R = D + 4;
+    const int64_t len = p->seq_lens[s];
+    const int64_t *table = p->block_tables + s * p->block_table_stride;
+    const int8_t *kh = (const int8_t *)p->key_cache + h * p->kv_head_stride;
+    const int8_t *vh = (const int8_t *)p->value_cache + h * p->kv_head_stride;
+    float *qf = scores + G * p->max_len, *acc = qf + G * D, *row = acc + G * D;
+    float inv_sum[MAX_GROUP];
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t at = s * p->q_seq_stride + (h * G + g) * D;
+        if (p->q_bf16)
+            load_bf16(qf + g * D, (const uint16_t *)p->q + at, D);
+        else
+            load_f32(qf + g * D, (const float *)p->q + at, D);
+    }
+    for (int64_t t = 0; t < len; t++) {
+        const int8_t *k = kh + (table[t / bs] * bs + t % bs) * R;
+        for (int64_t d = 0; d < D; d++) row[d] = (float)k[d];
+        const float ks = row_scale(k, D) * p->scale;
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qf + g * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; d++) dot += qg[d] * row[d];
+            scores[g * p->max_len + t] = dot * ks;
+        }
+    }
+    softmax_rows(scores, p, len, inv_sum);
+    memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    for (int64_t t = 0; t < len; t++) {
+        const int8_t *v = vh + (table[t / bs] * bs + t % bs) * R;
+        for (int64_t d = 0; d < D; d++) row[d] = (float)v[d];
+        const float vs = row_scale(v, D);
+        for (int64_t g = 0; g < G; g++) {
+            float *ag = acc + g * D;
+            const float w = scores[g * p->max_len + t] * vs;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) ag[d] += w * row[d];
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t at = (s * p->num_heads + h * G + g) * D;
+        if (p->q_bf16)
+            store_bf16((uint16_t *)p->out + at, acc + g * D, D, inv_sum[g]);
+        else
+            store_f32((float *)p->out + at, acc + g * D, D, inv_sum[g]);
+    }
+}
 
 #ifdef HAVE_AVX512_BF16
 /* exp_nonpositive on 16 lanes; vscalefps applies 2^n without building the exponent bits. */
@@ -310,6 +369,108 @@ SPECIALISE_GROUPS(8)
 static const item_fn AVX512_ITEMS[2][8] = {GROUPS(4), GROUPS(8)};
 #endif
 
+#ifdef HAVE_AVX512_BF16
+/* 16 int8 values as 16 float32 lanes. */
+static inline __m512 load_int8_ps(const int8_t *src) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+}
+
+/* int8 caches with AVX-512, group <= 8, NV = head_dim / 16 (4 or 8), block_size a power of two.
+ * Rows are converted to float32 once and used by every query head of the group:
+ *   q . k: the group's dot products per token into a [group][16] tile of vectors, then one
+ *     transposing sum (sum16) per head gives 16 scores, times the rows' scales.
+ *   p . v: each probability times its row's scale, then one FMA per 16 dims and head.
+ * A row is head_dim + 4 bytes: the cache reads half the bytes of bfloat16. */
+static inline __attribute__((always_inline)) void item_int8_avx512(
+    const params_t *p, float *scores, int64_t s, int64_t h, const int64_t G, const int64_t NV) {
+    const int64_t D = NV * 16, R = D + 4, bs = p->block_size;
+    const int64_t shift = __builtin_ctzll((uint64_t)bs);
+    const int64_t len = p->seq_lens[s], stride = p->max_len;
+    const int64_t *table = p->block_tables + s * p->block_table_stride;
+    const int8_t *kh = (const int8_t *)p->key_cache + h * p->kv_head_stride;
+    const int8_t *vh = (const int8_t *)p->value_cache + h * p->kv_head_stride;
+    float inv_sum[8];
+#define SLOT(t) (table[(t) >> shift] * bs + ((t) & (bs - 1)))
+#define PREFETCH(base, first, last)                                                            \
+    for (int64_t j = (first); j < (last) && j < len; j++)                                      \
+        for (int64_t c = 0; c < R; c += 64)                                                    \
+            _mm_prefetch((const char *)((base) + SLOT(j) * R) + c, _MM_HINT_T0);
+    PREFETCH(kh, 0, 32);
+    __m512 qv[8][8];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < NV; c++) {
+            const int64_t at = s * p->q_seq_stride + (h * G + g) * D + 16 * c;
+            qv[g][c] = p->q_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                       _mm256_loadu_si256((const __m256i *)((const uint16_t *)p->q + at))), 16))
+                                 : _mm512_loadu_ps((const float *)p->q + at);
+        }
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t n = len - t0 < 16 ? len - t0 : 16;
+        PREFETCH(kh, t0 + 32, t0 + 48);
+        __m512 dot[8][16];
+        float row_scales[16];
+        for (int64_t j = 0; j < 16; j++) {
+            const int8_t *r = kh + SLOT(t0 + (j < n ? j : 0)) * R;
+            row_scales[j] = row_scale(r, D);
+            __m512 k[8];
+            for (int64_t c = 0; c < NV; c++) k[c] = load_int8_ps(r + 16 * c);
+            for (int64_t g = 0; g < G; g++) {
+                __m512 d = _mm512_mul_ps(qv[g][0], k[0]);
+                for (int64_t c = 1; c < NV; c++) d = _mm512_fmadd_ps(qv[g][c], k[c], d);
+                dot[g][j] = d;
+            }
+        }
+        const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(row_scales), _mm512_set1_ps(p->scale));
+        for (int64_t g = 0; g < G; g++)
+            _mm512_mask_storeu_ps(scores + g * stride + t0, first_lanes(n),
+                                  _mm512_mul_ps(sum16(dot[g]), scale));
+    }
+    PREFETCH(vh, 0, 32);
+    softmax_rows_avx512(scores, p, len, inv_sum);
+    __m512 acc[8][8];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < NV; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        PREFETCH(vh, t + 32, t + 33);
+        const int8_t *r = vh + SLOT(t) * R;
+        const float vs = row_scale(r, D);
+        __m512 v[8];
+        for (int64_t c = 0; c < NV; c++) v[c] = load_int8_ps(r + 16 * c);
+        for (int64_t g = 0; g < G; g++) {
+            const __m512 w = _mm512_set1_ps(scores[g * stride + t] * vs);
+            for (int64_t c = 0; c < NV; c++) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+        }
+    }
+#undef SLOT
+#undef PREFETCH
+    for (int64_t g = 0; g < G; g++) {
+        float tmp[128];
+        for (int64_t c = 0; c < NV; c++) _mm512_storeu_ps(tmp + 16 * c, acc[g][c]);
+        const int64_t at = (s * p->num_heads + h * G + g) * D;
+        if (p->q_bf16)
+            store_bf16((uint16_t *)p->out + at, tmp, D, inv_sum[g]);
+        else
+            store_f32((float *)p->out + at, tmp, D, inv_sum[g]);
+    }
+}
+
+#define SPECIALISE_INT8(G, NV)                                                                 \
+    static void item_int8_avx512_##G##_##NV(const params_t *p, float *sc, int64_t s, int64_t h) { \
+        item_int8_avx512(p, sc, s, h, G, NV);                                                  \
+    }
+#define SPECIALISE_INT8_GROUPS(NV)                                                             \
+    SPECIALISE_INT8(1, NV) SPECIALISE_INT8(2, NV) SPECIALISE_INT8(3, NV)                       \
+    SPECIALISE_INT8(4, NV) SPECIALISE_INT8(5, NV) SPECIALISE_INT8(6, NV)                       \
+    SPECIALISE_INT8(7, NV) SPECIALISE_INT8(8, NV)
+SPECIALISE_INT8_GROUPS(4)
+SPECIALISE_INT8_GROUPS(8)
+#define INT8_GROUPS(NV)                                                                        \
+    {item_int8_avx512_1_##NV, item_int8_avx512_2_##NV, item_int8_avx512_3_##NV,               \
+     item_int8_avx512_4_##NV, item_int8_avx512_5_##NV, item_int8_avx512_6_##NV,               \
+     item_int8_avx512_7_##NV, item_int8_avx512_8_##NV}
+static const item_fn AVX512_INT8_ITEMS[2][8] = {INT8_GROUPS(4), INT8_GROUPS(8)};
+#endif
+
 static int run(params_t *p, item_fn item, int64_t num_seqs, int num_threads) {
     p->max_len = 0;
     for (int64_t s = 0; s < num_seqs; s++)
@@ -336,7 +497,7 @@ static int run(params_t *p, item_fn item, int64_t num_seqs, int num_threads) {
 #define PARAMS                                                                                 \
     {q, key_cache, value_cache, out, block_tables, seq_lens, q_seq_stride, block_table_stride, \
      num_heads, num_kv_heads, head_dim, block_size, num_blocks * block_size * head_dim,       \
-     num_heads / num_kv_heads, 0, scale}
+     num_heads / num_kv_heads, 0, scale, 0}
 
 /* Entry points. Return 0, or -1 when the scratch buffer could not be allocated; the launcher
  * guarantees num_heads / num_kv_heads <= MAX_GROUP. */
@@ -351,6 +512,20 @@ int paged_decode_attention_bf16(ENTRY_ARGS) {
 #ifdef HAVE_AVX512_BF16
     if ((head_dim == 64 || head_dim == 128) && p.group <= 8)
         item = AVX512_ITEMS[head_dim == 128][p.group - 1];
+#endif
+    return run(&p, item, num_seqs, num_threads);
+}
+
+/* q and out float32 or bfloat16 (q_bf16), the caches int8 rows of head_dim + 4 bytes
+ * (reshape_and_cache_int8). */
+int paged_decode_attention_int8(ENTRY_ARGS, int q_bf16) {
+    params_t p = PARAMS;
+    p.kv_head_stride = num_blocks * block_size * (head_dim + 4);
+    p.q_bf16 = q_bf16;
+    item_fn item = item_int8;
+#ifdef HAVE_AVX512_BF16
+    if ((head_dim == 64 || head_dim == 128) && p.group <= 8)
+        item = AVX512_INT8_ITEMS[head_dim == 128][p.group - 1];
 #endif
     return run(&p, item, num_seqs, num_threads);
 }
