@@ -263,9 +263,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-# ``--smoke``: int8 beside bf16 at one stream, two short requests, no llama.cpp (~2 minutes).
+# ``--smoke``: int8 weights with an int8 KV cache beside bf16 at one stream, two short
+# requests, no llama.cpp (~2 minutes).
 SMOKE = {
-    "modes": ["int8"],
+    "modes": ["int8+kv8"],
     "concurrency": [1],
     "min_requests": 2,
     "prompt_len": 32,

@@ -222,6 +222,7 @@ def server_args(spec: LLMDeploymentSpec, model_dir: str) -> list[str]:
         "--swap-space", f"{e.swapSpace:g}",
         "--enable-prefix-caching" if e.enablePrefixCaching else "--no-enable-prefix-caching",
         "--quantization", e.quantization,
+        "--kv-cache-dtype", e.kvCacheDtype,
         "--shutdown-grace-period-s", str(SERVER_GRACE_S),
         "--admin-port", str(ADMIN_PORT),
         "--admin-token-file", f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}",

@@ -67,6 +67,13 @@ OPERATOR_RULES: tuple[Rule, ...] = (
         message="{engine.quantization} runs on CPU pods only today: {resources.gpus} must be 0",
     ),
     Rule(
+        fields=("engine.kvCacheDtype", "resources.gpus"),
+        check=lambda kv_cache_dtype, gpus: kv_cache_dtype == "auto" or gpus == 0,
+        cel="{engine.kvCacheDtype} == 'auto' || {resources.gpus} == 0",
+        message="{engine.kvCacheDtype} int8 runs on CPU pods only today: {resources.gpus} must "
+        "be 0",
+    ),
+    Rule(
         fields=("slaTiers",),
         check=lambda tiers: len(tiers) > 0,
         cel="size({slaTiers}) > 0",

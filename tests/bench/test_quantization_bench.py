@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from iterserve.bench.common import quantization_mode
 from iterserve.bench.quantization import find_llama_server, format_tables, plot, prompts
 from iterserve.cli import build_parser
 
@@ -44,11 +45,11 @@ def _results() -> dict[str, Any]:
 def test_the_tables_give_each_engine_its_ratios(tmp_path: Path) -> None:
     text = format_tables(_results())
     assert text.startswith("CPU: Test; avx512_vnni")
-    assert "int8       21.000   0.50    0.75   0.90" in text
+    assert "int8          21.000   0.50    0.75   0.90" in text
     int8 = next(line for line in text.splitlines() if line.startswith("int8 ") and "c=1" in line)
     assert "c=32:  350.0 (1.75x, 5.00x)" in int8 and "c=1:   45.0 (1.50x, 1.12x)" in int8
     assert "int8         320.0 (1.88x)" in text
-    assert "bf16       20.000   1.00" in text  # bf16 by that name in every table
+    assert "bf16          20.000   1.00" in text  # bf16 by that name in every table
     assert "plan of the int8 server: int8: int8 at every batch size" in text
     # read back from the JSON (concurrencies as strings) the same table comes out
     again = json.loads(json.dumps(_results()))
@@ -63,8 +64,20 @@ def test_prompts_are_distinct_and_about_the_asked_length() -> None:
     assert prompts(16, 64, seed=3) == texts and find_llama_server("none") is None
 
 
+def test_a_mode_names_the_weights_and_the_kv_cache() -> None:
+    assert quantization_mode("int8") == ("int8", "auto")
+    assert quantization_mode("kv8") == ("none", "int8")
+    assert quantization_mode("q4+kv8") == quantization_mode("kv8+q4") == ("q4", "int8")
+    for bad in ("int8+q4", "kv8+kv8", "int4", ""):
+        with pytest.raises(ValueError, match="a mode is"):
+            quantization_mode(bad)
+    args = build_parser().parse_args(["bench", "quantization", "--modes", "kv8,int8+kv8"])
+    assert args.modes == ["kv8", "int8+kv8"]
+
+
 @pytest.mark.parametrize(
-    "flags", [["--modes", "fp8"], ["--concurrency", "0"], ["--concurrency", "x"]]
+    "flags",
+    [["--modes", "fp8"], ["--modes", "int8+q4"], ["--concurrency", "0"], ["--concurrency", "x"]],
 )
 def test_bad_flags_are_refused(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -91,7 +104,7 @@ def test_smoke_is_a_tiny_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     flags = ["bench", "quantization", "--smoke", "--output-dir", str(tmp_path)]
     args = build_parser().parse_args(flags)
     assert args.func(args) == 0
-    assert [mode for mode, _ in seen] == ["q", "none", "int8"]
+    assert [mode for mode, _ in seen] == ["q", "none", "int8+kv8"]
     for _, used in seen:
         assert (used.concurrency, used.prompt_len, used.output_len) == ([1], 32, 8)
         assert (used.quality_prompts, used.llama_server) == (2, "none")

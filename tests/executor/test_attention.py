@@ -127,12 +127,15 @@ def test_triton_paged_attention_matches_dense(
     test_paged_attention_matches_dense(TritonPlatform(), block_size, 0, shapes, torch.float32)
 
 
-def test_swap_out_and_in_round_trips_blocks(device: torch.device) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8], ids=["f32", "int8"])
+def test_swap_out_and_in_round_trips_blocks(device: torch.device, cache_dtype: torch.dtype) -> None:
+    """int8 rows carry their scales in their last bytes: swapped with them."""
     gen = torch.Generator().manual_seed(3)
-    kv = KVCache(2, 8, 4, NUM_KV_HEADS, HEAD_DIM, torch.float32, device, num_host_blocks=4)
+    kv = KVCache(2, 8, 4, NUM_KV_HEADS, HEAD_DIM, cache_dtype, device, num_host_blocks=4)
     for layer in range(2):
-        kv.key[layer].copy_(torch.randn(kv.key[layer].shape, generator=gen))
-        kv.value[layer].copy_(torch.randn(kv.value[layer].shape, generator=gen))
+        for cache in (kv.key[layer], kv.value[layer]):
+            rows = torch.randn((*cache.shape[:3], HEAD_DIM), generator=gen)
+            cache.copy_(stored(rows, cache_dtype))
     saved = [(kv.key[i][:, [5, 2]].clone(), kv.value[i][:, [5, 2]].clone()) for i in range(2)]
     kv.swap_out([(5, 3), (2, 0)])  # device block -> host block
     for layer in range(2):  # the device blocks are reused by someone else meanwhile

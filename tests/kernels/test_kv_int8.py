@@ -79,7 +79,7 @@ def test_the_c_write_quantizes_exactly_as_the_reference(dtype: torch.dtype, head
     assert not key_cache[:, slot // block_size, slot % block_size].any()
     with pytest.raises(ValueError, match="slots must be"):
         reshape_and_cache_cpu(key, value, key_cache, value_cache, torch.tensor([0, 1, 2, 3, 24]))
-    plain = torch.zeros(shape[:3] + (head_dim,), dtype=dtype)
+    plain = torch.zeros((*shape[:3], head_dim), dtype=dtype)
     with pytest.raises(ValueError, match="both int8"):
         reshape_and_cache_cpu(key, value, plain, value_cache[..., :head_dim].contiguous(), slots)
     with pytest.raises(ValueError, match="does not fit"):

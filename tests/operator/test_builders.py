@@ -183,6 +183,7 @@ def test_server_container_args_of_the_example() -> None:
         "--swap-space", "4",
         "--enable-prefix-caching",
         "--quantization", "none",
+        "--kv-cache-dtype", "auto",
         "--shutdown-grace-period-s", "30",
         "--admin-port", "8001",
         "--admin-token-file", "/var/run/secrets/iterserve.io/admin/token",
@@ -214,6 +215,7 @@ def test_every_engine_flag_and_extra_args_in_order() -> None:
         "--swap-space", "0.5",
         "--no-enable-prefix-caching",
         "--quantization", "none",
+        "--kv-cache-dtype", "auto",
         "--shutdown-grace-period-s", "30",
         "--admin-port", "8001",
         "--admin-token-file", "/var/run/secrets/iterserve.io/admin/token",
@@ -234,6 +236,7 @@ def test_server_args_parse_as_iterserve_serve_flags(document: dict[str, Any]) ->
     assert args.tensor_parallel_size == spec.tensor_parallel_size
     assert args.dtype == spec.engine.dtype
     assert args.quantization == spec.engine.quantization
+    assert args.kv_cache_dtype == spec.engine.kvCacheDtype
     assert args.block_size == spec.engine.blockSize
     assert args.gpu_memory_utilization == spec.engine.gpuMemoryUtilization
     assert args.swap_space == spec.engine.swapSpace

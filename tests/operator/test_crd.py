@@ -421,6 +421,8 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
       "model.source.image or model.source.uri"]),
     ("quantization-on-gpus", {"engine.quantization": "int8"},
      ["engine.quantization runs on CPU pods only today: resources.gpus must be 0"]),
+    ("int8-kv-cache-on-gpus", {"engine.kvCacheDtype": "int8"},
+     ["engine.kvCacheDtype int8 runs on CPU pods only today: resources.gpus must be 0"]),
     ("quantization-in-float32",
      {"engine.quantization": "q4", "engine.dtype": "float32", "resources.gpus": 0},
      ["engine.quantization computes in bfloat16: engine.dtype must be auto or bfloat16"]),
@@ -430,6 +432,7 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     # Allowed near misses.
     ("tp-on-cpu", {"resources.gpus": 0, "tensorParallelSize": 3}, []),
     ("quantization-on-cpu", {"engine.quantization": "int8", "resources.gpus": 0}, []),
+    ("int8-kv-cache-on-cpu", {"engine.kvCacheDtype": "int8", "resources.gpus": 0}, []),
     ("tp-default", {"tensorParallelSize": DELETE, "resources.gpus": 3}, []),
     ("tp-null", {"tensorParallelSize": None}, []),
     ("swap-with-space", {"scheduler.preemptionMode": "swap", "engine.swapSpace": 0.5}, []),
