@@ -62,11 +62,13 @@ def test_a_link_to_a_gguf_is_its_file(
     assert resolve_model_dir(str(link)) == loaded_f32.model_dir
 
 
-@pytest.mark.model
 def test_concurrent_starts_convert_once(tmp_path: Path) -> None:
-    """Two processes converting into an empty cache at once: one directory, nothing half-written."""
+    """Two processes converting into an empty cache at once: one directory, nothing half-written
+    (a tiny GGUF: the lock and the rename are what is tested, not the model's size)."""
+    gguf = _complete_gguf(tmp_path / "tiny.gguf", tokenizer=True)
     code = (
-        "from iterserve.models.loader import resolve_model_dir; print(resolve_model_dir('default'))"
+        "from iterserve.models.loader import resolve_model_dir; "
+        f"print(resolve_model_dir({str(gguf)!r}))"
     )
     env = {**os.environ, "ITERSERVE_CACHE_DIR": str(tmp_path)}
     procs = [
@@ -173,15 +175,25 @@ def test_a_gguf_it_cannot_serve_is_refused_from_its_header(
     assert not (tmp_path / "cache" / "models").exists()  # nothing converted, nothing cached
 
 
-def _complete_gguf(path: Path, leave_out: str = "") -> Path:
-    """A whole two-layer Llama GGUF (width 16, zeros), less the tensor ``leave_out``."""
+def _complete_gguf(path: Path, leave_out: str = "", tokenizer: bool = False) -> Path:
+    """A whole two-layer Llama GGUF (width 16, zeros), less the tensor ``leave_out``; with
+    ``tokenizer``, a byte-pair tokenizer of 4 tokens too, so that transformers converts it (in
+    seconds, where the default model takes half a minute)."""
     import gguf
 
-    width, ffn, vocab = 16, 32, 2
+    width, ffn = 16, 32
     writer = gguf.GGUFWriter(str(path), arch="llama")
     for key, value in LLAMA_KEYS.items():
         writer.add_uint32(key, value)
-    writer.add_token_list(["a", "b"])
+    tokens = ["a", "b", "ab", "<eos>"] if tokenizer else ["a", "b"]
+    writer.add_token_list(tokens)
+    if tokenizer:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_merges(["a b"])
+        writer.add_token_types([1, 1, 1, 3])
+        writer.add_token_scores([0.0] * len(tokens))
+        writer.add_eos_token_id(len(tokens) - 1)
+    vocab = len(tokens)
     shapes = {"token_embd.weight": (vocab, width), "output_norm.weight": (width,)}
     for i in range(LLAMA_KEYS["llama.block_count"]):
         for name in ("attn_norm", "ffn_norm"):
