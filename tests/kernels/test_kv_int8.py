@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_cases import random_decode_case
 
 from iterserve.kernels.grouped_decode_attention import (
     grouped_decode_attention,
@@ -106,18 +107,11 @@ def _decode_case(
     head_dim: int,
     block_size: int,
 ) -> tuple[torch.Tensor, ...]:
-    width = max(-(-n // block_size) for n in seq_lens) + 1
-    num_blocks = len(seq_lens) * width + 3
-    shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    # Rows of different ranges, as real keys have (outlier tokens).
-    spread = torch.logspace(-1, 1, block_size)[None, None, :, None]
-    key_cache = quantize_kv_rows(torch.randn(shape, generator=gen) * spread)
-    value_cache = quantize_kv_rows(torch.randn(shape, generator=gen))
-    perm = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width]
-    block_tables = perm.view(len(seq_lens), width).contiguous()
-    qkv = torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
-    q = qkv.to(dtype)[:, : num_heads * head_dim].view(len(seq_lens), num_heads, head_dim)
-    return q, key_cache, value_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int64)
+    """A decode case over int8 caches, keys of very different magnitudes (outlier tokens)."""
+    q, key_cache, value_cache, tables, lens = random_decode_case(
+        gen, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, spread=10.0
+    )
+    return q, quantize_kv_rows(key_cache), quantize_kv_rows(value_cache), tables, lens
 
 
 @DTYPES

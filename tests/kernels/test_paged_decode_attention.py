@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_cases import random_decode_case
 
 from iterserve.kernels.paged_decode_attention import (
     check_block_tables,
@@ -25,18 +26,10 @@ def random_case(
     head_dim: int,
     block_size: int,
 ) -> tuple[torch.Tensor, ...]:
-    width = max(-(-n // block_size) for n in seq_lens) + 1  # tables wider than needed
-    num_blocks = len(seq_lens) * width + 3
-    shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    key_cache = torch.randn(shape, generator=gen).to(dtype)
-    value_cache = torch.randn(shape, generator=gen).to(dtype)
-    # Blocks scattered over the pool, each sequence's distinct (as the block manager gives).
-    perm = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width]
-    block_tables = perm.view(len(seq_lens), width).contiguous()
-    # q as a strided view into a fused qkv output, as the model passes it.
-    qkv = torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
-    q = qkv.to(dtype)[:, : num_heads * head_dim].view(len(seq_lens), num_heads, head_dim)
-    return q, key_cache, value_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int64)
+    q, key_cache, value_cache, tables, lens = random_decode_case(
+        gen, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size
+    )
+    return q, key_cache.to(dtype), value_cache.to(dtype), tables, lens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
