@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from iterserve.kernels.kv_quant import quantize_kv_rows
+
 
 def random_decode_case(
     gen: torch.Generator,
@@ -14,10 +16,12 @@ def random_decode_case(
     num_kv_heads: int,
     head_dim: int,
     block_size: int,
+    cache_dtype: torch.dtype | None = None,
     spread: float = 1.0,
 ) -> tuple[torch.Tensor, ...]:
     """(q, key_cache, value_cache, block_tables, seq_lens): caches [num_kv_heads, num_blocks,
-    block_size, head_dim] float32 (cast them as needed), blocks scattered over the pool, each
+    block_size, head_dim] in ``cache_dtype`` (default q's; int8: rows quantized with their
+    scales, ``head_dim + 4``), blocks scattered over the pool, each
     sequence's distinct (as the block manager gives), tables wider than needed; q [num_seqs,
     num_heads, head_dim] in ``dtype``, a strided view into a fused qkv output, as the model
     passes it. ``spread``: the keys' rows range over [1 / spread, spread] times their scale
@@ -32,4 +36,11 @@ def random_decode_case(
     block_tables = perm.view(len(seq_lens), width).contiguous()
     qkv = torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
     q = qkv.to(dtype)[:, : num_heads * head_dim].view(len(seq_lens), num_heads, head_dim)
+    if cache_dtype == torch.int8:
+        key_cache, value_cache = quantize_kv_rows(key_cache), quantize_kv_rows(value_cache)
+    else:
+        key_cache, value_cache = (
+            key_cache.to(cache_dtype or dtype),
+            value_cache.to(cache_dtype or dtype),
+        )
     return q, key_cache, value_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int64)

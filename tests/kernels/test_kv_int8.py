@@ -98,22 +98,6 @@ def test_the_c_dequantize_equals_the_reference(dtype: torch.dtype) -> None:
         dequantize_kv_rows_cpu(rows[:, ::2], dtype)
 
 
-def _decode_case(
-    gen: torch.Generator,
-    dtype: torch.dtype,
-    seq_lens: list[int],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-) -> tuple[torch.Tensor, ...]:
-    """A decode case over int8 caches, keys of very different magnitudes (outlier tokens)."""
-    q, key_cache, value_cache, tables, lens = random_decode_case(
-        gen, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, spread=10.0
-    )
-    return q, quantize_kv_rows(key_cache), quantize_kv_rows(value_cache), tables, lens
-
-
 @DTYPES
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
@@ -127,8 +111,8 @@ def test_the_c_decode_kernel_on_int8_caches_matches_the_reference(
 ) -> None:
     gen = torch.Generator().manual_seed(num_heads * 100 + head_dim + block_size)
     seq_lens = [1, 2, block_size + 1, 37, 300, 5]
-    q, kc, vc, bt, lens = _decode_case(
-        gen, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size
+    q, kc, vc, bt, lens = random_decode_case(
+        gen, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.int8, spread=10.0
     )
     scale = head_dim**-0.5
     ref = paged_decode_attention_reference(q, kc, vc, bt, lens, scale)
@@ -160,7 +144,7 @@ def test_int8_attention_stays_close_to_attention_over_the_unquantized_rows() -> 
 
 def test_the_launcher_rejects_int8_caches_it_cannot_read() -> None:
     gen = torch.Generator().manual_seed(0)
-    q, kc, vc, bt, lens = _decode_case(gen, torch.float32, [5, 9], 9, 3, 64, 16)
+    q, kc, vc, bt, lens = random_decode_case(gen, torch.float32, [5, 9], 9, 3, 64, 16, torch.int8)
     out = torch.empty(q.shape)
     with pytest.raises(ValueError, match="cache shapes"):
         paged_decode_attention_cpu(out, q, kc[..., :64], vc[..., :64], bt, lens, 1.0)

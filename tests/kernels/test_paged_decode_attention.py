@@ -17,21 +17,6 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
 
 
-def random_case(
-    gen: torch.Generator,
-    dtype: torch.dtype,
-    seq_lens: list[int],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-) -> tuple[torch.Tensor, ...]:
-    q, key_cache, value_cache, tables, lens = random_decode_case(
-        gen, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size
-    )
-    return q, key_cache.to(dtype), value_cache.to(dtype), tables, lens
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
@@ -45,7 +30,7 @@ def test_kernel_matches_reference(
 ) -> None:
     gen = torch.Generator().manual_seed(num_heads * 1000 + head_dim + block_size)
     seq_lens = [1, 2, block_size, block_size + 1, 37, 300, 5]
-    q, kc, vc, bt, lens = random_case(
+    q, kc, vc, bt, lens = random_decode_case(
         gen, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size
     )
     scale = head_dim**-0.5
@@ -58,7 +43,7 @@ def test_kernel_matches_reference(
 def test_kernel_with_extreme_scores_stays_finite() -> None:
     """Large logits (one key dominating) and tiny ones: softmax must neither overflow nor NaN."""
     gen = torch.Generator().manual_seed(7)
-    q, kc, vc, bt, lens = random_case(gen, torch.bfloat16, [50, 700], 9, 3, 64, 16)
+    q, kc, vc, bt, lens = random_decode_case(gen, torch.bfloat16, [50, 700], 9, 3, 64, 16)
     q = q * 60.0
     ref = paged_decode_attention_reference(q, kc, vc, bt, lens, 1.0)
     out = paged_decode_attention_cpu(torch.empty_like(ref), q, kc, vc, bt, lens, 1.0)
@@ -77,7 +62,7 @@ def test_empty_batch_returns_out_untouched() -> None:
 
 def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
     gen = torch.Generator().manual_seed(0)
-    q, kc, vc, bt, lens = random_case(gen, torch.float32, [5, 9], 9, 3, 64, 16)
+    q, kc, vc, bt, lens = random_decode_case(gen, torch.float32, [5, 9], 9, 3, 64, 16)
     out = torch.empty(q.shape)
     with pytest.raises(ValueError, match="one dtype"):
         paged_decode_attention_cpu(out, q, kc.bfloat16(), vc, bt, lens, 1.0)
