@@ -121,7 +121,10 @@ class KVCache:
         self.bytes_per_token = self.bytes_per_block(num_layers, 1, num_kv_heads, head_dim, dtype)
         if device.type == "cpu":
             pool = huge_page_zeros((2 * num_layers, *shape), dtype)
-            self.key, self.value = list(pool[:num_layers]), list(pool[num_layers:])
+            # One view per layer by indexing (unbind's views could not be written in place
+            # outside no_grad: "the output of a function that returns multiple views").
+            self.key = [pool[i] for i in range(num_layers)]
+            self.value = [pool[num_layers + i] for i in range(num_layers)]
         else:
             self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
