@@ -77,11 +77,13 @@ def run_server(
     port: int | None = None,
     command: str = "serve",
     host: str = "127.0.0.1",
+    own_group: bool = False,
 ) -> Iterator[Server]:
     """``iterserve COMMAND --host HOST --port <port or a free one> *flags`` (``serve`` or
     ``router``), ready; stopped on exit. A server publishes KV events when ``flags`` give a
     ``--kv-events-port`` (its ``kv_events_port``; servers on other loopback hosts,
-    127.0.0.2..., can share one port)."""
+    127.0.0.2..., can share one port). ``own_group``: in a process group (session) of its own,
+    which a test may signal as a terminal's Ctrl-C does (``os.killpg``)."""
     port = port or free_port()
     log = Path(tempfile.mkstemp(prefix="iterserve-server-", suffix=".log")[1])
     cmd = [*ITERSERVE, command, "--host", host]
@@ -90,7 +92,13 @@ def run_server(
     if "--kv-events-port" in flags:
         kv_events_port = int(flags[flags.index("--kv-events-port") + 1]) or None
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ),
+            start_new_session=own_group,
+        )
     server = Server(proc, f"http://{host}:{port}", log, kv_events_port)
     try:
         deadline = time.monotonic() + startup_timeout_s

@@ -80,6 +80,16 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def leave_stop_signals_to_parent() -> None:
+    """Ignore SIGINT and SIGTERM in this child process. A terminal's Ctrl-C (and a stop sent to
+    the whole process group, as systemd's default does) reaches every process of the group: the
+    engine died of its KeyboardInterrupt while the server began to drain, and every running
+    stream failed. The parent owns the stop: it drains, then shuts this process down over the
+    pipe, or kills it (SIGKILL); it dying still ends this one (:func:`die_with_parent`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def describe_exit(exitcode: int | None) -> str:
     """``"killed by SIGKILL"``, ``"exit code 1"``: a process's end for a log line."""
     if exitcode is not None and exitcode < 0:
@@ -102,6 +112,7 @@ def _engine_main(
     ``kv_events`` when given); it dies with ``parent_pid``."""
     if parent_pid is not None:
         die_with_parent(parent_pid)
+        leave_stop_signals_to_parent()
     # A spawned child starts with no logging set up: log as the server does (start-up notes
     # such as the one-time kernel build, warnings such as a fallback to plain torch).
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)

@@ -25,12 +25,17 @@ logger = logging.getLogger(__name__)
 def worker_main(fd: int) -> int:
     """A worker process: read its :class:`WorkerSetup`, build its shard, then run each
     :class:`StepMessage` until shutdown or the socket's EOF; the exit code."""
-    from iterserve.engine.process_engine import LOG_FORMAT, die_with_parent
+    from iterserve.engine.process_engine import (
+        LOG_FORMAT,
+        die_with_parent,
+        leave_stop_signals_to_parent,
+    )
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     conn = Connection(fd)
     setup: WorkerSetup = pickle.loads(conn.recv_bytes())
     die_with_parent(setup.parent_pid)
+    leave_stop_signals_to_parent()  # the driver stops it (a shutdown message, or SIGKILL)
     tp = init_group(setup.rank, setup.size, setup.init_method)
     runner = build_shard(setup.config, setup.model_dir, tp).runner
     decoder = StepDecoder()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from typing import Any
@@ -115,9 +116,14 @@ async def _stream(http: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[int
 
 
 @pytest.mark.model
-def test_sigterm_drains_running_streams_then_exits_zero() -> None:
+def test_ctrl_c_drains_running_streams_then_exits_zero() -> None:
+    """Ctrl-C: SIGINT to the whole process group, the engine process included (which ignores
+    it: it died of a KeyboardInterrupt and every stream failed). The server drains as on
+    SIGTERM (the same handler; SIGTERM to the server alone: the tensor-parallel server's
+    test)."""
     with run_server(
-        "--dtype", "bfloat16", "--num-kv-blocks", "128", "--shutdown-grace-period-s", "120"
+        "--dtype", "bfloat16", "--num-kv-blocks", "128", "--shutdown-grace-period-s", "120",
+        own_group=True,
     ) as server:  # fmt: skip
 
         async def main() -> tuple[list[Any], Any, Any, Any]:
@@ -127,7 +133,7 @@ def test_sigterm_drains_running_streams_then_exits_zero() -> None:
                 while (await http.get("/load")).json()["num_running"] < 4:
                     assert time.monotonic() < deadline, "4 streams never ran at once"
                     await asyncio.sleep(0.02)
-                server.proc.send_signal(signal.SIGTERM)
+                os.killpg(server.proc.pid, signal.SIGINT)
                 deadline = time.monotonic() + 30
                 while (ready := await http.get("/ready")).status_code == 200:
                     assert time.monotonic() < deadline, "/ready never turned 503"
@@ -155,3 +161,4 @@ def test_sigterm_drains_running_streams_then_exits_zero() -> None:
         assert len(generations) == 5 and {a["status"] for a in generations} == {200, 503}
         assert all(a["request_id"] and "duration_ms" in a for a in generations)
         assert "weather" not in log
+        assert "KeyboardInterrupt" not in log and "engine process died" not in log
