@@ -153,7 +153,8 @@ class CacheConfig:
         metadata={
             "help": "auto: the model's dtype; int8: each cached key and value row as int8 "
             "with its scale (about half the bytes of bfloat16: decode attention reads less, "
-            "the pool holds twice the tokens); CPU ops only (docs/engine.md)"
+            "the same memory holds 1.9x the tokens); the cpu and torch attention backends "
+            "(docs/engine.md)"
         },
     )
 

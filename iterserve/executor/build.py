@@ -175,8 +175,8 @@ def build(config: EngineConfig, fail_fast: bool = False) -> LoadedModel:
         shard, runner = _build_tensor_parallel(config, model_dir, fail_fast)
     tokenizer = load_tokenizer(model_dir)
     logger.info(
-        "model %s on %s in %s, %s ops, tensor parallel %d; %d KV blocks of %d tokens, "
-        "%d host blocks",
+        "model %s on %s in %s, %s ops, tensor parallel %d; %d KV blocks of %d tokens "
+        "(KV cache dtype %s), %d host blocks",
         model_dir,
         runner.device,
         config.model.dtype,
@@ -184,6 +184,7 @@ def build(config: EngineConfig, fail_fast: bool = False) -> LoadedModel:
         size,
         shard.num_kv_blocks,
         config.cache.block_size,
+        config.cache.kv_cache_dtype,
         shard.num_host_blocks,
     )
     return LoadedModel(

@@ -264,7 +264,7 @@ class EngineSpec(_Model):
         "auto",
         description="KV cache of CPU pods: auto (the serving dtype) or int8 (each cached key "
         "and value row as int8 with its scale: about half the bytes, so decode attention "
-        "reads less and the pool holds twice the tokens, at a small cost in quality, "
+        "reads less and the same memory holds 1.9x the tokens, at a small cost in quality, "
         "docs/engine.md). int8 needs CPU pods (resources.gpus 0). Default auto.",
     )
 
