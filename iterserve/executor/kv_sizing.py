@@ -99,7 +99,7 @@ def build_kv_cache(
         graphs: decode CUDA graphs will be captured (their memory is reserved).
 
     Raises:
-        ConfigError: the budget holds no block.
+        ConfigError: the budget holds no block, or the pool cannot be allocated.
     """
     assert config.model.max_model_len is not None, "resolve max_model_len first"
     profile: Callable[[], tuple[MemoryProfile, int]] | None = None
@@ -124,13 +124,19 @@ def build_kv_cache(
         num_layers, block_size, model.num_kv_heads, model.head_dim, kv_dtype
     )
     num_host = tp.all_reduce_min(num_host_blocks(config.cache, per_block))
-    return KVCache(
-        num_layers,
-        num_blocks,
-        block_size,
-        model.num_kv_heads,
-        model.head_dim,
-        kv_dtype,
-        device,
-        num_host,
-    )
+    try:
+        return KVCache(
+            num_layers,
+            num_blocks,
+            block_size,
+            model.num_kv_heads,
+            model.head_dim,
+            kv_dtype,
+            device,
+            num_host,
+        )
+    except OSError as e:  # the CPU pool's mmap: ENOMEM
+        raise ConfigError(
+            f"the KV pool of {num_blocks} blocks ({num_blocks * per_block} bytes) cannot be "
+            f"allocated ({e.strerror or e}): lower --kv-cache-memory or --num-kv-blocks"
+        ) from e

@@ -45,7 +45,9 @@ def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
     absmax = xf.abs().amax(dim=-1, keepdim=True)  # [..., 1]
     # A true division (``127.0 / tensor`` would multiply by the reciprocal: another rounding).
     inverse = torch.where(absmax > 0, absmax.new_tensor(127.0) / absmax, torch.zeros_like(absmax))
-    q = (xf * inverse).round().to(torch.int8)
+    # A NaN in the row makes its scale NaN (it reads back NaN); a NaN product stores 0, one
+    # past +-127 (the inverse of a denormal row's maximum overflows) stores +-127.
+    q = (xf * inverse).nan_to_num(nan=0.0).clamp(-127, 127).round().to(torch.int8)
     return torch.cat((q, (absmax / 127.0).view(torch.int8)), dim=-1)
 
 
@@ -60,5 +62,5 @@ def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         [..., head_dim] ``dtype``: each value times its row's scale (in float32).
     """
     head_dim = rows.shape[-1] - SCALE_BYTES
-    scale = rows[..., head_dim:].contiguous().view(torch.float32)  # [..., 1]
+    scale = rows[..., head_dim:].clone().view(torch.float32)  # [..., 1]; own, aligned storage
     return (rows[..., :head_dim].float() * scale).to(dtype)

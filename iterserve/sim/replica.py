@@ -184,6 +184,14 @@ def build_simulated_engine(
             profile.name,
             profile.model.dtype,
         )
+    if config.cache.kv_cache_dtype != "auto":
+        logger.warning(
+            "kv_cache_dtype %s ignored: the profile %r's KV pool holds %d bytes per token "
+            "(calibrate a profile on a replica serving with it)",
+            config.cache.kv_cache_dtype,
+            profile.name,
+            profile.kv_cache.kv_bytes_per_token,
+        )
     if tokenizer is None:
         model = config.model.model
         try:

@@ -58,6 +58,9 @@ def _kv_case(
     key = kv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
     value = kv[:, num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
     key[1] = 0.0  # a zero row
+    value[1, 0, 3] = float("nan")  # a NaN: the row's scale is NaN
+    value[1, 1, 5] = float("inf")  # an inf: the others read back 0 (inf * 0), it NaN
+    value[1, 2] = 1e-40  # denormals: 127 / max overflows to inf
     return key, value
 
 
@@ -105,7 +108,7 @@ def test_the_c_dequantize_equals_the_reference(dtype: torch.dtype) -> None:
     # 80 (the portable path).
     [(9, 3, 64), (8, 2, 128), (16, 2, 64), (9, 1, 64), (4, 2, 80)],
 )
-@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("block_size", [1, 12, 16])  # 12: not a power of two (portable C)
 def test_the_c_decode_kernel_on_int8_caches_matches_the_reference(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> None:

@@ -14,6 +14,7 @@ SCRIPT = r"""
 import torch
 from iterserve.kernels import layer_ops as ops
 from iterserve.kernels import quantized_linear as quant
+from iterserve.kernels.kv_quant import quantize_kv_rows
 from iterserve.kernels.paged_decode_attention import (
     paged_decode_attention_cpu, paged_decode_attention_reference)
 
@@ -30,9 +31,11 @@ for dtype in (torch.bfloat16, torch.float32):
             tables = torch.randperm(num_blocks, generator=gen).view(len(lens), width)
             seq_lens = torch.tensor(lens)
             q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
-            out = paged_decode_attention_cpu(torch.empty_like(q), q, kc, vc, tables, seq_lens, 0.1)
-            ref = paged_decode_attention_reference(q, kc, vc, tables, seq_lens, 0.1)
-            torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+            for caches in ((kc, vc), (quantize_kv_rows(kc), quantize_kv_rows(vc))):
+                out = torch.empty_like(q)
+                paged_decode_attention_cpu(out, q, *caches, tables, seq_lens, 0.1)
+                ref = paged_decode_attention_reference(q, *caches, tables, seq_lens, 0.1)
+                torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     for num_tokens in (1, 3, 17):
         x = torch.randn(num_tokens, 576, generator=gen).to(dtype)
         residual = torch.randn(num_tokens, 576, generator=gen).to(dtype)
@@ -45,6 +48,9 @@ for dtype in (torch.bfloat16, torch.float32):
         v = qkv[:, 768:].view(num_tokens, 3, 64)
         cache = torch.zeros(3, 4, 8, 64, dtype=dtype)
         ops.reshape_and_cache_cpu(k, v, cache, cache.clone(), torch.arange(num_tokens) * 2 - 1)
+        rows = torch.zeros(3, 4, 8, 68, dtype=torch.int8)  # int8 rows and their scales
+        ops.reshape_and_cache_cpu(k, v, rows, rows.clone(), torch.arange(num_tokens) * 2 - 1)
+        ops.dequantize_kv_rows_cpu(rows[: num_tokens % 3 + 1], dtype)
         logits = torch.randn(num_tokens, 2, 1001, generator=gen).to(dtype)[:, 1]
         assert ops.argmax_rows_cpu(logits).tolist() == logits.argmax(-1).tolist()
 for num_tokens in (1, 3, 40, 200):  # 200 x 576: past the fused norm's threading threshold

@@ -146,11 +146,21 @@ int64_t reshape_and_cache(const char *key, const char *value, int64_t kv_stride,
  * of slots past the cache. */
 static void quantize_row(int8_t *dst, const float *x, int64_t head_dim) {
     float absmax = 0.0f;
-#pragma omp simd reduction(max : absmax)
-    for (int64_t d = 0; d < head_dim; d++) absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
+    int nan = 0;
+#pragma omp simd reduction(max : absmax) reduction(| : nan)
+    for (int64_t d = 0; d < head_dim; d++) {
+        absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
+        nan |= x[d] != x[d];
+    }
+    if (nan) absmax = NAN; /* as torch's amax: the scale is NaN, the row reads back NaN */
     const float scale = absmax / 127.0f, inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+    /* NaN (a NaN value, or inf * 0 in a row holding inf): 0; past +-127 (inv overflowing for
+     * a denormal row): +-127. As the reference's nan_to_num and clamp. */
 #pragma omp simd
-    for (int64_t d = 0; d < head_dim; d++) dst[d] = (int8_t)__builtin_rintf(x[d] * inv);
+    for (int64_t d = 0; d < head_dim; d++) {
+        const float v = x[d] * inv, c = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
+        dst[d] = v == v ? (int8_t)__builtin_rintf(c) : 0;
+    }
     memcpy(dst + head_dim, &scale, sizeof(scale));
 }
 

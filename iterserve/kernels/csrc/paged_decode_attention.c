@@ -488,6 +488,9 @@ static int run(params_t *p, item_fn item, int64_t num_seqs, int num_threads) {
     return 0;
 }
 
+/* The AVX-512 items find a token's block by shift and mask: other block sizes run portable C. */
+#define POWER_OF_TWO(n) ((n) > 0 && ((n) & ((n) - 1)) == 0)
+
 #define ENTRY_ARGS                                                                             \
     void *out, const void *q, int64_t q_seq_stride, const void *key_cache,                     \
         const void *value_cache, const int64_t *block_tables, int64_t block_table_stride,      \
@@ -510,7 +513,7 @@ int paged_decode_attention_bf16(ENTRY_ARGS) {
     params_t p = PARAMS;
     item_fn item = item_bf16;
 #ifdef HAVE_AVX512_BF16
-    if ((head_dim == 64 || head_dim == 128) && p.group <= 8)
+    if ((head_dim == 64 || head_dim == 128) && p.group <= 8 && POWER_OF_TWO(block_size))
         item = AVX512_ITEMS[head_dim == 128][p.group - 1];
 #endif
     return run(&p, item, num_seqs, num_threads);
@@ -524,7 +527,7 @@ int paged_decode_attention_int8(ENTRY_ARGS, int q_bf16) {
     p.q_bf16 = q_bf16;
     item_fn item = item_int8;
 #ifdef HAVE_AVX512_BF16
-    if ((head_dim == 64 || head_dim == 128) && p.group <= 8)
+    if ((head_dim == 64 || head_dim == 128) && p.group <= 8 && POWER_OF_TWO(block_size))
         item = AVX512_INT8_ITEMS[head_dim == 128][p.group - 1];
 #endif
     return run(&p, item, num_seqs, num_threads);
