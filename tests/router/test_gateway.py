@@ -342,18 +342,20 @@ def test_the_reference_original_dst_configuration_from_the_cli(setup: Setup) -> 
 
 
 def _report_busy(pool: Any, url: str) -> None:
-    """Make ``url``'s replica look busy to the picker from now on: its report says so, and
-    its polls stop (one due soon, as when the other replica's first poll failed on a loaded
-    machine and came an interval late, would replace the report with the real, idle one)."""
+    """Make ``url``'s replica look busy to the picker from now on: its report reads busy and
+    fresh, and no poll can replace it. (Stopping its polls was not enough: one already in
+    flight, such as the loop's first beside the start-up poll on a loaded machine, landed
+    after this and put the real, idle report back.)"""
     state = pool.backends[url].state
-    state.report = dataclasses.replace(state.report, kv_cache_usage=0.9, received_at=pool.clock())
-    poll = pool.poll
+    busy = dataclasses.replace(state.report, kv_cache_usage=0.9)
 
-    async def others_only(b: Any) -> None:
-        if b.url != url:
-            await poll(b)
+    class Busy(type(state)):  # type: ignore[misc]
+        report = property(
+            lambda self: dataclasses.replace(busy, received_at=pool.clock()),
+            lambda self, value: None,  # a poll's report: dropped
+        )
 
-    pool.poll = others_only
+    state.__class__ = Busy
 
 
 def test_a_killed_replica_is_skipped_through_the_fallback_list(setup: Setup) -> None:
