@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 SCALE_BYTES = 4  # the float32 scale after each row's int8 values
-KV_CACHE_DTYPES = ("auto", "int8")  # --kv-cache-dtype: auto = the model's dtype
 
 
 def cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
